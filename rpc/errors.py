@@ -1,0 +1,106 @@
+"""Errors of the JSON-RPC layer and the stable error codes of every dedloc JSON-RPC API.
+
+The codes are part of the public API: programs in other languages switch on them, so a code is
+never reused for another meaning. Standard JSON-RPC 2.0 codes are negative; application codes are
+in the 1000-1999 range and documented in the OpenRPC document (`rpc.discover`).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any
+
+
+class ErrorCode(IntEnum):
+    """Every error code a dedloc JSON-RPC server may answer with."""
+
+    PARSE_ERROR = -32700
+    INVALID_REQUEST = -32600
+    METHOD_NOT_FOUND = -32601
+    INVALID_PARAMS = -32602
+    INTERNAL_ERROR = -32603
+
+    SHUTTING_DOWN = 1000
+    UNKNOWN_WORKLOAD = 1001
+    INVALID_WORKLOAD_CONFIG = 1002
+    RUN_EXISTS = 1003
+    UNKNOWN_RUN = 1004
+    WORKER_FAILED = 1005
+    RUN_NOT_ACTIVE = 1006
+    PLUGIN_ERROR = 1007
+    BUFFER_ERROR = 1008
+    WORKLOAD_ERROR = 1009
+    CHECKPOINT_ERROR = 1010
+
+
+ERROR_DESCRIPTIONS: dict[ErrorCode, str] = {
+    ErrorCode.PARSE_ERROR: "The request is not valid JSON.",
+    ErrorCode.INVALID_REQUEST: "The JSON is not a JSON-RPC 2.0 request object, or it is too large.",
+    ErrorCode.METHOD_NOT_FOUND: "No method of that name; `rpc.discover` lists them all.",
+    ErrorCode.INVALID_PARAMS: "A parameter is missing, unknown or of the wrong type; "
+    "`data.param` names it and `data.reason` says what is wrong.",
+    ErrorCode.INTERNAL_ERROR: "A bug on the server side; the server logged it and keeps serving.",
+    ErrorCode.SHUTTING_DOWN: "The server is shutting down and takes no new work.",
+    ErrorCode.UNKNOWN_WORKLOAD: "No installed workload has that name; `workloads.list` lists them.",
+    ErrorCode.INVALID_WORKLOAD_CONFIG: "The workload config has an unknown key or a wrong value; "
+    "`data.key` names it.",
+    ErrorCode.RUN_EXISTS: "A run of that name is already active; stop it first or pick another name.",
+    ErrorCode.UNKNOWN_RUN: "No run of that name; `run.status` lists the runs.",
+    ErrorCode.WORKER_FAILED: "The worker process failed to start or died; `data` holds its exit "
+    "code and last log lines.",
+    ErrorCode.RUN_NOT_ACTIVE: "The run is not in a state that allows this call.",
+    ErrorCode.PLUGIN_ERROR: "A workload plugin failed to load; `data.plugin` names it.",
+    ErrorCode.BUFFER_ERROR: "A shared-memory buffer is missing or has the wrong size or dtype.",
+    ErrorCode.WORKLOAD_ERROR: "The workload's own code raised an error; `data` holds its message.",
+    ErrorCode.CHECKPOINT_ERROR: "A checkpoint could not be written or read.",
+}
+
+
+class RpcError(Exception):
+    """Root of the errors of the `rpc` layer."""
+
+
+class RpcCallError(RpcError):
+    """An error answer: raised by a method to answer the caller, received by a client.
+
+    `code` is an `ErrorCode` (or any int from a foreign server), `data` any JSON value.
+    """
+
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.data = data
+
+    def __str__(self) -> str:
+        text = f"{self.message} (code {self.code})"
+        if self.data is not None:
+            text += f": {self.data}"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"code": int(self.code), "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return error
+
+
+class InvalidParams(RpcCallError):
+    """A parameter was wrong; the caller's fault."""
+
+    def __init__(self, param: str | None, reason: str) -> None:
+        super().__init__(ErrorCode.INVALID_PARAMS, "Invalid params", {"param": param, "reason": reason})
+        self.param = param
+        self.reason = reason
+
+
+class RpcConnectionError(RpcError):
+    """The server could not be reached, or the connection broke."""
+
+
+class RpcTimeoutError(RpcError):
+    """The server did not answer before the deadline."""
+
+
+class RpcProtocolError(RpcError):
+    """The peer sent something that is not JSON-RPC 2.0."""
