@@ -21,6 +21,8 @@ from .registry import MethodRegistry, error_response
 
 log = structlog.get_logger(__name__)
 
+_MAX_UNIX_PATH = 107  # sun_path is 108 bytes with its terminating NUL
+
 
 class SocketInUseError(OSError):
     """Another live server already answers on the socket path."""
@@ -57,6 +59,9 @@ class JsonRpcServer:
         return dict(self.registry.counters)
 
     async def start(self) -> None:
+        if len(os.fsencode(self.path)) > _MAX_UNIX_PATH:
+            raise OSError(f"socket path {self.path} is longer than the {_MAX_UNIX_PATH} bytes unix "
+                          "sockets allow; choose a shorter directory")
         await _remove_stale_socket(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         old_umask = os.umask(0o777 & ~self.mode)

@@ -1,0 +1,163 @@
+"""The control API: the JSON-RPC methods that the CLI and programs in any language call.
+
+Every method is documented here once; `rpc.discover` publishes the same text and schemas.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Annotated, Any, TypedDict
+
+from dedloc import __version__
+from dedloc.rpc import ErrorCode, InvalidParams, MethodRegistry, rpc_method
+
+from .collab.runs import RUN_NAME
+from .errors import (
+    RunExistsError,
+    RunNotActiveError,
+    ShuttingDownError,
+    UnknownRunError,
+    WorkerError,
+)
+
+if TYPE_CHECKING:
+    from .node import Node
+
+ERROR_MAP = {
+    ShuttingDownError: ErrorCode.SHUTTING_DOWN,
+    RunExistsError: ErrorCode.RUN_EXISTS,
+    UnknownRunError: ErrorCode.UNKNOWN_RUN,
+    RunNotActiveError: ErrorCode.RUN_NOT_ACTIVE,
+    WorkerError: ErrorCode.WORKER_FAILED,
+}
+
+
+class Addresses(TypedDict):
+    control: Annotated[str, "The control socket, as unix:PATH."]
+    p2p: Annotated[list[str], "Addresses other peers can dial (multiaddr style)."]
+
+
+class NodeInfo(TypedDict):
+    peer_id: Annotated[str, "This peer's id, derived from its Ed25519 identity key."]
+    version: str
+    pid: int
+    started_at: Annotated[float, "Unix time the daemon started."]
+    uptime_seconds: float
+    state_dir: str
+    addresses: Addresses
+    runs: Annotated[dict[str, int], "Number of runs in each state."]
+    counters: Annotated[dict[str, int], "Requests served and errors answered, by kind."]
+
+
+class ShutdownAnswer(TypedDict):
+    stopping: bool
+
+
+class WorkloadList(TypedDict):
+    workloads: Annotated[list[dict[str, Any]], "name, description, version, plugin, config_schema"]
+    errors: Annotated[list[dict[str, Any]], "Plugins that failed to load: plugin, error."]
+
+
+RunStatus = Annotated[dict[str, Any], "A run's state: name, workload, state, epoch, samples, "
+                      "accumulated, target_batch_size, loss_first, loss, epoch_losses, "
+                      "samples_per_second, error, worker {state, pid, exit_code, last_log_lines}."]
+
+
+def build_registry(node: Node) -> MethodRegistry:
+    registry = MethodRegistry(
+        "dedlocd control API", __version__,
+        "Control a dedloc peer daemon: node, workloads and runs. JSON-RPC 2.0, one message per line.",
+        error_map=ERROR_MAP)
+    registry.register_object(ControlApi(node))
+    return registry
+
+
+class ControlApi:
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    @rpc_method("node.info")
+    async def node_info(self) -> NodeInfo:
+        """This node: peer id, version, uptime, addresses, runs and request counters."""
+        node = self._node
+        return {
+            "peer_id": node.identity.peer_id,
+            "version": __version__,
+            "pid": os.getpid(),
+            "started_at": node.started_at,
+            "uptime_seconds": round(time.time() - node.started_at, 3),
+            "state_dir": str(node.config.state_dir()),
+            "addresses": {"control": f"unix:{node.socket_path}", "p2p": []},
+            "runs": node.runs.counts(),
+            "counters": node.counters(),
+        }
+
+    @rpc_method("node.shutdown")
+    async def node_shutdown(self) -> ShutdownAnswer:
+        """Stop the daemon: runs are checkpointed, workers stopped, then the process exits 0."""
+        self._node.request_shutdown("node.shutdown")
+        return {"stopping": True}
+
+    @rpc_method("workloads.list", errors=(ErrorCode.WORKER_FAILED,))
+    async def workloads_list(
+        self, refresh: Annotated[bool, "Ask the worker program again instead of the cache."] = False,
+    ) -> WorkloadList:
+        """The installed workloads with their description and config schema."""
+        listing = await self._node.workloads.get(refresh=refresh)
+        return {"workloads": listing["workloads"], "errors": listing.get("errors", [])}
+
+    @rpc_method("run.start", errors=(ErrorCode.UNKNOWN_WORKLOAD, ErrorCode.INVALID_WORKLOAD_CONFIG,
+                                     ErrorCode.RUN_EXISTS, ErrorCode.WORKER_FAILED,
+                                     ErrorCode.PLUGIN_ERROR, ErrorCode.SHUTTING_DOWN))
+    async def run_start(
+        self,
+        workload: Annotated[str, "Name of an installed workload (workloads.list)."],
+        config: Annotated[dict[str, Any], "Workload config; omitted keys take their defaults."] = {},  # noqa: B006
+        name: Annotated[str | None, "Run name; default: the workload's name."] = None,
+        target_batch_size: Annotated[int, "Samples per optimizer step (one epoch).",
+                                     {"minimum": 1}] = 256,
+        epochs: Annotated[int | None, "Stop after this many epochs; null: until run.stop.",
+                          {"minimum": 1}] = None,
+        checkpoint_every: Annotated[int, "Checkpoint every N epochs (0: only on stop).",
+                                    {"minimum": 0}] = 10,
+        device: Annotated[str | None, 'Device for the worker ("auto", "cpu", "cuda:N"); '
+                          "default: workers.device."] = None,
+    ) -> RunStatus:
+        """Start training a workload locally in a new worker; answers once the worker has loaded it.
+
+        A run of the same name that stopped resumes from its checkpoint if its workload, config
+        and target batch size are the same.
+        """
+        if name is not None and not RUN_NAME.match(name):
+            raise InvalidParams("name", "1-64 letters, digits, '_', '.' or '-', starting with a "
+                                        "letter or digit")
+        return await self._node.runs.start(workload, dict(config), name, target_batch_size, epochs,
+                                           checkpoint_every, device)
+
+    @rpc_method("run.status", errors=(ErrorCode.UNKNOWN_RUN,))
+    async def run_status(
+        self, name: Annotated[str | None, "A run's name; null: every run."] = None,
+    ) -> Annotated[list[RunStatus], "One entry per run."]:
+        """Progress of the runs: epoch, samples, loss, throughput, and the worker's state."""
+        if name is None:
+            return self._node.runs.statuses()
+        return [self._node.runs.get(name).status()]
+
+    @rpc_method("run.stop", errors=(ErrorCode.UNKNOWN_RUN,))
+    async def run_stop(
+        self, name: Annotated[str | None, "The run's name; may be omitted when there is one run."] = None,
+    ) -> RunStatus:
+        """Stop a run: finish the current step, checkpoint, stop its worker."""
+        return await self._node.runs.stop(name)
+
+    @rpc_method("run.restart", errors=(ErrorCode.UNKNOWN_RUN, ErrorCode.RUN_NOT_ACTIVE,
+                                       ErrorCode.WORKER_FAILED, ErrorCode.SHUTTING_DOWN))
+    async def run_restart(
+        self, name: Annotated[str | None, "The run's name; may be omitted when there is one run."] = None,
+    ) -> RunStatus:
+        """Restart a stopped, crashed or failed run with a new worker, from its last checkpoint."""
+        return await self._node.runs.restart(name)
+
+
+__all__ = ["ControlApi", "build_registry"]

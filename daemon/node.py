@@ -1,0 +1,97 @@
+"""The daemon process: start-up, serving, and its one shutdown path.
+
+SIGTERM, SIGINT and the RPC `node.shutdown` all set the same event; the node then tells systemd
+it is stopping, stops every run (checkpointing it and stopping its worker), closes the control
+socket and returns. A failure during start-up is logged with its reason and raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import structlog
+
+from dedloc.rpc import JsonRpcServer
+
+from .api import build_registry
+from .collab.runs import RunRegistry
+from .config import Config
+from .identity import Identity
+from .sdnotify import SystemdNotifier
+from .workers.catalog import WorkloadListing
+
+log = structlog.get_logger(__name__)
+
+STATUS_INTERVAL = 5.0
+
+
+class Node:
+    def __init__(self, config: Config, notifier: SystemdNotifier | None = None) -> None:
+        self.config = config
+        self.notifier = notifier or SystemdNotifier()
+        self.started_at = time.time()
+        self.socket_path: Path = config.socket_path()
+        self.identity = Identity.load_or_create(config.state_dir())
+        self.runs = RunRegistry(config, self.identity.peer_id)
+        self.workloads = WorkloadListing(config.worker_command(),
+                                         cache_seconds=config.workers.list_cache_seconds,
+                                         timeout=config.workers.start_timeout)
+        self.registry = build_registry(self)
+        self._server = JsonRpcServer(
+            self.registry, self.socket_path, mode=config.rpc.socket_mode,
+            max_request_bytes=config.rpc.max_request_bytes,
+            max_connections=config.rpc.max_connections, idle_timeout=config.rpc.idle_timeout)
+        self._shutdown: asyncio.Event | None = None
+        self._shutdown_reason: str | None = None
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.registry.counters)
+
+    def request_shutdown(self, reason: str) -> None:
+        if self._shutdown is None:
+            return
+        if self._shutdown.is_set():
+            log.info("shutdown_already_requested", reason=reason)
+            return
+        self._shutdown_reason = reason
+        self._shutdown.set()
+
+    async def run(self) -> None:
+        """Serve until shutdown is requested; return after a clean stop."""
+        self._shutdown = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_shutdown, sig.name)
+        try:
+            await self._server.start()
+            log.info("dedlocd_ready", peer_id=self.identity.peer_id, socket=str(self.socket_path))
+            self.notifier.notify("READY=1", f"STATUS=serving on {self.socket_path}")
+            async with asyncio.TaskGroup() as tasks:
+                background = [tasks.create_task(self.notifier.ping_watchdog(), name="watchdog"),
+                              tasks.create_task(self._report_status(), name="status")]
+                await self._shutdown.wait()
+                log.info("dedlocd_stopping", reason=self._shutdown_reason)
+                self.notifier.notify("STOPPING=1", f"STATUS=stopping ({self._shutdown_reason})")
+                await self.runs.close()
+                for task in background:
+                    task.cancel()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            await self._server.close()
+            self.notifier.close()
+        log.info("dedlocd_stopped")
+
+    async def _report_status(self) -> None:
+        """Keep systemd's STATUS= line current (what `systemctl status dedlocd` shows)."""
+        while True:
+            await asyncio.sleep(STATUS_INTERVAL)
+            parts = []
+            for status in self.runs.statuses():
+                loss = status["loss"]
+                parts.append(f"{status['name']}: {status['state']}, epoch {status['epoch']}"
+                             + (f", loss {loss:.4f}" if loss is not None else ""))
+            self.notifier.notify("STATUS=" + ("; ".join(parts) or f"idle, serving on {self.socket_path}"))
