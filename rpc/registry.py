@@ -9,6 +9,7 @@ error that is logged, never a crash.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -152,28 +153,35 @@ class MethodRegistry:
         except orjson.JSONDecodeError as exc:
             self.counters["error.parse"] += 1
             return error_response(ErrorCode.PARSE_ERROR, "Parse error", str(exc))
-        if isinstance(parsed, list) and not parsed:
+        if not isinstance(parsed, list):
+            answer = await self._dispatch_one(parsed)
+        elif not parsed:
             self.counters["error.invalid_request"] += 1
             return error_response(ErrorCode.INVALID_REQUEST, "Invalid request", "empty batch")
-        answer = await dispatch_to_serializable(request, self._callables, deserializer=_reuse(parsed))
-        self._count(parsed, answer)
+        else:
+            # Each element on its own, so one bad element does not spoil the others' answers.
+            answers = await asyncio.gather(*(self._dispatch_one(item) for item in parsed))
+            answer = [a for a in answers if a is not None] or None
         return None if answer is None else orjson.dumps(answer)
 
+    async def _dispatch_one(self, request: Any) -> Any:
+        answer = await dispatch_to_serializable(request, self._callables, deserializer=_identity)
+        self._count(request, answer)
+        return answer
+
     def _count(self, request: Any, answer: Any) -> None:
-        items = request if isinstance(request, list) else [request]
-        self.counters["requests"] += len(items)
-        for response in answer if isinstance(answer, list) else [answer] if answer else []:
-            error = response.get("error") if isinstance(response, dict) else None
-            if error:
-                try:
-                    name = ErrorCode(error["code"]).name.lower()
-                except ValueError:
-                    name = str(error["code"])
-                self.counters[f"error.{name}"] += 1
+        self.counters["requests"] += 1
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if error:
+            try:
+                name = ErrorCode(error["code"]).name.lower()
+            except ValueError:
+                name = str(error["code"])
+            self.counters[f"error.{name}"] += 1
 
 
-def _reuse(parsed: Any) -> Callable[[Any], Any]:
-    return lambda _request: parsed
+def _identity(request: Any) -> Any:
+    return request
 
 
 def error_response(code: ErrorCode, message: str, data: Any = None) -> bytes:

@@ -145,8 +145,8 @@ class Signature:
 
 
 def _culprit(error: jsonschema.ValidationError) -> str | None:
-    if error.path:
-        return str(error.path[0])
+    if error.absolute_path:
+        return str(error.absolute_path[0])
     if error.validator == "required":
         return _first_quoted(error.message)
     if error.validator == "additionalProperties":
@@ -159,7 +159,7 @@ def _reason(error: jsonschema.ValidationError) -> str:
         return "unknown parameter"
     if error.validator == "required":
         return "missing required parameter"
-    where = "".join(f"[{p!r}]" for p in list(error.path)[1:])
+    where = "".join(f"[{p!r}]" for p in list(error.absolute_path)[1:])
     return f"{where}: {error.message}" if where else error.message
 
 

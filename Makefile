@@ -1,0 +1,38 @@
+# dedloc: two set-up commands on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip --disable-pip-version-check
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml tests/example_plugin/pyproject.toml | sha256sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint venv system-deps clean
+
+# The virtual environment with dedloc (editable), the worker's torch (pinned: pip takes it from
+# this machine's disk), the test tools and the example third-party plugin the tests load.
+$(STAMP): pyproject.toml tests/example_plugin/pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[worker,test]'
+	$(PIP) install -q --force-reinstall --no-deps ./tests/example_plugin
+	@rm -f $(VENV)/.installed-* && touch $@
+
+venv: $(STAMP)
+
+# What the tests need from the system: systemd-analyze to check the service unit.
+system-deps:
+	@command -v systemd-analyze >/dev/null || { apt-get update -q && apt-get install -y -q systemd; }
+
+demo: venv
+	$(PY) -m dedloc.cli.demo
+
+test: venv system-deps
+	$(PIP) install -q --force-reinstall --no-deps ./tests/example_plugin
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info tests/example_plugin/build

@@ -1,0 +1,60 @@
+"""Human-readable text for the CLI's answers (the --json flag prints them raw instead)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BAR_WIDTH = 30
+
+
+def progress_bar(done: float, total: float, width: int = BAR_WIDTH) -> str:
+    fraction = 0.0 if total <= 0 else min(1.0, max(0.0, done / total))
+    filled = round(fraction * width)
+    return "[" + "#" * filled + "." * (width - filled) + f"] {fraction * 100:5.1f}%"
+
+
+def render_info(info: dict[str, Any]) -> str:
+    runs = ", ".join(f"{n} {state}" for state, n in info.get("runs", {}).items()) or "none"
+    p2p = ", ".join(info["addresses"].get("p2p", [])) or "none yet"
+    return (f"peer id   {info['peer_id']}\n"
+            f"version   {info['version']} (pid {info['pid']}, up {info['uptime_seconds']:.0f} s)\n"
+            f"control   {info['addresses']['control']}\n"
+            f"p2p       {p2p}\n"
+            f"state dir {info['state_dir']}\n"
+            f"runs      {runs}\n")
+
+
+def render_workloads(listing: dict[str, Any]) -> str:
+    lines = []
+    for workload in listing.get("workloads", []):
+        lines.append(f"{workload['name']}  ({workload.get('plugin', '?')}, version "
+                     f"{workload.get('version', '?')})\n  {workload.get('description', '')}\n")
+        for key, schema in workload.get("config_schema", {}).get("properties", {}).items():
+            lines.append(f"    {key} = {schema.get('default')!r}  {schema.get('description', '')}\n")
+    for error in listing.get("errors", []):
+        lines.append(f"! plugin {error.get('plugin')} failed to load: {error.get('error')}\n")
+    return "".join(lines) or "no workloads installed\n"
+
+
+def render_status(run: dict[str, Any]) -> str:
+    loss = run.get("loss")
+    loss_text = "-" if loss is None else f"{loss:.4f}"
+    first = run.get("loss_first")
+    if first is not None and loss is not None:
+        loss_text += f" (from {first:.4f})"
+    speed = run.get("samples_per_second")
+    epochs = run.get("epochs")
+    epoch_text = f"{run['epoch']}" + (f"/{epochs}" if epochs else "")
+    text = (f"{run['name']} [{run['workload']}] {run['state']}  epoch {epoch_text}  "
+            f"samples {run['samples']}  loss {loss_text}"
+            + (f"  {speed:.1f} samples/s" if speed else "") + "\n"
+            + f"  next step {progress_bar(run['accumulated'], run['target_batch_size'])} "
+              f"{run['accumulated']}/{run['target_batch_size']}\n")
+    error = run.get("error")
+    if error:
+        text += f"  error: {error.get('message')}\n"
+    worker = run.get("worker") or {}
+    if run["state"] in ("crashed", "failed") and worker.get("last_log_lines"):
+        text += "  worker's last lines:\n" + "".join(
+            f"    {line}\n" for line in worker["last_log_lines"][-10:])
+    return text

@@ -1,0 +1,45 @@
+"""Fixtures that start real dedlocd processes on unix sockets in a temporary directory."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import DaemonProcess
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short directory under /tmp: unix socket paths must stay under 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="dl-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def daemon_factory(short_tmp: Path) -> AsyncIterator[Any]:
+    """Start daemons (each in its own directory); every one is stopped after the test."""
+    started: list[DaemonProcess] = []
+
+    async def start(*args: str, env: dict[str, str] | None = None, name: str = "d") -> DaemonProcess:
+        root = short_tmp / f"{name}{len(started)}"
+        root.mkdir()
+        daemon = await DaemonProcess.start(root, *args, env=env)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        if daemon.process.returncode is None:
+            await daemon.kill()
+
+
+@pytest.fixture
+async def daemon(daemon_factory: Any) -> DaemonProcess:
+    return await daemon_factory()

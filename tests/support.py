@@ -1,0 +1,140 @@
+"""Helpers for the tests: real dedlocd processes, a stand-in for systemd's notify socket, polling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from dedloc.rpc import JsonRpcClient
+
+START_TIMEOUT = 60.0
+
+
+class NotifyListener:
+    """A datagram socket standing in for systemd's $NOTIFY_SOCKET; collects what it is sent."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.messages: list[str] = []
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.bind(str(path))
+        self._socket.setblocking(False)
+        self._arrived = asyncio.Event()
+        asyncio.get_running_loop().add_reader(self._socket.fileno(), self._receive)
+
+    def _receive(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                self.messages.append(self._socket.recv(4096).decode())
+                self._arrived.set()
+
+    def assignments(self) -> list[str]:
+        return [line for message in self.messages for line in message.splitlines()]
+
+    async def wait_for(self, line: str, timeout: float = START_TIMEOUT) -> None:
+        async with asyncio.timeout(timeout):
+            while line not in self.assignments():
+                self._arrived.clear()
+                await self._arrived.wait()
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._socket.fileno())
+        self._socket.close()
+
+
+class DaemonProcess:
+    """A real `dedlocd` subprocess with its own state directory."""
+
+    def __init__(self, root: Path, process: asyncio.subprocess.Process, notify: NotifyListener) -> None:
+        self.root = root
+        self.process = process
+        self.notify = notify
+        self.socket_path = root / "dedlocd.sock"
+        self.log_lines: list[str] = []
+        self._stderr_task = asyncio.create_task(self._collect_stderr())
+
+    @classmethod
+    async def start(cls, root: Path, *args: str, env: dict[str, str] | None = None) -> DaemonProcess:
+        notify = NotifyListener(root / "notify.sock")
+        full_env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), **(env or {})}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(root / "state"),
+            "--node.runtime_dir", str(root), "--log.format", "json", "--log.level", "debug", *args,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, env=full_env)
+        daemon = cls(root, process, notify)
+        try:
+            await daemon.wait_ready()
+        except BaseException:
+            await daemon.kill()
+            raise
+        return daemon
+
+    async def _collect_stderr(self) -> None:
+        assert self.process.stderr is not None
+        while line := await self.process.stderr.readline():
+            self.log_lines.append(line.decode(errors="replace").rstrip())
+
+    def events(self) -> list[dict[str, Any]]:
+        events = []
+        for line in self.log_lines:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                events.append(orjson.loads(line))
+        return events
+
+    async def wait_ready(self) -> None:
+        ready = asyncio.create_task(self.notify.wait_for("READY=1"))
+        exited = asyncio.create_task(self.process.wait())
+        done, _ = await asyncio.wait([ready, exited], timeout=START_TIMEOUT,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        ready.cancel()
+        exited.cancel()
+        if ready not in done:
+            await asyncio.sleep(0)
+            raise RuntimeError("dedlocd did not become ready:\n" + "\n".join(self.log_lines[-30:]))
+
+    async def client(self) -> JsonRpcClient:
+        return await JsonRpcClient.connect(self.socket_path, default_timeout=120.0)
+
+    async def call(self, method: str, params: Any = None, timeout: float = 120.0) -> Any:
+        async with await self.client() as client:
+            return await client.call(method, params, timeout=timeout)
+
+    async def terminate(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(sig)
+        async with asyncio.timeout(timeout):
+            code = await self.process.wait()
+        await self._finish()
+        return code
+
+    async def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        await self.process.wait()
+        await self._finish()
+
+    async def _finish(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await self._stderr_task
+        self.notify.close()
+
+
+
+async def wait_until(predicate: Any, timeout: float = 120.0, interval: float = 0.2) -> Any:
+    """Poll an async predicate until it returns something truthy; return that."""
+    async with asyncio.timeout(timeout):
+        while True:
+            value = await predicate()
+            if value:
+                return value
+            await asyncio.sleep(interval)
