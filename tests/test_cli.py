@@ -1,0 +1,53 @@
+"""The `dedloc` CLI against a real daemon, and when there is none."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import orjson
+
+
+async def dedloc(socket: Path, *args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dedloc.cli", "--socket", str(socket), *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(300):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_no_daemon_tells_how_to_start_it(short_tmp: Path) -> None:
+    code, _, err = await dedloc(short_tmp / "none.sock", "info")
+    assert code == 3
+    assert "Traceback" not in err
+    assert "dedlocd" in err and "cannot reach the daemon" in err
+
+
+async def test_cli_drives_a_daemon(daemon) -> None:  # type: ignore[no-untyped-def]
+    socket = daemon.socket_path
+    code, out, _ = await dedloc(socket, "info")
+    assert code == 0 and "peer id" in out
+    code, out, _ = await dedloc(socket, "--json", "info")
+    assert orjson.loads(out)["peer_id"]
+    code, out, _ = await dedloc(socket, "workloads")
+    assert code == 0 and "tiny" in out
+    code, out, err = await dedloc(socket, "start", "tiny", "--set", "no_such_key=3")
+    assert code == 1 and "no_such_key" in err
+    code, out, _ = await dedloc(socket, "--json", "start", "tiny", "--target-batch-size", "32",
+                                "--epochs", "3")
+    assert code == 0 and orjson.loads(out)["target_batch_size"] == 32
+    code, out, _ = await dedloc(socket, "status", "--watch", "--interval", "0.2")
+    assert code == 0  # returns once the run has finished its 3 epochs
+    assert "finished" in out and "epoch 3/3" in out
+    code, out, _ = await dedloc(socket, "call", "run.status", '{"name": "tiny"}')
+    (status,) = orjson.loads(out)
+    assert status["state"] == "finished" and status["epoch"] == 3
+    code, out, err = await dedloc(socket, "call", "run.status", '{"name": 3}')
+    assert code == 1 and "Invalid params" in err and "name" in err
+    code, out, _ = await dedloc(socket, "shutdown")
+    assert code == 0
+    async with asyncio.timeout(60):
+        assert await daemon.process.wait() == 0
