@@ -62,7 +62,7 @@ class WorkloadCatalog:
             label = plugin_label(entry_point)
             try:
                 plugin = entry_point.load()
-            except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's fault
+            except Exception as exc:  # any import failure is the plugin's fault
                 catalog._record(PluginLoadError(label, f"import failed: {type(exc).__name__}: {exc}"))
                 continue
             catalog.add_plugin(label, plugin)
@@ -91,7 +91,7 @@ class WorkloadCatalog:
         for impl in impls:
             try:
                 offered = impl.function()
-            except Exception as exc:  # noqa: BLE001 - a failing hook is the plugin's fault
+            except Exception as exc:  # a failing hook is the plugin's fault
                 self._record(PluginLoadError(label, f"dedloc_workloads() raised "
                                                     f"{type(exc).__name__}: {exc}"))
                 continue

@@ -73,9 +73,8 @@ class ConfigField:
             value = float(value)
             if not math.isfinite(value):
                 raise WorkloadConfigError(key, f"expected a finite number, got {value}")
-        elif self.type is str:
-            if not isinstance(value, str):
-                raise WorkloadConfigError(key, f"expected a string, got {_kind(value)}")
+        elif self.type is str and not isinstance(value, str):
+            raise WorkloadConfigError(key, f"expected a string, got {_kind(value)}")
         if self.minimum is not None and value < self.minimum:
             raise WorkloadConfigError(key, f"{value!r} is below the minimum {self.minimum}")
         if self.maximum is not None and value > self.maximum:

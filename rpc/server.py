@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -42,6 +43,7 @@ class JsonRpcServer:
         max_inflight_per_connection: int = 16,
         idle_timeout: float | None = 3600.0,
         write_timeout: float = 30.0,
+        on_hangup: Callable[[], None] | None = None,
     ) -> None:
         self.registry = registry
         self.path = Path(path)
@@ -51,8 +53,15 @@ class JsonRpcServer:
         self.max_inflight = max_inflight_per_connection
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
+        self.on_hangup = on_hangup
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._listening_clients = 0
+
+    @property
+    def clients(self) -> int:
+        """Connections whose client has not hung up (calls of a gone client may still be running)."""
+        return self._listening_clients
 
     @property
     def counters(self) -> dict[str, int]:
@@ -115,30 +124,42 @@ class JsonRpcServer:
         write_lock = asyncio.Lock()
         self.registry.counters["connections"] += 1
         async with asyncio.TaskGroup() as calls:
-            while True:
-                try:
-                    async with asyncio.timeout(self.idle_timeout):
-                        line = await reader.readuntil(b"\n")
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial.strip():
-                        self.registry.counters["error.incomplete_request"] += 1
-                    return
-                except asyncio.LimitOverrunError:
-                    self.registry.counters["error.request_too_large"] += 1
-                    async with write_lock:
-                        await self._send(writer, error_response(
-                            ErrorCode.INVALID_REQUEST, "Invalid request",
-                            f"request larger than {self.max_request_bytes} bytes; connection closed"))
-                    return
-                except TimeoutError:
-                    self.registry.counters["idle_timeouts"] += 1
-                    return
-                except ConnectionError:
-                    return
-                if not line.strip():
-                    continue
-                await inflight.acquire()
-                calls.create_task(self._answer(line, writer, write_lock, inflight))
+            self._listening_clients += 1
+            try:
+                await self._read_requests(reader, writer, calls, write_lock, inflight)
+            finally:
+                # Said before the calls in flight finish: the owner may want to cancel them.
+                self._listening_clients -= 1
+                if self.on_hangup is not None:
+                    self.on_hangup()
+
+    async def _read_requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             calls: asyncio.TaskGroup, write_lock: asyncio.Lock,
+                             inflight: asyncio.Semaphore) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self.idle_timeout):
+                    line = await reader.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial.strip():
+                    self.registry.counters["error.incomplete_request"] += 1
+                return
+            except asyncio.LimitOverrunError:
+                self.registry.counters["error.request_too_large"] += 1
+                async with write_lock:
+                    await self._send(writer, error_response(
+                        ErrorCode.INVALID_REQUEST, "Invalid request",
+                        f"request larger than {self.max_request_bytes} bytes; connection closed"))
+                return
+            except TimeoutError:
+                self.registry.counters["idle_timeouts"] += 1
+                return
+            except ConnectionError:
+                return
+            if not line.strip():
+                continue
+            await inflight.acquire()
+            calls.create_task(self._answer(line, writer, write_lock, inflight))
 
     async def _answer(self, line: bytes, writer: asyncio.StreamWriter, write_lock: asyncio.Lock,
                       inflight: asyncio.Semaphore) -> None:

@@ -25,6 +25,7 @@ class NotifyListener:
         self.path = path
         self.messages: list[str] = []
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        path.unlink(missing_ok=True)  # left by an earlier daemon in the same directory
         self._socket.bind(str(path))
         self._socket.setblocking(False)
         self._arrived = asyncio.Event()
@@ -46,8 +47,9 @@ class NotifyListener:
                 await self._arrived.wait()
 
     def close(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._socket.fileno())
-        self._socket.close()
+        if self._socket.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self._socket.fileno())
+            self._socket.close()
 
 
 class DaemonProcess:
@@ -111,6 +113,13 @@ class DaemonProcess:
     async def terminate(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         with contextlib.suppress(ProcessLookupError):
             self.process.send_signal(sig)
+        async with asyncio.timeout(timeout):
+            code = await self.process.wait()
+        await self._finish()
+        return code
+
+    async def wait_exit(self, timeout: float = 60.0) -> int:
+        """Wait for the daemon to exit by itself (after node.shutdown); return its exit code."""
         async with asyncio.timeout(timeout):
             code = await self.process.wait()
         await self._finish()

@@ -49,5 +49,4 @@ async def test_cli_drives_a_daemon(daemon) -> None:  # type: ignore[no-untyped-d
     assert code == 1 and "Invalid params" in err and "name" in err
     code, out, _ = await dedloc(socket, "shutdown")
     assert code == 0
-    async with asyncio.timeout(60):
-        assert await daemon.process.wait() == 0
+    assert await daemon.wait_exit() == 0

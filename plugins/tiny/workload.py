@@ -68,7 +68,8 @@ def class_centres(config: dict[str, Any]) -> torch.Tensor:
     return centres * config["separation"]
 
 
-def build_data(config: dict[str, Any], seed: int, split: Split) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def build_data(config: dict[str, Any], seed: int, split: Split
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     centres = class_centres(config)
     generator = torch.Generator().manual_seed((seed * 4 + _SPLITS[split]) % (1 << 63))
     batch_size = config["batch_size"]

@@ -17,7 +17,7 @@ import contextlib
 import mmap
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -52,24 +52,25 @@ def attach(name: str, numel: int) -> Iterator[torch.Tensor]:
     if numel < 1:
         raise SharedBufferError(f"numel must be at least 1, got {numel}", {"buffer": bare})
     nbytes = numel * FLOAT32_BYTES
-    mapping, close_extra = _map(bare, nbytes)
+    mapping, close = _map(bare, nbytes)
     array = np.frombuffer(mapping, dtype=np.float32, count=numel)
     tensor = torch.from_numpy(array)
     try:
         yield tensor
     finally:
         del tensor, array
+        del mapping
         try:
-            mapping.close()
+            close()
         except BufferError:
             # A view escaped the block; the mapping is released when the last view dies.
             log.warning("shared_buffer_view_outlived_call", buffer=bare)
-        close_extra()
 
 
-def _map(name: str, nbytes: int) -> tuple[mmap.mmap, object]:
+def _map(name: str, nbytes: int) -> tuple[mmap.mmap | memoryview, Callable[[], None]]:
     if SHM_DIR.is_dir():
-        return _map_dev_shm(name, nbytes), lambda: None
+        mapping = _map_dev_shm(name, nbytes)
+        return mapping, mapping.close
     return _map_posix(name, nbytes)
 
 
@@ -90,7 +91,8 @@ def _map_dev_shm(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _map_posix(name: str, nbytes: int) -> tuple[mmap.mmap, object]:  # pragma: no cover - non-Linux
+def _map_posix(name: str, nbytes: int) -> tuple[mmap.mmap | memoryview, Callable[[], None]]:
+    """Attach where there is no /dev/shm (not Linux), keeping the resource_tracker out of it."""
     from multiprocessing import resource_tracker, shared_memory
 
     try:
@@ -103,7 +105,7 @@ def _map_posix(name: str, nbytes: int) -> tuple[mmap.mmap, object]:  # pragma: n
     except SharedBufferError:
         shm.close()
         raise
-    return shm._mmap, shm.close  # type: ignore[attr-defined]
+    return shm.buf, shm.close
 
 
 def _check_size(name: str, size: int, nbytes: int) -> None:

@@ -86,8 +86,7 @@ async def test_restart_of_the_daemon_resumes_the_run(daemon_factory) -> None:  #
         assert resumed["epoch"] == stopped["epoch"]
         assert resumed["samples"] == stopped["samples"] - stopped["accumulated"]
         assert await second.call("node.shutdown") == {"stopping": True}
-        async_code = await second.process.wait()
-        assert async_code == 0
+        assert await second.wait_exit() == 0
     finally:
         if second.process.returncode is None:
             await second.kill()

@@ -1,0 +1,325 @@
+"""The worker protocol (version 1): the `worker.*` JSON-RPC methods a daemon calls.
+
+Every call that touches the model runs in a thread, one at a time: a second one while another runs
+is refused with RUN_NOT_ACTIVE (the daemon serialises its calls; it may still call
+`worker.describe` or `worker.hello` while training runs). docs/worker-protocol.md is the
+reference; `rpc.discover` documents the same methods from these signatures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypedDict, TypeVar
+
+import structlog
+import torch
+
+from dedloc import __version__
+from dedloc.rpc import ErrorCode, InvalidParams, rpc_method
+
+from ..catalog import WorkloadCatalog
+from ..errors import (
+    CheckpointError,
+    PluginLoadError,
+    SharedBufferError,
+    UnknownWorkloadError,
+    WorkerStateError,
+    WorkloadConfigError,
+    WorkloadError,
+)
+from .session import Session
+
+log = structlog.get_logger(__name__)
+
+PROTOCOL_VERSION = 1
+IMPLEMENTATION = "dedloc-worker"
+
+ERROR_MAP: dict[type[BaseException], ErrorCode] = {
+    UnknownWorkloadError: ErrorCode.UNKNOWN_WORKLOAD,
+    WorkloadConfigError: ErrorCode.INVALID_WORKLOAD_CONFIG,
+    PluginLoadError: ErrorCode.PLUGIN_ERROR,
+    SharedBufferError: ErrorCode.BUFFER_ERROR,
+    WorkloadError: ErrorCode.WORKLOAD_ERROR,
+    CheckpointError: ErrorCode.CHECKPOINT_ERROR,
+    WorkerStateError: ErrorCode.RUN_NOT_ACTIVE,
+}
+
+T = TypeVar("T")
+What = Annotated[Literal["gradients", "parameters", "state"], "Which vector: the mean accumulated "
+                 "gradients, the parameters, or the full state (parameters, optimizer state, buffers)."]
+BufferName = Annotated[str, "Name of a POSIX shared-memory object the caller created (no leading slash)."]
+Numel = Annotated[int, "Size of the buffer in float32 elements.", {"minimum": 1}]
+
+
+class HelloResult(TypedDict):
+    protocol: int
+    implementation: str
+    version: str
+    pid: int
+
+
+class ParameterSlot(TypedDict):
+    name: str
+    shape: list[int]
+    numel: int
+    offset: int
+
+
+class DescribeResult(TypedDict):
+    workload: str
+    config: dict[str, Any]
+    device: str
+    parameters: list[ParameterSlot]
+    total_numel: int
+    state_numel: int
+    accumulated_samples: int
+    step: int
+    samples_per_second: float | None
+    running: str | None
+
+
+class TrainResult(TypedDict):
+    samples: int
+    loss: float
+    seconds: float
+    samples_per_second: float | None
+    accumulated_samples: int
+
+
+class ExportResult(TypedDict):
+    numel: int
+    dtype: Literal["float32"]
+    meta: dict[str, Any]
+
+
+class ApplyResult(TypedDict, total=False):
+    step: int
+    lr: float
+
+
+class ZeroGradResult(TypedDict):
+    accumulated_samples: int
+
+
+class CheckpointSaveResult(TypedDict):
+    path: str
+    bytes: int
+    step: int
+
+
+class StepResult(TypedDict):
+    step: int
+
+
+class EvaluateResult(TypedDict):
+    loss: float
+    samples: int
+    metrics: dict[str, float]
+
+
+class WorkerService:
+    """The state behind the `worker.*` methods: the catalog and at most one loaded session."""
+
+    def __init__(self, catalog: WorkloadCatalog, request_stop: Callable[[], None]) -> None:
+        self.catalog = catalog
+        self._request_stop = request_stop
+        self._session: Session | None = None
+        self._busy: str | None = None
+        self._running: asyncio.Future[Any] | None = None
+        self._cancel = threading.Event()
+
+    # --- plumbing -------------------------------------------------------------------------------
+
+    def _loaded(self) -> Session:
+        if self._session is None:
+            raise WorkerStateError("no workload is loaded; call worker.load first")
+        return self._session
+
+    async def _exclusive(self, method: str, func: Callable[..., T], *args: Any) -> T:
+        """Run blocking `func` in a thread, refusing if another model call is running."""
+        if self._busy is not None:
+            raise WorkerStateError(f"{self._busy} is still running; call {method} after it answers",
+                                   {"busy": self._busy})
+        self._busy = method
+        self._cancel.clear()
+        running = asyncio.ensure_future(asyncio.to_thread(func, *args))
+        running.add_done_callback(self._finished)
+        self._running = running
+        # If our caller is cancelled (its connection closed), the thread runs on and keeps the
+        # worker busy until it ends; `close()` asks it to stop early and waits for it.
+        return await asyncio.shield(running)
+
+    def _finished(self, running: asyncio.Future[Any]) -> None:
+        self._busy = None
+        self._running = None
+        if not running.cancelled() and running.exception() is not None:
+            log.debug("worker_call_failed", error=str(running.exception()))
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Ask a running call to stop at its next batch and wait for it (bounded)."""
+        self._cancel.set()
+        running = self._running
+        if running is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await asyncio.wait([running])
+            if not running.done():
+                log.warning("worker_call_still_running", method=self._busy, waited_s=timeout)
+
+    # --- methods --------------------------------------------------------------------------------
+
+    @rpc_method("worker.hello")
+    async def hello(self) -> HelloResult:
+        """Who this worker is: protocol version, implementation, its version and process id."""
+        return {"protocol": PROTOCOL_VERSION, "implementation": IMPLEMENTATION,
+                "version": __version__, "pid": os.getpid()}
+
+    @rpc_method("worker.load", errors=(ErrorCode.UNKNOWN_WORKLOAD, ErrorCode.INVALID_WORKLOAD_CONFIG,
+                                       ErrorCode.WORKLOAD_ERROR, ErrorCode.RUN_NOT_ACTIVE))
+    async def load(
+        self,
+        workload: Annotated[str, "Name of an installed workload."],
+        config: Annotated[dict[str, Any] | None, "Workload config; missing keys take defaults."] = None,
+        seed: Annotated[int, "Seed of this peer's data sampling (differs per peer)."] = 0,
+        init_seed: Annotated[int, "Seed of the model's initial weights (the same on every peer)."] = 0,
+        device: Annotated[str, "auto (cuda if available, else cpu), cpu, cuda or cuda:N."] = "auto",
+    ) -> DescribeResult:
+        """Build a workload's model, optimizer and data; replaces any loaded one.
+
+        Resets the step counter and the accumulated gradients. Answers as `worker.describe`.
+        """
+        entry = self.catalog.get(workload)
+        resolved = entry.workload.resolve_config(config or {})
+        torch_device = _pick_device(device)
+        session = await self._exclusive(
+            "worker.load", Session, entry, resolved, seed, init_seed, torch_device)
+        self._session = session
+        log.info("workload_loaded", workload=workload, device=str(torch_device),
+                 total_numel=session.total_numel, plugin=entry.plugin)
+        return self._describe(session)
+
+    def _describe(self, session: Session) -> DescribeResult:
+        return {**session.describe(), "running": self._busy}  # type: ignore[typeddict-item]
+
+    @rpc_method("worker.describe", errors=(ErrorCode.RUN_NOT_ACTIVE,))
+    async def describe(self) -> DescribeResult:
+        """The loaded workload: config, device, parameter layout, sizes, progress and speed.
+
+        `running` names the call in progress (e.g. "worker.train"), or is null.
+        """
+        return self._describe(self._loaded())
+
+    @rpc_method("worker.train", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.WORKLOAD_ERROR))
+    async def train(
+        self,
+        samples: Annotated[int, "Train on at least this many samples (whole batches).", {"minimum": 1}],
+        max_seconds: Annotated[float | None, "Stop after this long (at least one batch runs).",
+                               {"exclusiveMinimum": 0}] = None,
+    ) -> TrainResult:
+        """Compute and accumulate gradients over whole batches; no optimizer step.
+
+        Accumulated gradients add up across calls until `worker.apply` of gradients or
+        `worker.zero_grad`. A NaN/Inf loss or gradient fails the call (WORKLOAD_ERROR); that
+        batch's gradients are discarded, earlier batches stay accumulated.
+        """
+        session = self._loaded()
+        return await self._exclusive(  # type: ignore[return-value]
+            "worker.train", session.train, samples, max_seconds, self._cancel)
+
+    @rpc_method("worker.export", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.BUFFER_ERROR,
+                                         ErrorCode.WORKLOAD_ERROR))
+    async def export(self, what: What, buffer: BufferName, numel: Numel) -> ExportResult:
+        """Write a flat float32 vector into the shared-memory buffer; `meta` describes it.
+
+        `numel` is the buffer's capacity; a buffer too small fails with BUFFER_ERROR naming the
+        size needed. gradients: mean gradient per accumulated sample (zeros if none). state: the
+        parameters, the optimizer's per-parameter tensors and the model's floating buffers; `meta`
+        holds the layout and everything else needed by `worker.apply` of state.
+        """
+        session = self._loaded()
+        return await self._exclusive(  # type: ignore[return-value]
+            "worker.export", session.export, what, buffer, numel)
+
+    @rpc_method("worker.apply", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.BUFFER_ERROR,
+                                        ErrorCode.WORKLOAD_ERROR))
+    async def apply(
+        self, what: What, buffer: BufferName, numel: Numel,
+        meta: Annotated[dict[str, Any] | None, "The meta of the export (needed for state; "
+                        "for parameters an optional `step`)."] = None,
+    ) -> ApplyResult:
+        """Take a flat float32 vector from the shared-memory buffer.
+
+        gradients: set them as the gradients, step the optimizer and scheduler, clear the
+        accumulated gradients; answers the new step and learning rate. parameters: copy them in
+        (and the step from meta.step if given). state: restore parameters, optimizer and
+        scheduler state and step, checked against meta's layout. A wrong numel or a NaN/Inf value
+        fails with BUFFER_ERROR and changes nothing.
+        """
+        session = self._loaded()
+        return await self._exclusive(  # type: ignore[return-value]
+            "worker.apply", session.apply, what, buffer, numel, meta)
+
+    @rpc_method("worker.zero_grad", errors=(ErrorCode.RUN_NOT_ACTIVE,))
+    async def zero_grad(self) -> ZeroGradResult:
+        """Forget the accumulated gradients."""
+        session = self._loaded()
+        await self._exclusive("worker.zero_grad", session.zero_grad)
+        return {"accumulated_samples": 0}
+
+    @rpc_method("worker.checkpoint_save", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.CHECKPOINT_ERROR))
+    async def checkpoint_save(
+        self, path: Annotated[str, "File to write (absolute; its directory must exist)."]
+    ) -> CheckpointSaveResult:
+        """Save model, optimizer, scheduler, step, workload name and config, atomically."""
+        session = self._loaded()
+        return await self._exclusive(  # type: ignore[return-value]
+            "worker.checkpoint_save", session.save_checkpoint, path)
+
+    @rpc_method("worker.checkpoint_load", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.CHECKPOINT_ERROR))
+    async def checkpoint_load(self, path: Annotated[str, "A file written by worker.checkpoint_save."]
+                              ) -> StepResult:
+        """Restore a checkpoint of the loaded workload and config; clears accumulated gradients.
+
+        A checkpoint of another workload or config, or a missing or corrupt file, fails with
+        CHECKPOINT_ERROR and changes nothing.
+        """
+        session = self._loaded()
+        return await self._exclusive(  # type: ignore[return-value]
+            "worker.checkpoint_load", session.load_checkpoint, path)
+
+    @rpc_method("worker.evaluate", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.WORKLOAD_ERROR))
+    async def evaluate(
+        self, samples: Annotated[int, "Evaluate on at least this many samples.", {"minimum": 1}] = 256
+    ) -> EvaluateResult:
+        """Mean loss and metrics on the eval split (the same samples every call); no training."""
+        session = self._loaded()
+        return await self._exclusive(  # type: ignore[return-value]
+            "worker.evaluate", session.evaluate, samples)
+
+    @rpc_method("worker.stop")
+    async def stop(self) -> dict[str, Any]:
+        """Exit (status 0) right after this answer is sent; a running call stops at its next batch."""
+        log.info("worker_stop_requested")
+        self._cancel.set()
+        asyncio.get_running_loop().call_soon(self._request_stop)
+        return {}
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        picked = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise InvalidParams("device", f"{device!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+    if picked.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidParams("device", "CUDA is not available on this machine")
+        if picked.index is not None and picked.index >= torch.cuda.device_count():
+            raise InvalidParams("device", f"there is no {picked} (this machine has "
+                                          f"{torch.cuda.device_count()} CUDA devices)")
+    return picked

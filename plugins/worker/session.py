@@ -1,0 +1,391 @@
+"""One loaded workload: its model, optimizer, data and gradient accumulator (blocking torch code).
+
+Every method here blocks; the JSON-RPC service runs them in a thread, one at a time. Gradients
+accumulate in a flat float32 vector as the sum over samples (each batch adds its mean gradient
+times its batch size), so that `export("gradients")` can hand out the mean gradient per sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+
+from ..catalog import CatalogEntry
+from ..errors import CheckpointError, PluginError, SharedBufferError, WorkloadError
+from . import buffers, checkpoint
+from .layout import (
+    Slot,
+    gather,
+    optimizer_state,
+    pack,
+    rebuild_optimizer_state,
+    scatter_views,
+    slots_from_meta,
+    to_json,
+)
+
+log = structlog.get_logger(__name__)
+
+Kind = Literal["gradients", "parameters", "state"]
+
+
+class Session:
+    """A workload built and ready to train on one device."""
+
+    def __init__(self, entry: CatalogEntry, config: dict[str, Any], seed: int, init_seed: int,
+                 device: torch.device) -> None:
+        self.workload = entry.workload
+        self.plugin = entry.plugin
+        self.config = config
+        self.seed = seed
+        self.device = device
+        torch.manual_seed(init_seed)
+        with self._guard("build_model"):
+            self.model = self.workload.build_model(config, device)
+        if not isinstance(self.model, torch.nn.Module):
+            raise WorkloadError(f"workload {self.workload.name!r}: build_model returned a "
+                                f"{type(self.model).__name__}, not a torch.nn.Module")
+        with self._guard("build_optimizer"):
+            self.optimizer, self.scheduler = self.workload.build_optimizer(self.model, config)
+        torch.manual_seed(seed)  # dropout and the like differ per peer; the weights do not
+        with self._guard("build_data"):
+            self._train_data: Iterator[Any] = iter(self.workload.build_data(config, seed, "train"))
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        if not named:
+            raise WorkloadError(f"workload {self.workload.name!r}: the model has no trainable parameters")
+        self.params = [p for _, p in named]
+        self.slots = pack((name, p.shape) for name, p in named)
+        self.total_numel = self.slots[-1].end
+        self._grad_sum = torch.zeros(self.total_numel, dtype=torch.float32, device=device)
+        self.accumulated_samples = 0
+        self.step = 0
+        self.samples_per_second: float | None = None
+        # Counted when the optimizer state changes, so that describe never reads it mid-step.
+        self.state_numel = self._count_state_numel()
+
+    @contextlib.contextmanager
+    def _guard(self, stage: str) -> Iterator[None]:
+        """Turn an exception of the workload's own code into a WorkloadError naming the stage."""
+        try:
+            yield
+        except PluginError:
+            raise
+        except Exception as exc:
+            log.exception("workload_failed", workload=self.workload.name, stage=stage)
+            raise WorkloadError(
+                f"workload {self.workload.name!r} failed in {stage}: {type(exc).__name__}: {exc}",
+                {"workload": self.workload.name, "stage": stage,
+                 "error": f"{type(exc).__name__}: {exc}"}) from exc
+
+    # --- describe -------------------------------------------------------------------------------
+
+    def _count_state_numel(self) -> int:
+        _, tensors, _ = optimizer_state(self.optimizer)
+        return (self.total_numel + sum(t.numel() for t in tensors)
+                + sum(b.numel() for _, b in self._float_buffers()))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload.name,
+            "config": self.config,
+            "device": str(self.device),
+            "parameters": [slot.to_json() for slot in self.slots],
+            "total_numel": self.total_numel,
+            "state_numel": self.state_numel,
+            "accumulated_samples": self.accumulated_samples,
+            "step": self.step,
+            "samples_per_second": self.samples_per_second,
+        }
+
+    # --- training -------------------------------------------------------------------------------
+
+    def train(self, samples: int, max_seconds: float | None, cancel: threading.Event) -> dict[str, Any]:
+        """Run whole batches until `samples` are done (or time is up, or cancelled; one at least)."""
+        start = time.perf_counter()
+        done = 0
+        loss_sum = 0.0
+        batches = 0
+        self.model.train()
+        while True:
+            with self._guard("build_data"):
+                batch = next(self._train_data)
+            for param in self.params:
+                param.grad = None
+            with self._guard("loss"):
+                loss, batch_size = self.workload.loss(self.model, batch, self.device)
+                value = float(loss.detach())
+            if not math.isfinite(value):
+                raise WorkloadError(
+                    f"workload {self.workload.name!r}: the loss of batch {batches + 1} of this call is "
+                    f"{value}; that batch's gradients were discarded",
+                    {"workload": self.workload.name, "loss": str(value), "samples": done,
+                     "accumulated_samples": self.accumulated_samples})
+            if not isinstance(batch_size, int) or batch_size < 1:
+                raise WorkloadError(f"workload {self.workload.name!r}: loss() returned batch size "
+                                    f"{batch_size!r}, not a positive int")
+            with self._guard("backward"):
+                (loss * batch_size).backward()
+            grads = torch.cat([torch.zeros(p.numel(), device=self.device) if p.grad is None
+                               else p.grad.reshape(-1).float() for p in self.params])
+            if not bool(torch.isfinite(grads).all()):
+                raise WorkloadError(
+                    f"workload {self.workload.name!r}: batch {batches + 1} of this call gave NaN or Inf "
+                    "gradients; that batch's gradients were discarded",
+                    {"workload": self.workload.name, "samples": done,
+                     "accumulated_samples": self.accumulated_samples})
+            self._grad_sum.add_(grads)
+            self.accumulated_samples += batch_size
+            done += batch_size
+            loss_sum += value * batch_size
+            batches += 1
+            elapsed = time.perf_counter() - start
+            if (done >= samples or cancel.is_set()
+                    or (max_seconds is not None and elapsed >= max_seconds)):
+                break
+        for param in self.params:
+            param.grad = None
+        seconds = time.perf_counter() - start
+        rate = done / seconds if seconds > 0 else None
+        self.samples_per_second = rate
+        return {"samples": done, "loss": loss_sum / done, "seconds": seconds,
+                "samples_per_second": rate, "accumulated_samples": self.accumulated_samples}
+
+    def zero_grad(self) -> None:
+        self._grad_sum.zero_()
+        self.accumulated_samples = 0
+
+    def evaluate(self, samples: int) -> dict[str, Any]:
+        """Mean loss and metrics over the first `samples` (whole batches) of the eval split."""
+        with self._guard("build_data"):
+            data = iter(self.workload.build_data(self.config, self.seed, "eval"))
+        done = 0
+        loss_sum = 0.0
+        metric_sums: dict[str, float] = {}
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                while done < samples:
+                    with self._guard("evaluate"):
+                        batch = next(data)
+                        loss, batch_size = self.workload.loss(self.model, batch, self.device)
+                        loss_sum += float(loss) * batch_size
+                        if self.workload.metrics is not None:
+                            for key, value in self.workload.metrics(self.model, batch, self.device).items():
+                                metric_sums[key] = metric_sums.get(key, 0.0) + float(value) * batch_size
+                    done += batch_size
+        finally:
+            self.model.train()
+        return {"loss": loss_sum / done, "samples": done,
+                "metrics": {key: total / done for key, total in metric_sums.items()}}
+
+    # --- export ---------------------------------------------------------------------------------
+
+    def export(self, what: Kind, buffer: str, capacity: int) -> dict[str, Any]:
+        """Write gradients, parameters or full state into shared-memory `buffer`."""
+        if what == "state":
+            slots, tensors, meta = self._state_pieces()
+        else:
+            slots, tensors = self.slots, [p.detach() for p in self.params]
+            meta = {"step": self.step}
+        numel = slots[-1].end
+        if capacity < numel:
+            raise SharedBufferError(f"exporting {what} needs {numel} float32 elements, buffer "
+                                    f"{buffer!r} was given with numel={capacity}",
+                                    {"buffer": buffer, "needed": numel, "given": capacity})
+        with buffers.attach(buffer, numel) as view:
+            if what == "gradients":
+                view.copy_(self._grad_sum)
+                if self.accumulated_samples:
+                    view.div_(self.accumulated_samples)
+                meta = {"accumulated_samples": self.accumulated_samples, "step": self.step}
+            else:
+                with torch.no_grad():
+                    gather(slots, tensors, view)
+            del view
+        return {"numel": numel, "dtype": "float32", "meta": meta}
+
+    def _float_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, b) for name, b in self.model.named_buffers()
+                if b.is_floating_point() and b.dim() > 0]
+
+    def _state_pieces(self) -> tuple[list[Slot], list[torch.Tensor], dict[str, Any]]:
+        keys, opt_tensors, scalars = optimizer_state(self.optimizer)
+        model_buffers = self._float_buffers()
+        param_slots = self.slots
+        opt_slots = pack(((f"{index}:{key}", t.shape) for (index, key), t in zip(keys, opt_tensors,
+                                                                                strict=True)),
+                         param_slots[-1].end)
+        buffer_slots = pack(((name, b.shape) for name, b in model_buffers),
+                            (opt_slots or param_slots)[-1].end)
+        slots = [*param_slots, *opt_slots, *buffer_slots]
+        groups = self.optimizer.state_dict()["param_groups"]
+        meta = {
+            "workload": self.workload.name,
+            "step": self.step,
+            "numel": slots[-1].end,
+            "layout": {
+                "parameters": [s.to_json() for s in param_slots],
+                "optimizer": [{**s.to_json(), "param": index, "key": key}
+                              for s, (index, key) in zip(opt_slots, keys, strict=True)],
+                "buffers": [s.to_json() for s in buffer_slots],
+            },
+            "optimizer": {"param_groups": to_json(groups, "optimizer param_groups"),
+                          "scalars": scalars},
+            "scheduler": (None if self.scheduler is None
+                          else to_json(self.scheduler.state_dict(), "scheduler state")),
+        }
+        return slots, [*(p.detach() for p in self.params), *opt_tensors, *(b for _, b in model_buffers)], meta
+
+    # --- apply ----------------------------------------------------------------------------------
+
+    def apply(self, what: Kind, buffer: str, numel: int, meta: Mapping[str, Any] | None
+              ) -> dict[str, Any]:
+        """Take gradients (and step), parameters or full state from shared-memory `buffer`."""
+        meta = dict(meta or {})
+        if what == "state":
+            return self._apply_state(buffer, numel, meta)
+        if numel != self.total_numel:
+            raise SharedBufferError(f"applying {what} needs exactly {self.total_numel} float32 "
+                                    f"elements (worker.describe total_numel), got numel={numel}",
+                                    {"buffer": buffer, "needed": self.total_numel, "given": numel})
+        new_step = meta.get("step", self.step) if what == "parameters" else self.step
+        if not isinstance(new_step, int) or isinstance(new_step, bool) or new_step < 0:
+            raise SharedBufferError(f"meta.step must be a non-negative integer, not {new_step!r}")
+        with buffers.attach(buffer, numel) as view:
+            _check_finite(view, buffer, what)
+            incoming = [v.to(self.device, dtype=p.dtype, copy=True)
+                        for v, p in zip(scatter_views(self.slots, view), self.params, strict=True)]
+            del view
+        if what == "parameters":
+            with torch.no_grad():
+                for param, value in zip(self.params, incoming, strict=True):
+                    param.copy_(value)
+            self.step = new_step
+            return {"step": self.step}
+        for param, grad in zip(self.params, incoming, strict=True):
+            param.grad = grad
+        with self._guard("optimizer.step"):
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+        for param in self.params:
+            param.grad = None
+        self.step += 1
+        self.zero_grad()
+        self.state_numel = self._count_state_numel()
+        return {"step": self.step, "lr": float(self.optimizer.param_groups[0]["lr"])}
+
+    def _apply_state(self, buffer: str, numel: int, meta: dict[str, Any]) -> dict[str, Any]:
+        layout = meta.get("layout")
+        if not isinstance(layout, dict):
+            raise SharedBufferError("applying state needs the meta that worker.export returned with it "
+                                    "(meta.layout is missing)")
+        param_slots = slots_from_meta(layout.get("parameters"), "parameters", 0)
+        if [(s.name, s.shape) for s in param_slots] != [(s.name, s.shape) for s in self.slots]:
+            raise SharedBufferError("meta.layout.parameters does not match this model's parameters "
+                                    "(names or shapes differ)")
+        opt_items = layout.get("optimizer")
+        opt_slots = slots_from_meta(opt_items, "optimizer", param_slots[-1].end)
+        buffer_slots = slots_from_meta(layout.get("buffers"), "buffers", (opt_slots or param_slots)[-1].end)
+        model_buffers = self._float_buffers()
+        if [(s.name, s.shape) for s in buffer_slots] != [(n, tuple(b.shape)) for n, b in model_buffers]:
+            raise SharedBufferError("meta.layout.buffers does not match this model's buffers")
+        total = (buffer_slots or opt_slots or param_slots)[-1].end
+        if numel != total or meta.get("numel", total) != total:
+            raise SharedBufferError(f"the state layout in meta holds {total} float32 elements, got "
+                                    f"numel={numel}", {"buffer": buffer, "needed": total, "given": numel})
+        entries = []
+        for item in opt_items:
+            if not isinstance(item.get("param"), int) or not isinstance(item.get("key"), str):
+                raise SharedBufferError("every meta.layout.optimizer item needs an int 'param' and a "
+                                        "str 'key'")
+            entries.append((item["param"], item["key"]))
+        opt_meta = meta.get("optimizer")
+        if not isinstance(opt_meta, dict) or not isinstance(opt_meta.get("param_groups"), list):
+            raise SharedBufferError("meta.optimizer.param_groups is missing")
+        step = meta.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise SharedBufferError(f"meta.step must be a non-negative integer, not {step!r}")
+        with buffers.attach(buffer, numel) as view:
+            _check_finite(view, buffer, "state")
+            copied = view.clone()
+            del view
+        params_in = scatter_views(param_slots, copied)
+        opt_state = rebuild_optimizer_state(entries, scatter_views(opt_slots, copied),
+                                            dict(opt_meta.get("scalars") or {}), opt_meta["param_groups"])
+        try:
+            self.optimizer.load_state_dict(opt_state)
+            if self.scheduler is not None and meta.get("scheduler") is not None:
+                self.scheduler.load_state_dict(meta["scheduler"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise SharedBufferError(f"the optimizer state in meta does not fit this optimizer: {exc}",
+                                    {"buffer": buffer}) from exc
+        with torch.no_grad():
+            for param, value in zip(self.params, params_in, strict=True):
+                param.copy_(value)
+            for (_, model_buffer), value in zip(model_buffers, scatter_views(buffer_slots, copied),
+                                                strict=True):
+                model_buffer.copy_(value)
+        self.step = step
+        self.zero_grad()
+        self.state_numel = self._count_state_numel()
+        return {"step": self.step}
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
+        payload = {
+            "workload": self.workload.name,
+            "workload_version": self.workload.version,
+            "config": self.config,
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+        }
+        size = checkpoint.save(path, payload)
+        return {"path": str(Path(path).absolute()), "bytes": size, "step": self.step}
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        document = checkpoint.load(path)
+        where = {"path": path}
+        if document.get("workload") != self.workload.name:
+            raise CheckpointError(f"{path} is a checkpoint of workload {document.get('workload')!r}, "
+                                  f"the loaded workload is {self.workload.name!r}", where)
+        if document.get("config") != self.config:
+            differing = sorted(key for key in set(self.config) | set(document.get("config") or {})
+                               if (document.get("config") or {}).get(key) != self.config.get(key))
+            raise CheckpointError(f"{path} was saved with another config of {self.workload.name!r} "
+                                  f"(keys that differ: {', '.join(differing)})",
+                                  {**where, "keys": differing})
+        model_state = document.get("model")
+        current = self.model.state_dict()
+        if (not isinstance(model_state, dict) or set(model_state) != set(current)
+                or any(tuple(model_state[k].shape) != tuple(v.shape) for k, v in current.items())):
+            raise CheckpointError(f"{path}: the model tensors do not match this model", where)
+        try:
+            self.optimizer.load_state_dict(document["optimizer"])
+            if self.scheduler is not None and document.get("scheduler") is not None:
+                self.scheduler.load_state_dict(document["scheduler"])
+            self.model.load_state_dict(model_state)
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(f"{path} does not fit the loaded workload: {exc}", where) from exc
+        self.step = int(document.get("step", 0))
+        self.zero_grad()
+        self.state_numel = self._count_state_numel()
+        return {"step": self.step}
+
+
+def _check_finite(view: torch.Tensor, buffer: str, what: str) -> None:
+    if not bool(torch.isfinite(view).all()):
+        bad = int((~torch.isfinite(view)).sum())
+        raise SharedBufferError(f"buffer {buffer!r} holds {bad} NaN or Inf values; the {what} were "
+                                "not applied and nothing changed", {"buffer": buffer, "non_finite": bad})

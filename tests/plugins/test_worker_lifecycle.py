@@ -1,0 +1,89 @@
+"""How a worker process starts and ends: stop, a closed connection, SIGTERM, a dead parent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dedloc.rpc import ErrorCode, RpcCallError
+
+SHM = Path("/dev/shm")
+
+
+async def test_stop_answers_then_exits_zero(launch: Callable[..., Any]) -> None:
+    worker = launch()
+    client = await worker.connect()
+    try:
+        try:
+            await client.call("worker.describe")
+        except RpcCallError as exc:
+            assert exc.code == ErrorCode.RUN_NOT_ACTIVE and "worker.load" in exc.message
+        else:
+            raise AssertionError("describe before load must fail")
+        assert await client.call("worker.stop") == {}
+        assert await worker.wait() == 0, worker.log()
+    finally:
+        await client.close()
+    assert not worker.socket.exists()
+    assert '"event":"worker_stopped"' in worker.log()
+
+
+async def test_closing_the_connection_exits_zero(launch: Callable[..., Any]) -> None:
+    worker = launch()
+    client = await worker.connect()
+    await client.call("worker.hello")
+    await client.close()
+    assert await worker.wait() == 0, worker.log()
+    assert "connection closed" in worker.log()
+
+
+async def test_sigterm_exits_zero(launch: Callable[..., Any]) -> None:
+    worker = launch()
+    client = await worker.connect()
+    await client.call("worker.load", {"workload": "tiny"})
+    worker.process.send_signal(signal.SIGTERM)
+    assert await worker.wait() == 0, worker.log()
+    await client.close()
+
+
+async def test_exits_when_its_parent_dies(launch: Callable[..., Any]) -> None:
+    parent = await asyncio.create_subprocess_exec("sleep", "60")
+    try:
+        worker = launch("--parent-pid", str(parent.pid))
+        client = await worker.connect()
+        await client.call("worker.hello")
+        parent.kill()
+        assert await worker.wait() == 0, worker.log()
+        assert "worker_parent_gone" in worker.log()
+        await client.close()
+    finally:
+        if parent.returncode is None:
+            parent.kill()
+        await parent.wait()
+
+
+async def test_no_shared_memory_left_behind(launch: Callable[..., Any], buffers: Any) -> None:
+    before = set(os.listdir(SHM))
+    worker = launch()
+    client = await worker.connect()
+    numel = (await client.call("worker.load", {"workload": "tiny"}))["total_numel"]
+    name, array = buffers.make(numel)
+    await client.call("worker.train", {"samples": 64})
+    await client.call("worker.export", {"what": "gradients", "buffer": name, "numel": numel})
+    assert np.abs(array).sum() > 0
+    await client.call("worker.apply", {"what": "gradients", "buffer": name, "numel": numel})
+    await client.call("worker.stop")
+    assert await worker.wait() == 0, worker.log()
+    await client.close()
+    await asyncio.sleep(0)
+    assert (SHM / name).exists(), "the worker must never unlink the daemon's buffer"
+    del array
+    buffers.close()
+    assert set(os.listdir(SHM)) - before == set()
+    assert "resource_tracker" not in worker.log()
