@@ -91,7 +91,7 @@ async def _follow(client: JsonRpcClient, name: str, args: argparse.Namespace) ->
             return status
         if time.monotonic() > deadline:
             raise RuntimeError(f"the loss did not drop to {args.drop:.0%} within {args.max_seconds} s")
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.25)
 
 
 def main(argv: list[str] | None = None) -> int:
