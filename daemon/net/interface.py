@@ -1,0 +1,103 @@
+"""The narrow port through which the DHT and averaging talk to peers: `PeerTransport`.
+
+Whatever carries the bytes (TCP+TLS today; WebRTC data channels and relays later), users of the
+transport see authenticated peers (by peer id), unary calls and streams of messages. A message is
+a small JSON-able header plus a raw binary payload (tensor bytes never go through JSON).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .addresses import PeerAddress
+
+
+@dataclass(frozen=True)
+class Message:
+    """What a call or a stream carries: a JSON-able header and raw bytes."""
+
+    header: dict[str, Any] = field(default_factory=dict)
+    payload: bytes | bytearray | memoryview = b""
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who is calling: the authenticated peer id and the link it came over."""
+
+    peer_id: str
+    link_kind: str = "tcp"
+    addresses: tuple[PeerAddress, ...] = ()
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """One open link to a peer, for `node.peers`."""
+
+    peer_id: str
+    address: str | None
+    kind: str
+    outbound: bool
+    rtt_ms: float | None
+    bytes_in: int
+    bytes_out: int
+    streams: int
+    opened_at: float
+
+
+class Stream(Protocol):
+    """A bidirectional, ordered, flow-controlled sequence of messages within one link."""
+
+    async def send(self, message: Message, *, timeout: float) -> None:
+        """Send one message; waits (up to `timeout`) while the peer's window is full."""
+
+    async def receive(self, *, timeout: float) -> Message | None:
+        """The next message, or None once the peer has closed its side."""
+
+    async def close(self) -> None:
+        """Close our sending side (the peer's receive returns None after what was sent)."""
+
+    async def abort(self, reason: str) -> None:
+        """Tear the stream down both ways; the peer's next call raises StreamAborted."""
+
+
+UnaryHandler = Callable[[RequestContext, Message], Awaitable[Message]]
+StreamHandler = Callable[[RequestContext, Stream], Awaitable[None]]
+
+
+class PeerTransport(Protocol):
+    """Authenticated links to peers by peer id. Implementations: TlsTransport, MemoryTransport."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    def listen_addresses(self) -> list[PeerAddress]:
+        """Addresses other peers may dial to reach us (with our peer id)."""
+
+    def add_unary_handler(self, method: str, handler: UnaryHandler) -> None:
+        """Serve `method`: the handler's returned Message is the reply; an exception becomes a
+        RemoteError at the caller (its message, not its traceback)."""
+
+    def add_stream_handler(self, method: str, handler: StreamHandler) -> None:
+        """Serve streams opened with `method`."""
+
+    def learn_addresses(self, peer_id: str, addresses: list[PeerAddress]) -> None:
+        """Remember how to dial `peer_id` (from the DHT, bootstrap lists, ...)."""
+
+    async def connect(self, address: PeerAddress, *, timeout: float) -> str:
+        """Open (or reuse) a link to the peer at `address`; return its authenticated peer id.
+        If the address names a peer id and another peer answers: PeerIdMismatchError."""
+
+    async def call(self, peer_id: str, method: str, message: Message, *, timeout: float) -> Message:
+        """One request, one reply, within `timeout` (dialing included)."""
+
+    async def open_stream(self, peer_id: str, method: str, header: dict[str, Any], *,
+                          timeout: float) -> Stream:
+        """Open a stream to `peer_id` served by its handler for `method`."""
+
+    def links(self) -> list[LinkInfo]:
+        """The open links."""
+
+    async def close(self) -> None:
+        """Close every link and listener; pending calls fail with TransportClosed."""
