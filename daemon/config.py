@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .net.addresses import PeerAddress
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -75,10 +76,49 @@ class WorkersSection:
 
 
 @dataclass(frozen=True)
+class NetSection:
+    listen: list[str] = _doc(
+        "Addresses to listen on for peers, like /ip4/0.0.0.0/tcp/4100. Port 0 picks a free port; "
+        "a peer that others bootstrap from, or whose port is forwarded, wants a fixed one.",
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce: list[str] = _doc(
+        "Addresses to tell other peers instead of the listening ones (e.g. a forwarded public "
+        "address). Empty: the listening addresses.", default_factory=list)
+    bootstrap: list[str] = _doc(
+        "Peers to join through, like /ip4/203.0.113.5/tcp/4100/p2p/<peer-id> (repeat "
+        "--net.bootstrap or give a comma-separated list). Unreachable ones are retried in the "
+        "background; start-up never fails because of them.", default_factory=list)
+    handshake_timeout: float = _doc("Seconds a peer may take for the TLS and identity handshake.",
+                                    default=10.0)
+    call_timeout: float = _doc("Default deadline of one peer-to-peer call, in seconds.", default=10.0)
+    max_frame_bytes: int = _doc("Largest frame payload a peer may send.", default=16 << 20)
+    max_streams_per_peer: int = _doc("Most concurrent calls and streams one peer may open.",
+                                     default=256)
+    idle_timeout: float = _doc("Seconds an unused link to a peer stays open.", default=600.0)
+
+
+@dataclass(frozen=True)
+class DhtSection:
+    client_mode: Literal["auto", "yes", "no"] = _doc(
+        "Serve the DHT (no), only query it (yes), or decide from whether other peers can dial us "
+        "(auto).", default="auto")
+    k: int = _doc("Bucket size and replication factor.", default=20)
+    alpha: int = _doc("Parallel requests per lookup step.", default=3)
+    lookup_timeout: float = _doc("Deadline of one lookup, in seconds.", default=10.0)
+    max_value_bytes: int = _doc("Largest value accepted for storage.", default=64 << 10)
+    max_records: int = _doc("Most entries this node stores for others.", default=100_000)
+    refresh_interval: float = _doc("Seconds between refreshes of an idle bucket.", default=600.0)
+    republish_interval: float = _doc("Seconds between republishing records to the closest peers.",
+                                     default=300.0)
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeSection = field(default_factory=NodeSection)
     log: LogSection = field(default_factory=LogSection)
     rpc: RpcSection = field(default_factory=RpcSection)
+    net: NetSection = field(default_factory=NetSection)
+    dht: DhtSection = field(default_factory=DhtSection)
     workers: WorkersSection = field(default_factory=WorkersSection)
 
     # Derived paths (environment applied) -------------------------------------------------
@@ -199,7 +239,21 @@ def build_config(file_values: typing.Mapping[str, Any] | None = None,
         section, name = dotted.split(".", 1)
         per_section[section][name] = value
     hints = typing.get_type_hints(Config)
-    return Config(**{s: hints[s](**per_section[s]) for s in sections})
+    config = Config(**{s: hints[s](**per_section[s]) for s in sections})
+    _check_addresses(config)
+    return config
+
+
+def _check_addresses(config: Config) -> None:
+    for name in ("listen", "announce", "bootstrap"):
+        for text in getattr(config.net, name):
+            try:
+                address = PeerAddress.parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"net.{name}", str(exc)) from None
+            if name == "bootstrap" and address.peer_id is None:
+                raise ConfigError("net.bootstrap", f"{text!r} names no peer: append /p2p/<peer-id> "
+                                                   "(dedloc info prints a peer's addresses)")
 
 
 def load_config(path: Path | None, overrides: typing.Mapping[str, Any] | None = None) -> Config:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import typing
 from pathlib import Path
 
 import structlog
@@ -34,9 +35,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dedlocd {__version__}")
     keys = parser.add_argument_group("configuration keys (override the file)")
     for key in config_keys():
+        repeatable = typing.get_origin(key.hint) is list
         keys.add_argument(f"--{key.dotted}", dest=f"key:{key.dotted}", metavar="VALUE",
+                          action="append" if repeatable else "store",
                           help=key.doc.replace("%", "%%"))
     return parser
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, typing.Any]:
+    """The configuration keys given on the command line, parsed; repeated list keys add up."""
+    keys = {key.dotted: key for key in config_keys()}
+    overrides = {}
+    for dest, value in vars(args).items():
+        if dest.startswith("key:") and value is not None:
+            text = ",".join(value) if isinstance(value, list) else value
+            overrides[dest[4:]] = parse_text_value(keys[dest[4:]], text)
+    return overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,12 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render_default_config())
         return EXIT_OK
     try:
-        keys = {key.dotted: key for key in config_keys()}
-        overrides = {
-            dest[4:]: parse_text_value(keys[dest[4:]], value)
-            for dest, value in vars(args).items() if dest.startswith("key:") and value is not None
-        }
-        config = load_config(args.config, overrides)
+        config = load_config(args.config, overrides_from_args(args))
     except ConfigError as exc:
         sys.stderr.write(f"dedlocd: {exc}\n")
         return EXIT_USAGE

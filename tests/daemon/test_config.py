@@ -44,6 +44,8 @@ def test_values_and_overrides() -> None:
     ({"log": {"level": "loud"}}, "log.level", "must be one of"),
     ({"workers": {"command": "python"}}, "workers.command", "must be a list of str"),
     ({"rpc": 3}, "rpc", "must be a table"),
+    ({"net": {"listen": ["/ip4/1.2.3/tcp/1"]}}, "net.listen", "1.2.3"),
+    ({"net": {"bootstrap": ["/ip4/127.0.0.1/tcp/4100"]}}, "net.bootstrap", "names no peer"),
 ])
 def test_bad_values_name_the_key(values: dict, key: str, reason: str) -> None:
     with pytest.raises(ConfigError) as caught:
@@ -80,6 +82,17 @@ def test_command_line_refuses_bad_keys_with_their_name(tmp_path: Path) -> None:
     assert result.returncode == 2 and "node.colour" in result.stderr
     result = dedlocd("--config", str(tmp_path / "missing.toml"))
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_list_keys_repeat_or_take_commas() -> None:
+    from dedloc.daemon.main import build_parser, overrides_from_args
+
+    args = build_parser().parse_args(["--net.listen", "/ip4/127.0.0.1/tcp/1,/ip4/127.0.0.1/tcp/2",
+                                      "--net.listen", "/ip4/127.0.0.1/tcp/3", "--log.level", "debug"])
+    overrides = overrides_from_args(args)
+    assert overrides == {"net.listen": ["/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2",
+                                        "/ip4/127.0.0.1/tcp/3"], "log.level": "debug"}
+    assert build_config(overrides=overrides).net.listen[2] == "/ip4/127.0.0.1/tcp/3"
 
 
 def test_print_default_config() -> None:
