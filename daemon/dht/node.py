@@ -1,0 +1,468 @@
+"""`DHTNode`: Kademlia over a `PeerTransport` (RPC handlers, lookups, store/get, maintenance).
+
+The pure parts live apart: ids.py (metric), routing.py (k-buckets), records.py and storage.py
+(signed expiring entries), protocol.py (wire codecs), lookup.py (the iterative lookup). This
+module wires them to the network and owns the background tasks:
+- joining: connect to the bootstrap addresses, look up our own id, then a random id in every
+  bucket; while the routing table is empty this is retried with capped exponential backoff;
+- bucket refresh: a lookup of a random id in every bucket no lookup touched in `refresh_interval`;
+- republish of our own records every `republish_interval`, until they expire;
+- replication of held records to a newly seen node that is among the k closest to their key
+  (sent by the holder that is closest to the key in its own view);
+- expiry sweeps of the record store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from ..identity import Identity
+from ..net.addresses import PeerAddress
+from ..net.errors import RemoteError, TransportError
+from ..net.interface import Message, PeerTransport, RequestContext
+from . import protocol
+from .errors import DHTError, InvalidRecord
+from .ids import key_id_of, node_id_of
+from .lookup import LookupResult, QueryReply, iterative_lookup
+from .protocol import Contact
+from .records import Entry, Record, RecordLimits, merge_entries, validate
+from .routing import NodeInfo, RoutingTable
+from .storage import RecordStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    k: int = 20  # bucket size and replication factor
+    alpha: int = 3  # parallel queries per lookup
+    rpc_timeout: float = 2.0  # one request/reply
+    lookup_timeout: float = 5.0  # default deadline of one get/store/find (lookup and stores)
+    join_timeout: float = 10.0  # the join attempt inside start()
+    bootstrap_backoff: float = 1.0  # first retry delay while isolated; doubles up to the max
+    bootstrap_backoff_max: float = 60.0
+    refresh_interval: float = 600.0
+    republish_interval: float = 1800.0
+    sweep_interval: float = 60.0
+    maintenance_period: float = 5.0  # how often the maintenance loop wakes
+    max_background_tasks: int = 32  # pings of stale nodes and replications, together
+    replication_senders: int = 3  # how many of the closest holders hand a record to a newcomer
+    ban_seconds: float = 600.0  # a peer that returned a forged record is ignored this long
+    client_mode: bool = False  # query and store via others; answer no DHT RPCs
+    limits: RecordLimits = field(default_factory=RecordLimits)
+
+
+class DHTNode:
+    def __init__(self, transport: PeerTransport, identity: Identity, config: DHTConfig | None = None,
+                 *, clock: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
+        if transport.peer_id != identity.peer_id:
+            raise ValueError("the transport and the identity name different peers")
+        self.transport = transport
+        self.identity = identity
+        self.config = config or DHTConfig()
+        self.peer_id = identity.peer_id
+        self.node_id = node_id_of(self.peer_id)
+        self.routing_table = RoutingTable(self.node_id, k=self.config.k)
+        self.storage = RecordStore(self.config.limits)
+        self.stats: Counter[str] = Counter()
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._bootstrap: list[PeerAddress] = []
+        self._own: dict[tuple[str, str | None], Entry] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._busy: set[str] = set()  # peers with a ping or a replication under way
+        self._banned: dict[str, float] = {}  # peer id -> loop time when the ban ends
+        self._started = False
+        self._closed = False
+        self._joined_event = asyncio.Event()
+        self._log = log.bind(peer_id=self.peer_id[:12], client=self.config.client_mode)
+
+    # ---- life cycle -------------------------------------------------------------------------
+
+    async def start(self, bootstrap: Sequence[PeerAddress | str] = (), *, wait: bool = True) -> bool:
+        """Serve the DHT RPCs (unless in client mode), then join through `bootstrap`. With `wait`,
+        one join attempt (bounded by `join_timeout`) runs before returning; failures are logged and
+        retried in the background. Returns whether the node knows at least one peer."""
+        if self._started:
+            raise RuntimeError("DHTNode.start() was already called")
+        self._started = True
+        self._bootstrap = [a if isinstance(a, PeerAddress) else PeerAddress.parse(a) for a in bootstrap]
+        if not self.config.client_mode:
+            self.transport.add_unary_handler(protocol.PING, self._on_ping)
+            self.transport.add_unary_handler(protocol.FIND_NODE, self._on_find_node)
+            self.transport.add_unary_handler(protocol.FIND_VALUE, self._on_find_value)
+            self.transport.add_unary_handler(protocol.STORE, self._on_store)
+        if self._bootstrap and wait:
+            try:
+                async with asyncio.timeout(self.config.join_timeout):
+                    await self._join()
+            except TimeoutError:
+                self._log.warning("dht_join_timed_out", timeout=self.config.join_timeout)
+        self._spawn(self._maintain(), "dht-maintenance")
+        return self.joined
+
+    @property
+    def joined(self) -> bool:
+        return len(self.routing_table) > 0
+
+    async def wait_joined(self, timeout: float) -> bool:
+        """Wait (up to `timeout`) until a join through the bootstrap peers has succeeded."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._joined_event.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Cancel and await every background task. The transport stays open (its owner closes it)."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._log.error("dht_task_failed", task=task.get_name(), exc_info=exc)
+
+    # ---- public operations ------------------------------------------------------------------
+
+    async def store(self, key: str, value: bytes, expiration: float, sub_key: str | None = None, *,
+                    timeout: float | None = None) -> int:
+        """Sign and store `value` under `key` (or `key`/`sub_key`) at the k nodes closest to the
+        key, this one included when it is among them. Returns how many nodes accepted it (0: none).
+        Raises an InvalidRecord subclass (e.g. ForbiddenWrite) if no honest node would take it."""
+        entry = Entry.create(self.identity, key, bytes(value), expiration, sub_key)
+        validate(entry, self._clock(), self.config.limits)
+        self._own[(key, sub_key)] = entry
+        return await self._replicate(entry, self._deadline(timeout))
+
+    async def get(self, key: str, *, latest: bool = True, timeout: float | None = None) -> Record | None:
+        """The live value of `key`: every signature checked, expired entries dropped. With `latest`,
+        ask all k nodes closest to the key and merge what they hold (newest per sub-key); without,
+        stop at the first node that has it. None when no node has it."""
+        now = self._clock()
+        local = [] if self.config.client_mode else self.storage.get(key, now)
+        if local and not latest:
+            return Record(key, tuple(local))
+        key_id = key_id_of(key)
+        result = await self._lookup(key_id, self._deadline(timeout), key=key,
+                                    stop=None if latest else (lambda r: bool(r.entries)))
+        gathered = [*local]
+        for entries in result.entries.values():
+            gathered.extend(entries)
+        merged = merge_entries(gathered, self._clock())
+        return Record(key, tuple(merged)) if merged else None
+
+    async def find_nodes(self, target: int, *, timeout: float | None = None) -> list[Contact]:
+        """The (up to k) nodes closest to `target` that answered, nearest first."""
+        return (await self._lookup(target, self._deadline(timeout))).closest
+
+    async def find_peer(self, peer_id: str, *, timeout: float | None = None) -> Contact | None:
+        """Look up `peer_id` in the DHT; its contact if some node knows it (or it answered)."""
+        if peer_id == self.peer_id:
+            return Contact(peer_id, tuple(self._my_addresses()))
+        contacts = await self.find_nodes(node_id_of(peer_id), timeout=timeout)
+        return next((c for c in contacts if c.peer_id == peer_id), None)
+
+    # ---- RPC handlers -----------------------------------------------------------------------
+
+    def _note_caller(self, ctx: RequestContext, header: dict[str, Any]) -> None:
+        self.stats["rpc_in"] += 1
+        caller = protocol.decode_caller(header)
+        if caller.client or ctx.peer_id == self.peer_id:
+            return
+        addresses = caller.addresses or ctx.addresses
+        if addresses:
+            self.transport.learn_addresses(ctx.peer_id, list(addresses))
+        self._seen(ctx.peer_id, addresses)
+
+    async def _on_ping(self, ctx: RequestContext, message: Message) -> Message:
+        self._note_caller(ctx, message.header)
+        return Message({})
+
+    async def _on_find_node(self, ctx: RequestContext, message: Message) -> Message:
+        self._note_caller(ctx, message.header)
+        target = protocol.decode_target(message.header)
+        return Message({"nodes": protocol.encode_contacts(self._nearest(target, exclude={ctx.peer_id}))})
+
+    async def _on_find_value(self, ctx: RequestContext, message: Message) -> Message:
+        self._note_caller(ctx, message.header)
+        key = protocol.decode_key(message.header)
+        entries = self.storage.get(key, self._clock())
+        return protocol.encode_values(entries, self._nearest(key_id_of(key), exclude={ctx.peer_id}))
+
+    async def _on_store(self, ctx: RequestContext, message: Message) -> Message:
+        self._note_caller(ctx, message.header)
+        entry = protocol.decode_store(message)
+        try:
+            stored = self.storage.store(entry, self._clock())
+        except DHTError as exc:
+            self.stats["stores_refused"] += 1
+            self._log.info("dht_store_refused", sender=ctx.peer_id[:12], key=entry.key,
+                           sub_key=entry.sub_key, reason=type(exc).__name__)
+            raise
+        return Message({"stored": stored})
+
+    # ---- outgoing RPCs ----------------------------------------------------------------------
+
+    def _my_addresses(self) -> list[PeerAddress]:
+        return [] if self.config.client_mode else self.transport.listen_addresses()
+
+    def _caller_header(self) -> dict[str, Any]:
+        return protocol.encode_caller(self.config.client_mode, self._my_addresses())
+
+    def _nearest(self, target: int, exclude: set[str] | frozenset[str] = frozenset(),
+                 count: int | None = None) -> list[Contact]:
+        nodes = self.routing_table.nearest(target, count or self.config.k, exclude=exclude)
+        return [Contact(node.peer_id, node.addresses) for node in nodes]
+
+    def _seen(self, peer_id: str, addresses: tuple[PeerAddress, ...]) -> None:
+        """`peer_id` answered or called us: keep it in the routing table."""
+        if self._is_banned(peer_id):
+            return
+        table = self.routing_table
+        is_new = peer_id not in table
+        try:
+            node_id = node_id_of(peer_id)
+        except ValueError:
+            return
+        stale = table.add_or_update(NodeInfo(peer_id, node_id, addresses))
+        if stale is not None and stale.peer_id not in self._busy:
+            self._background(stale.peer_id, self._ping_quietly(stale.peer_id), "dht-ping-stale")
+        elif is_new and peer_id in table and len(self.storage) and not self.config.client_mode:
+            self._background(peer_id, self._replicate_to(peer_id), "dht-replicate")
+
+    def _background(self, peer_id: str, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        if self._closed or len(self._tasks) >= self.config.max_background_tasks:
+            coro.close()  # at capacity: the next maintenance round catches up
+            return
+        self._busy.add(peer_id)
+        task = self._spawn(coro, name)
+        task.add_done_callback(lambda _: self._busy.discard(peer_id))
+
+    async def _call(self, contact: Contact, method: str, message: Message, timeout: float) -> Message:
+        if contact.addresses:
+            self.transport.learn_addresses(contact.peer_id, list(contact.addresses))
+        try:
+            reply = await self.transport.call(contact.peer_id, method, message,
+                                              timeout=max(timeout, 0.001))
+        except RemoteError:
+            self.routing_table.mark_seen(contact.peer_id)  # it is alive, it refused
+            raise
+        except TransportError:
+            self.stats["rpc_failed"] += 1
+            self.routing_table.mark_failed(contact.peer_id)
+            raise
+        self._seen(contact.peer_id, contact.addresses)
+        return reply
+
+    async def _ping_quietly(self, peer_id: str) -> None:
+        node = self.routing_table.get(peer_id)
+        if node is None:
+            return
+        try:
+            await self._call(Contact(peer_id, node.addresses), protocol.PING,
+                             Message(self._caller_header()), self.config.rpc_timeout)
+        except TransportError as exc:
+            self._log.debug("dht_ping_failed", peer=peer_id[:12], error=str(exc))
+
+    def _rpc_timeout(self, deadline: float) -> float:
+        return min(self.config.rpc_timeout, deadline - asyncio.get_running_loop().time())
+
+    async def _lookup(self, target: int, deadline: float, *, key: str | None = None,
+                      stop: Callable[[LookupResult], bool] | None = None) -> LookupResult:
+        header = self._caller_header()
+
+        async def find_node(contact: Contact) -> QueryReply:
+            message = Message({**header, "target": protocol.encode_target(target)})
+            reply = await self._call(contact, protocol.FIND_NODE, message, self._rpc_timeout(deadline))
+            return QueryReply(protocol.decode_contacts(reply.header.get("nodes", [])))
+
+        async def find_value(contact: Contact) -> QueryReply:
+            assert key is not None
+            message = Message({**header, "key": key})
+            reply = await self._call(contact, protocol.FIND_VALUE, message, self._rpc_timeout(deadline))
+            entries, contacts = protocol.decode_values(key, reply)
+            return QueryReply(contacts, self._checked(contact.peer_id, entries))
+
+        result = await iterative_lookup(
+            target, self._nearest(target), find_value if key is not None else find_node,
+            k=self.config.k, alpha=self.config.alpha, deadline=deadline,
+            exclude=frozenset({self.peer_id, *self._banned}), stop=stop)
+        self.routing_table.touch(target, asyncio.get_running_loop().time())
+        return result
+
+    def _ban(self, peer_id: str) -> None:
+        self.routing_table.remove(peer_id)
+        if len(self._banned) >= 4096:  # bounded: forget the ban that ends first
+            del self._banned[min(self._banned, key=self._banned.__getitem__)]
+        self._banned[peer_id] = asyncio.get_running_loop().time() + self.config.ban_seconds
+
+    def _is_banned(self, peer_id: str) -> bool:
+        until = self._banned.get(peer_id)
+        if until is None:
+            return False
+        if until > asyncio.get_running_loop().time():
+            return True
+        del self._banned[peer_id]
+        return False
+
+    def _checked(self, peer_id: str, entries: list[Entry]) -> list[Entry]:
+        """The entries that pass validation; a peer that returns a forged one leaves our table."""
+        now, good = self._clock(), []
+        for entry in entries:
+            try:
+                validate(entry, now, self.config.limits)
+            except InvalidRecord as exc:
+                self.stats["forged_records"] += 1
+                self._log.warning("dht_invalid_record_received", sender=peer_id[:12], key=entry.key,
+                                  sub_key=entry.sub_key, reason=type(exc).__name__, error=str(exc))
+                self._ban(peer_id)
+                continue
+            good.append(entry)
+        return good
+
+    async def _replicate(self, entry: Entry, deadline: float) -> int:
+        """Store `entry` at the k nodes closest to its key (this one included when it is one)."""
+        key_id = key_id_of(entry.key)
+        found = await self._lookup(key_id, deadline)
+        targets = found.closest
+        stored = 0
+        if not self.config.client_mode and (
+                len(targets) < self.config.k
+                or self.node_id ^ key_id < node_id_of(targets[-1].peer_id) ^ key_id):
+            targets = targets[: self.config.k - 1]
+            try:
+                self.storage.store(entry, self._clock())
+                stored += 1
+            except DHTError as exc:
+                self._log.info("dht_local_store_refused", key=entry.key, reason=type(exc).__name__)
+        if targets:
+            results = await asyncio.gather(*(self._store_at(c, entry, deadline) for c in targets))
+            stored += sum(results)
+        return stored
+
+    async def _store_at(self, contact: Contact, entry: Entry, deadline: float) -> bool:
+        message = protocol.encode_store(entry, self._caller_header())
+        try:
+            await self._call(contact, protocol.STORE, message, self._rpc_timeout(deadline))
+        except RemoteError as exc:
+            self._log.info("dht_store_refused_by_peer", peer=contact.peer_id[:12], key=entry.key,
+                           kind=exc.kind, error=exc.message)
+            return False
+        except TransportError as exc:
+            self._log.debug("dht_store_failed", peer=contact.peer_id[:12], error=str(exc))
+            return False
+        return True
+
+    async def _replicate_to(self, peer_id: str) -> None:
+        """A new node joined our table: hand it the records it is now responsible for, for the keys
+        where we are among the `replication_senders` closest holders we know of (views are alike,
+        so a few send, not all k)."""
+        node = self.routing_table.get(peer_id)
+        if node is None:
+            return
+        k, sent = self.config.k, 0
+        now = self._clock()
+        for entry in list(self.storage.entries()):
+            if entry.expiration <= now:
+                continue
+            key_id = key_id_of(entry.key)
+            nearest = self.routing_table.nearest(key_id, k)
+            if all(n.peer_id != peer_id for n in nearest):
+                continue
+            own_distance = self.node_id ^ key_id
+            closer = sum(1 for n in nearest if n.peer_id != peer_id and n.node_id ^ key_id < own_distance)
+            if closer >= self.config.replication_senders:
+                continue  # closer holders will send it
+            deadline = asyncio.get_running_loop().time() + self.config.rpc_timeout
+            if not await self._store_at(Contact(peer_id, node.addresses), entry, deadline):
+                if peer_id not in self.routing_table:
+                    return
+            else:
+                sent += 1
+        if sent:
+            self._log.debug("dht_replicated_to_new_node", peer=peer_id[:12], entries=sent)
+
+    # ---- joining and maintenance ------------------------------------------------------------
+
+    def _deadline(self, timeout: float | None) -> float:
+        return asyncio.get_running_loop().time() + (timeout or self.config.lookup_timeout)
+
+    async def _join(self) -> bool:
+        """Contact the bootstrap peers, look up our own id, then refresh every bucket."""
+        header = self._caller_header()
+        for address in self._bootstrap:
+            try:
+                peer_id = await self.transport.connect(address, timeout=self.config.rpc_timeout)
+                await self._call(Contact(peer_id, (address,)), protocol.PING, Message(header),
+                                 self.config.rpc_timeout)
+            except TransportError as exc:
+                self._log.info("dht_bootstrap_peer_failed", address=str(address), error=str(exc))
+        if not self.joined:
+            self._log.warning("dht_bootstrap_failed", addresses=[str(a) for a in self._bootstrap])
+            return False
+        await self._lookup(self.node_id, self._deadline(None))
+        await self._refresh(force=True)
+        self._log.info("dht_joined", known=len(self.routing_table))
+        self._joined_event.set()
+        return True
+
+    async def _refresh(self, *, force: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        interval = -1.0 if force else self.config.refresh_interval
+        for bucket in self.routing_table.stale_buckets(loop.time(), interval):
+            await self._lookup(RoutingTable.random_id_in(bucket, self._rng), self._deadline(None))
+
+    async def _republish(self) -> None:
+        now = self._clock()
+        for key, entry in list(self._own.items()):
+            if entry.expiration <= now:
+                del self._own[key]
+                continue
+            await self._replicate(entry, self._deadline(None))
+
+    async def _maintain(self) -> None:
+        config = self.config
+        loop = asyncio.get_running_loop()
+        backoff = config.bootstrap_backoff
+        next_republish = loop.time() + config.republish_interval
+        next_sweep = loop.time() + config.sweep_interval
+        while True:
+            if not self.joined and self._bootstrap:
+                if await self._join():
+                    backoff = config.bootstrap_backoff
+                    continue
+                delay = backoff * (0.5 + self._rng.random())
+                backoff = min(backoff * 2, config.bootstrap_backoff_max)
+                self._log.info("dht_bootstrap_retry", in_seconds=round(delay, 3))
+                await asyncio.sleep(delay)
+                continue
+            await asyncio.sleep(config.maintenance_period)
+            await self._refresh()
+            if loop.time() >= next_sweep:
+                next_sweep = loop.time() + config.sweep_interval
+                swept = self.storage.sweep(self._clock())
+                if swept:
+                    self._log.debug("dht_swept", entries=swept)
+            if loop.time() >= next_republish:
+                next_republish = loop.time() + config.republish_interval
+                await self._republish()

@@ -1,0 +1,164 @@
+"""The DHT's wire messages, as pure codecs between `Message` and Python values.
+
+Every request header carries `client` (True: the caller takes no part in routing and must not be
+added to routing tables) and `addresses` (where the caller can be dialed). Methods:
+
+- `dht.ping`        {}                                -> {}
+- `dht.find_node`   {"target": <64 hex>}              -> {"nodes": [{"peer_id", "addresses"}]}
+- `dht.find_value`  {"key": str}                      -> {"nodes": [...], "entries": [{"sub_key",
+                     "expiration", "signer", "signature": <hex>, "size": int}]}, payload = values
+- `dht.store`       {"key", "sub_key", "expiration", "signer", "signature": <hex>}, payload = value
+                                                      -> {"stored": bool} (False: already held)
+
+Values travel in the payload (concatenated in the order of `entries`), never in JSON. A refused
+store raises at the server, so the caller gets a RemoteError whose `kind` is the DHT error class
+(`ForbiddenWrite`, `BadSignature`, `StaleRecord`, `RecordExpired`, `RecordTooLarge`, `StorageFull`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..net.addresses import PeerAddress
+from ..net.interface import Message
+from .errors import MalformedMessage
+from .records import Entry
+
+PING = "dht.ping"
+FIND_NODE = "dht.find_node"
+FIND_VALUE = "dht.find_value"
+STORE = "dht.store"
+MAX_NODES_IN_REPLY = 64
+MAX_ADDRESSES_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What a request says about its sender."""
+
+    client: bool
+    addresses: tuple[PeerAddress, ...]
+
+
+@dataclass(frozen=True)
+class Contact:
+    peer_id: str
+    addresses: tuple[PeerAddress, ...]
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise MalformedMessage(what)
+
+
+_parse_address = functools.lru_cache(maxsize=8192)(PeerAddress.parse)
+_address_text = functools.lru_cache(maxsize=8192)(PeerAddress.__str__)
+
+
+def encode_caller(client: bool, addresses: list[PeerAddress]) -> dict[str, Any]:
+    return {"client": client, "addresses": [str(a) for a in addresses[:MAX_ADDRESSES_PER_NODE]]}
+
+
+def _parse_addresses(raw: Any) -> tuple[PeerAddress, ...]:
+    _expect(isinstance(raw, list) and len(raw) <= MAX_ADDRESSES_PER_NODE, "bad address list")
+    addresses = []
+    for text in raw:
+        _expect(isinstance(text, str), "an address is not a string")
+        try:
+            addresses.append(_parse_address(text))
+        except ValueError as exc:
+            raise MalformedMessage(str(exc)) from None
+    return tuple(addresses)
+
+
+def decode_caller(header: dict[str, Any]) -> Caller:
+    client = header.get("client", False)
+    _expect(isinstance(client, bool), "'client' must be a boolean")
+    return Caller(client, _parse_addresses(header.get("addresses", [])))
+
+
+def encode_contacts(contacts: list[Contact]) -> list[dict[str, Any]]:
+    return [{"peer_id": c.peer_id,
+             "addresses": [_address_text(a) for a in c.addresses[:MAX_ADDRESSES_PER_NODE]]}
+            for c in contacts[:MAX_NODES_IN_REPLY]]
+
+
+def decode_contacts(raw: Any) -> list[Contact]:
+    _expect(isinstance(raw, list) and len(raw) <= MAX_NODES_IN_REPLY, "bad node list")
+    contacts = []
+    for item in raw:
+        _expect(isinstance(item, dict) and isinstance(item.get("peer_id"), str), "bad node")
+        contacts.append(Contact(item["peer_id"], _parse_addresses(item.get("addresses", []))))
+    return contacts
+
+
+def encode_target(target: int) -> str:
+    return f"{target:064x}"
+
+
+def decode_target(header: dict[str, Any]) -> int:
+    raw = header.get("target")
+    _expect(isinstance(raw, str) and len(raw) == 64, "'target' must be 64 hex digits")
+    try:
+        return int(raw, 16)
+    except ValueError:
+        raise MalformedMessage("'target' must be 64 hex digits") from None
+
+
+def decode_key(header: dict[str, Any]) -> str:
+    key = header.get("key")
+    _expect(isinstance(key, str), "'key' must be a string")
+    return key
+
+
+def _entry_meta(entry: Entry) -> dict[str, Any]:
+    return {"sub_key": entry.sub_key, "expiration": entry.expiration, "signer": entry.signer,
+            "signature": entry.signature.hex()}
+
+
+def _decode_entry(key: str, meta: Any, value: bytes) -> Entry:
+    _expect(isinstance(meta, dict), "an entry is not an object")
+    sub_key, expiration = meta.get("sub_key"), meta.get("expiration")
+    signer, signature = meta.get("signer"), meta.get("signature")
+    _expect(sub_key is None or isinstance(sub_key, str), "'sub_key' must be a string or null")
+    _expect(isinstance(expiration, int | float) and not isinstance(expiration, bool)
+            and math.isfinite(expiration), "'expiration' must be a number")
+    _expect(isinstance(signer, str), "'signer' must be a string")
+    _expect(isinstance(signature, str) and len(signature) == 128, "'signature' must be 128 hex digits")
+    try:
+        signature_bytes = bytes.fromhex(signature)
+    except ValueError:
+        raise MalformedMessage("'signature' must be hex") from None
+    return Entry(key, sub_key, value, float(expiration), signer, signature_bytes)
+
+
+def encode_store(entry: Entry, caller: dict[str, Any]) -> Message:
+    return Message({**caller, "key": entry.key, **_entry_meta(entry)}, entry.value)
+
+
+def decode_store(message: Message) -> Entry:
+    return _decode_entry(decode_key(message.header), message.header, bytes(message.payload))
+
+
+def encode_values(entries: list[Entry], contacts: list[Contact]) -> Message:
+    metas = [{**_entry_meta(e), "size": len(e.value)} for e in entries]
+    return Message({"nodes": encode_contacts(contacts), "entries": metas},
+                   b"".join(e.value for e in entries))
+
+
+def decode_values(key: str, message: Message) -> tuple[list[Entry], list[Contact]]:
+    header, payload = message.header, memoryview(message.payload)
+    metas = header.get("entries", [])
+    _expect(isinstance(metas, list), "'entries' must be a list")
+    entries, offset = [], 0
+    for meta in metas:
+        size = meta.get("size") if isinstance(meta, dict) else None
+        if not isinstance(size, int) or not 0 <= size <= len(payload) - offset:
+            raise MalformedMessage("bad entry size")
+        entries.append(_decode_entry(key, meta, bytes(payload[offset : offset + size])))
+        offset += size
+    _expect(offset == len(payload), "payload longer than its entries")
+    return entries, decode_contacts(header.get("nodes", []))
