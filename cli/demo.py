@@ -41,6 +41,7 @@ async def demo(args: argparse.Namespace, workdir: Path, log_file: IO[bytes]) -> 
     daemon = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(workdir / "state"),
         "--node.runtime_dir", str(workdir), "--log.format", "json",
+        "--net.listen", "/ip4/127.0.0.1/tcp/0",
         stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     try:
         client = await _connect(workdir / "dedlocd.sock", daemon, timeout=60)

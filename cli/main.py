@@ -15,7 +15,7 @@ import orjson
 from dedloc import __version__
 from dedloc.rpc import JsonRpcClient, RpcCallError, RpcConnectionError, RpcError
 
-from .render import render_info, render_status, render_workloads
+from .render import render_info, render_peers, render_status, render_workloads
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 SYSTEMD_SOCKET = Path("/run/dedlocd/dedlocd.sock")
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dedloc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("info", help="this node: peer id, version, addresses, runs")
+    commands.add_parser("peers", help="peers this node has a link to")
+    connect = commands.add_parser("connect", help="open a link to a peer")
+    connect.add_argument("address", help="/ip4/HOST/tcp/PORT/p2p/PEER_ID")
     commands.add_parser("workloads", help="installed workloads and their config")
     start = commands.add_parser("start", help="start training a workload")
     start.add_argument("workload")
@@ -125,6 +128,10 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] 
         return "node.info", None
     if args.command == "workloads":
         return "workloads.list", None
+    if args.command == "peers":
+        return "node.peers", None
+    if args.command == "connect":
+        return "node.connect", {"address": args.address}
     if args.command == "start":
         params: dict[str, Any] = {"workload": args.workload, "config": dict(args.config)}
         for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device"):
@@ -152,6 +159,10 @@ def _render(command: str, result: Any) -> str:
         return render_info(result)
     if command == "workloads":
         return render_workloads(result)
+    if command == "peers":
+        return render_peers(result)
+    if command == "connect":
+        return f"connected to {result['address']}\n"
     if command == "status":
         return "".join(render_status(run) for run in result) or "no runs\n"
     if command in ("start", "stop", "restart"):

@@ -16,12 +16,38 @@ def progress_bar(done: float, total: float, width: int = BAR_WIDTH) -> str:
 def render_info(info: dict[str, Any]) -> str:
     runs = ", ".join(f"{n} {state}" for state, n in info.get("runs", {}).items()) or "none"
     p2p = ", ".join(info["addresses"].get("p2p", [])) or "none yet"
+    reachable = {True: "yes", False: "no (behind NAT or firewall)", None: "not known yet"}[
+        info.get("reachable")]
+    dht = info.get("dht") or {}
     return (f"peer id   {info['peer_id']}\n"
             f"version   {info['version']} (pid {info['pid']}, up {info['uptime_seconds']:.0f} s)\n"
             f"control   {info['addresses']['control']}\n"
             f"p2p       {p2p}\n"
+            f"reachable {reachable}\n"
+            f"dht       {dht.get('mode', '?')}, {dht.get('routing_table_size', 0)} peers known"
+            f"{'' if dht.get('joined') else ', not joined'}\n"
             f"state dir {info['state_dir']}\n"
             f"runs      {runs}\n")
+
+
+def _size(count: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024  # type: ignore[assignment]
+    return str(count)
+
+
+def render_peers(peers: list[dict[str, Any]]) -> str:
+    if not peers:
+        return "no peers connected\n"
+    lines = [f"{'peer id':<48} {'link':<5} {'dir':<4} {'rtt':>8} {'in':>10} {'out':>10}  address\n"]
+    for peer in sorted(peers, key=lambda p: p["peer_id"]):
+        rtt = "-" if peer.get("rtt_ms") is None else f"{peer['rtt_ms']:.1f} ms"
+        lines.append(f"{peer['peer_id']:<48} {peer['kind']:<5} "
+                     f"{'out' if peer['outbound'] else 'in':<4} {rtt:>8} {_size(peer['bytes_in']):>10} "
+                     f"{_size(peer['bytes_out']):>10}  {peer.get('address') or ''}\n")
+    return "".join(lines)
 
 
 def render_workloads(listing: dict[str, Any]) -> str:

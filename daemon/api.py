@@ -20,11 +20,14 @@ from .errors import (
     UnknownRunError,
     WorkerError,
 )
+from .network_api import ERROR_MAP as NETWORK_ERROR_MAP
+from .network_api import NetworkApi
 
 if TYPE_CHECKING:
     from .node import Node
 
-ERROR_MAP = {
+ERROR_MAP: dict[type[BaseException], ErrorCode] = {
+    **NETWORK_ERROR_MAP,
     ShuttingDownError: ErrorCode.SHUTTING_DOWN,
     RunExistsError: ErrorCode.RUN_EXISTS,
     UnknownRunError: ErrorCode.UNKNOWN_RUN,
@@ -46,6 +49,9 @@ class NodeInfo(TypedDict):
     uptime_seconds: float
     state_dir: str
     addresses: Addresses
+    reachable: Annotated[bool | None, "Whether other peers could dial this node back "
+                         "(null: not known yet, e.g. no peer to ask)."]
+    dht: Annotated[dict[str, Any], "mode (server, client or starting), joined, routing_table_size."]
     runs: Annotated[dict[str, int], "Number of runs in each state."]
     counters: Annotated[dict[str, int], "Requests served and errors answered, by kind."]
 
@@ -70,6 +76,7 @@ def build_registry(node: Node) -> MethodRegistry:
         "Control a dedloc peer daemon: node, workloads and runs. JSON-RPC 2.0, one message per line.",
         error_map=ERROR_MAP)
     registry.register_object(ControlApi(node))
+    registry.register_object(NetworkApi(node.network))
     return registry
 
 
@@ -88,7 +95,9 @@ class ControlApi:
             "started_at": node.started_at,
             "uptime_seconds": round(time.time() - node.started_at, 3),
             "state_dir": str(node.config.state_dir()),
-            "addresses": {"control": f"unix:{node.socket_path}", "p2p": []},
+            "addresses": {"control": f"unix:{node.socket_path}", "p2p": node.network.addresses()},
+            "reachable": node.network.status.reachable,
+            "dht": node.network.dht_status(),
             "runs": node.runs.counts(),
             "counters": node.counters(),
         }

@@ -20,6 +20,7 @@ from .api import build_registry
 from .collab.runs import RunRegistry
 from .config import Config
 from .identity import Identity
+from .network import PeerNetwork
 from .sdnotify import SystemdNotifier
 from .workers.catalog import WorkloadListing
 
@@ -39,6 +40,7 @@ class Node:
         self.workloads = WorkloadListing(config.worker_command(),
                                          cache_seconds=config.workers.list_cache_seconds,
                                          timeout=config.workers.start_timeout)
+        self.network = PeerNetwork(config, self.identity)
         self.registry = build_registry(self)
         self._server = JsonRpcServer(
             self.registry, self.socket_path, mode=config.rpc.socket_mode,
@@ -48,7 +50,7 @@ class Node:
         self._shutdown_reason: str | None = None
 
     def counters(self) -> dict[str, int]:
-        return dict(self.registry.counters)
+        return {**self.registry.counters, **self.network.counters()}
 
     def request_shutdown(self, reason: str) -> None:
         if self._shutdown is None:
@@ -66,6 +68,7 @@ class Node:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown, sig.name)
         try:
+            await self.network.start()
             await self._server.start()
             log.info("dedlocd_ready", peer_id=self.identity.peer_id, socket=str(self.socket_path))
             self.notifier.notify("READY=1", f"STATUS=serving on {self.socket_path}")
@@ -76,12 +79,14 @@ class Node:
                 log.info("dedlocd_stopping", reason=self._shutdown_reason)
                 self.notifier.notify("STOPPING=1", f"STATUS=stopping ({self._shutdown_reason})")
                 await self.runs.close()
+                await self.network.close()
                 for task in background:
                     task.cancel()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
             await self._server.close()
+            await self.network.close()
             self.notifier.close()
         log.info("dedlocd_stopped")
 

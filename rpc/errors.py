@@ -31,6 +31,10 @@ class ErrorCode(IntEnum):
     BUFFER_ERROR = 1008
     WORKLOAD_ERROR = 1009
     CHECKPOINT_ERROR = 1010
+    NOT_JOINED = 1011
+    PEER_UNREACHABLE = 1012
+    PEER_ID_MISMATCH = 1013
+    DHT_REFUSED = 1014
 
 
 ERROR_DESCRIPTIONS: dict[ErrorCode, str] = {
@@ -53,6 +57,11 @@ ERROR_DESCRIPTIONS: dict[ErrorCode, str] = {
     ErrorCode.BUFFER_ERROR: "A shared-memory buffer is missing or has the wrong size or dtype.",
     ErrorCode.WORKLOAD_ERROR: "The workload's own code raised an error; `data` holds its message.",
     ErrorCode.CHECKPOINT_ERROR: "A checkpoint could not be written or read.",
+    ErrorCode.NOT_JOINED: "The node has not joined the network yet; try again shortly.",
+    ErrorCode.PEER_UNREACHABLE: "No address of the peer answered.",
+    ErrorCode.PEER_ID_MISMATCH: "The peer at that address is not the peer the address names.",
+    ErrorCode.DHT_REFUSED: "The DHT refused the record (too large, expired, or a sub-key owned by "
+    "another peer); the message says which.",
 }
 
 

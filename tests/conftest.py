@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -26,9 +27,10 @@ def short_tmp() -> Iterator[Path]:
 async def daemon_factory(short_tmp: Path) -> AsyncIterator[Any]:
     """Start daemons (each in its own directory); every one is stopped after the test."""
     started: list[DaemonProcess] = []
+    names = itertools.count()
 
     async def start(*args: str, env: dict[str, str] | None = None, name: str = "d") -> DaemonProcess:
-        root = short_tmp / f"{name}{len(started)}"
+        root = short_tmp / f"{name}{next(names)}"
         root.mkdir()
         daemon = await DaemonProcess.start(root, *args, env=env)
         started.append(daemon)

@@ -69,7 +69,8 @@ class DaemonProcess:
         full_env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), **(env or {})}
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(root / "state"),
-            "--node.runtime_dir", str(root), "--log.format", "json", "--log.level", "debug", *args,
+            "--node.runtime_dir", str(root), "--log.format", "json", "--log.level", "debug",
+            "--net.listen", "/ip4/127.0.0.1/tcp/0", *args,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, env=full_env)
         daemon = cls(root, process, notify)

@@ -175,6 +175,21 @@ class DHTNode:
         """The (up to k) nodes closest to `target` that answered, nearest first."""
         return (await self._lookup(target, self._deadline(timeout))).closest
 
+    async def introduce(self, peer_id: str, addresses: Sequence[PeerAddress] = (), *,
+                        timeout: float | None = None) -> bool:
+        """Ping a peer met outside the DHT (node.connect); if it serves the DHT it enters the
+        routing table and we look up our own id through it. False if it did not answer."""
+        try:
+            await self._call(Contact(peer_id, tuple(addresses)), protocol.PING,
+                             Message(self._caller_header()), self.config.rpc_timeout)
+        except TransportError as exc:
+            self._log.info("dht_introduce_failed", peer=peer_id[:12], error=str(exc))
+            return False
+        await self._lookup(self.node_id, self._deadline(timeout))
+        if self.routing_table.get(peer_id) is not None:
+            self._joined_event.set()
+        return True
+
     async def find_peer(self, peer_id: str, *, timeout: float | None = None) -> Contact | None:
         """Look up `peer_id` in the DHT; its contact if some node knows it (or it answered)."""
         if peer_id == self.peer_id:
@@ -446,6 +461,11 @@ class DHTNode:
         backoff = config.bootstrap_backoff
         next_republish = loop.time() + config.republish_interval
         next_sweep = loop.time() + config.sweep_interval
+        # While we know fewer than k peers, the swarm may hold peers that joined at the same time
+        # as us through the same bootstrap peer (neither knew the other then): look up our own id
+        # again, every few seconds at first, less often later, so small swarms link up quickly.
+        discover_every = config.maintenance_period
+        next_discover = loop.time() + discover_every
         while True:
             if not self.joined and self._bootstrap:
                 if await self._join():
@@ -457,6 +477,10 @@ class DHTNode:
                 await asyncio.sleep(delay)
                 continue
             await asyncio.sleep(config.maintenance_period)
+            if len(self.routing_table) < config.k and loop.time() >= next_discover:
+                await self._lookup(self.node_id, self._deadline(None))
+                discover_every = min(discover_every * 2, config.refresh_interval)
+                next_discover = loop.time() + discover_every
             await self._refresh()
             if loop.time() >= next_sweep:
                 next_sweep = loop.time() + config.sweep_interval

@@ -15,12 +15,17 @@ from .errors import (
     UnknownMethod,
 )
 from .interface import LinkInfo, Message, PeerTransport, RequestContext, Stream
+from .link import LinkLimits, LinkStream
+from .transport import LinkEvent, TlsTransport, TransportLimits
 
 __all__ = [
     "CallTimeout",
     "HandshakeError",
     "LimitExceeded",
+    "LinkEvent",
     "LinkInfo",
+    "LinkLimits",
+    "LinkStream",
     "Message",
     "PeerAddress",
     "PeerIdMismatchError",
@@ -31,7 +36,9 @@ __all__ = [
     "RequestContext",
     "Stream",
     "StreamAborted",
+    "TlsTransport",
     "TransportClosed",
     "TransportError",
+    "TransportLimits",
     "UnknownMethod",
 ]

@@ -49,11 +49,19 @@ class LinkInfo:
 class Stream(Protocol):
     """A bidirectional, ordered, flow-controlled sequence of messages within one link."""
 
+    header: dict[str, Any]
+    """The header given to `open_stream` (what the serving handler reads to know what is asked)."""
+
     async def send(self, message: Message, *, timeout: float) -> None:
         """Send one message; waits (up to `timeout`) while the peer's window is full."""
 
     async def receive(self, *, timeout: float) -> Message | None:
         """The next message, or None once the peer has closed its side."""
+
+    async def receive_into(self, buffer: bytearray | memoryview, *, timeout: float) -> Message | None:
+        """Like receive(), but the payload is received straight into `buffer` (the message's
+        payload is then a view of its first bytes); a message bigger than the buffer aborts the
+        stream with LimitExceeded."""
 
     async def close(self) -> None:
         """Close our sending side (the peer's receive returns None after what was sent)."""

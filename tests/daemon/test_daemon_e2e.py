@@ -7,8 +7,9 @@ import signal
 
 from support import wait_until
 
-CONTROL_METHODS = {"node.info", "node.shutdown", "workloads.list", "run.start", "run.status",
-                   "run.stop", "run.restart", "rpc.discover"}
+CONTROL_METHODS = {"node.info", "node.shutdown", "node.peers", "node.connect", "dht.store", "dht.get",
+                   "workloads.list", "run.start", "run.status", "run.stop", "run.restart",
+                   "rpc.discover"}
 
 
 def pid_alive(pid: int) -> bool:

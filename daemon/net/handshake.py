@@ -1,0 +1,126 @@
+"""The handshake's I/O: TLS, then the two HELLO frames of tls.py, on a fresh socket.
+
+The caller bounds the whole exchange with one deadline. Hellos are read with exact-size reads
+(never past the hello), so frames the peer pipelines after its hello stay in the socket for the
+link's reader.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+from ..identity import Identity
+from .addresses import PeerAddress
+from .errors import HandshakeError, ProtocolViolation, TransportClosed
+from .frames import FrameDecoder, FrameType, encode_head
+from .sockio import PlainIO, SocketIO, TlsIO
+from .tls import (
+    PLAIN_CERT_HASH,
+    PeerHello,
+    cert_hash,
+    client_hello,
+    new_nonce,
+    server_hello,
+    verify_client_hello,
+    verify_server_hello,
+)
+
+HELLO_MAX_HEADER = 16 * 1024
+
+
+@dataclass
+class Handshaken:
+    io: SocketIO
+    peer: PeerHello
+
+
+async def _read_hello(io: SocketIO) -> dict[str, Any]:
+    decoder = FrameDecoder(max_header=HELLO_MAX_HEADER, max_payload=0)
+    while True:
+        target = decoder.next_target()
+        count = await io.recv_into(target)
+        if not count:
+            raise HandshakeError("the peer closed the connection during the handshake")
+        try:
+            frame = decoder.advance(count)
+        except ProtocolViolation as exc:
+            raise HandshakeError(f"bad hello frame: {exc}") from exc
+        if frame is None:
+            continue
+        if frame.type != FrameType.HELLO or frame.stream_id != 0:
+            raise HandshakeError(f"expected a hello frame, got {frame.type.name}")
+        return frame.header
+
+
+async def _send_hello(io: SocketIO, hello: dict[str, Any]) -> None:
+    await io.send_all([encode_head(FrameType.HELLO, 0, hello, 0)])
+
+
+async def server_handshake(sock: socket.socket, identity: Identity, context: ssl.SSLContext | None,
+                           own_cert_der: bytes | None, addresses: list[PeerAddress]) -> Handshaken:
+    """Run on an accepted socket (non-blocking); the caller owns the deadline and the socket."""
+    io: SocketIO
+    if context is None:
+        io = PlainIO(sock)
+        own_hash = PLAIN_CERT_HASH
+    else:
+        tls = TlsIO(context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False))
+        io = tls
+        try:
+            await tls.handshake()
+        except (ssl.SSLError, OSError) as exc:
+            tls.close()
+            raise HandshakeError(f"TLS handshake failed: {exc}") from exc
+        except BaseException:
+            tls.close()
+            raise
+        own_hash = cert_hash(own_cert_der)
+    try:
+        nonce = new_nonce()
+        await _send_hello(io, server_hello(identity, own_hash, nonce, addresses))
+        peer = verify_client_hello(await _read_hello(io), own_hash, nonce)
+    except TransportClosed as exc:
+        io.close()
+        raise HandshakeError(f"connection lost during the handshake: {exc}") from exc
+    except BaseException:
+        io.close()
+        raise
+    return Handshaken(io, peer)
+
+
+async def client_handshake(sock: socket.socket, identity: Identity, context: ssl.SSLContext | None,
+                           expected_peer_id: str | None, addresses: list[PeerAddress]) -> Handshaken:
+    """Run on a connected socket (non-blocking); the caller owns the deadline."""
+    io: SocketIO
+    if context is None:
+        io = PlainIO(sock)
+        server_hash = PLAIN_CERT_HASH
+    else:
+        tls = TlsIO(context.wrap_socket(sock, server_side=False, do_handshake_on_connect=False))
+        io = tls
+        try:
+            await tls.handshake()
+            der = tls.peer_certificate()
+        except (ssl.SSLError, OSError) as exc:
+            tls.close()
+            raise HandshakeError(f"TLS handshake failed: {exc}") from exc
+        except BaseException:
+            tls.close()
+            raise
+        if der is None:
+            tls.close()
+            raise HandshakeError("the peer presented no TLS certificate")
+        server_hash = cert_hash(der)
+    try:
+        peer, nonce = verify_server_hello(await _read_hello(io), server_hash, expected_peer_id)
+        await _send_hello(io, client_hello(identity, server_hash, nonce, addresses))
+    except TransportClosed as exc:
+        io.close()
+        raise HandshakeError(f"connection lost during the handshake: {exc}") from exc
+    except BaseException:
+        io.close()
+        raise
+    return Handshaken(io, peer)

@@ -1,0 +1,136 @@
+"""This node's place in the swarm: its transport, reachability and DHT, started without blocking.
+
+Start-up never waits on the network: listening happens at once (a port that cannot be bound is a
+start-up error, with its reason), while bootstrapping, the reachability check and joining the DHT
+run in the background and are retried there. Until the DHT has joined, DHT calls say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from .config import Config
+from .dht import DHTConfig, DHTNode, RecordLimits
+from .errors import DaemonError
+from .identity import Identity
+from .net import PeerAddress, TransportError
+from .net.link import LinkLimits
+from .net.reachability import DialBackService, check_reachability
+from .net.transport import TlsTransport, TransportLimits
+
+log = structlog.get_logger(__name__)
+
+
+class NotJoinedError(DaemonError):
+    """The node has not joined the DHT yet (no peer answered so far)."""
+
+
+@dataclass
+class NetworkStatus:
+    reachable: bool | None = None
+    client_mode: bool | None = None
+
+
+class PeerNetwork:
+    def __init__(self, config: Config, identity: Identity) -> None:
+        self.config = config
+        self.identity = identity
+        self.status = NetworkStatus()
+        self.transport: TlsTransport | None = None
+        self.dht: DHTNode | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._bootstrap = [PeerAddress.parse(a) for a in config.net.bootstrap]
+
+    async def start(self) -> None:
+        net = self.config.net
+        limits = TransportLimits(
+            handshake_timeout=net.handshake_timeout,
+            link=LinkLimits(max_payload=net.max_frame_bytes, max_streams=net.max_streams_per_peer,
+                            idle_timeout=net.idle_timeout))
+        self.transport = await TlsTransport.start(
+            self.identity, [PeerAddress.parse(a) for a in net.listen], limits=limits)
+        if net.announce:
+            self.transport.set_announced([PeerAddress.parse(a) for a in net.announce])
+        DialBackService(self.transport, self.transport.probe)
+        self._task = asyncio.create_task(self._join(), name="join-network")
+        log.info("network_listening", addresses=[str(a) for a in self.transport.listen_addresses()])
+
+    async def _join(self) -> None:
+        assert self.transport is not None
+        dht = self.config.dht
+        if dht.client_mode == "auto":
+            helpers = await self._connect_bootstrap()
+            self.status.reachable = await check_reachability(
+                self.transport, helpers, self.transport.listen_addresses(),
+                timeout=self.config.net.call_timeout)
+            client_mode = self.status.reachable is False
+        else:
+            client_mode = dht.client_mode == "yes"
+        self.status.client_mode = client_mode
+        log.info("network_reachability", reachable=self.status.reachable, client_mode=client_mode)
+        self.dht = DHTNode(self.transport, self.identity, DHTConfig(
+            k=dht.k, alpha=dht.alpha, lookup_timeout=dht.lookup_timeout,
+            refresh_interval=dht.refresh_interval, republish_interval=dht.republish_interval,
+            client_mode=client_mode,
+            limits=RecordLimits(max_value_bytes=dht.max_value_bytes, max_entries=dht.max_records)))
+        await self.dht.start(self._bootstrap, wait=True)
+
+    async def _connect_bootstrap(self) -> list[str]:
+        assert self.transport is not None
+        connected: list[str] = []
+        for address in self._bootstrap:
+            try:
+                connected.append(await self.transport.connect(address, timeout=self.config.net.call_timeout))
+            except (TransportError, TimeoutError) as exc:
+                log.warning("bootstrap_peer_unreachable", address=str(address), error=str(exc))
+        return connected
+
+    def require_dht(self) -> DHTNode:
+        if self.dht is None:
+            raise NotJoinedError("the node is still joining the network; try again in a moment")
+        return self.dht
+
+    def dht_status(self) -> dict[str, Any]:
+        if self.dht is None:
+            return {"mode": "starting", "joined": False, "routing_table_size": 0}
+        return {"mode": "client" if self.status.client_mode else "server",
+                "joined": self.dht.joined, "routing_table_size": len(self.dht.routing_table)}
+
+    def addresses(self) -> list[str]:
+        return [] if self.transport is None else [str(a) for a in self.transport.listen_addresses()]
+
+    def peers(self) -> list[dict[str, Any]]:
+        if self.transport is None:
+            return []
+        in_table = set()
+        if self.dht is not None:
+            in_table = {info.peer_id for info in self.dht.routing_table}
+        peers = []
+        for link in self.transport.links():
+            peers.append({
+                "peer_id": link.peer_id, "address": link.address, "kind": link.kind,
+                "outbound": link.outbound, "rtt_ms": link.rtt_ms, "bytes_in": link.bytes_in,
+                "bytes_out": link.bytes_out, "streams": link.streams, "opened_at": link.opened_at,
+                "in_routing_table": link.peer_id in in_table})
+        return peers
+
+    def counters(self) -> dict[str, int]:
+        counters: dict[str, int] = {}
+        if self.transport is not None:
+            counters.update({f"net.{k}": v for k, v in self.transport.counters().items()})
+        if self.dht is not None:
+            counters.update({f"dht.{k}": v for k, v in self.dht.stats.items()})
+        return counters
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])
+        if self.dht is not None:
+            await self.dht.close()
+        if self.transport is not None:
+            await self.transport.close()
