@@ -74,7 +74,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         value = bytes(rng.getrandbits(8) for _ in range(args.value_bytes))
         expiration = time.time() + 3600
-        store_ms, get_ms, ok_stores, ok_gets = [], [], 0, 0
+        store_ms, get_ms, remote_get_ms, ok_stores, ok_gets = [], [], [], 0, 0
         begin = time.perf_counter()
         for i in range(args.keys):
             t = time.perf_counter()
@@ -84,9 +84,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         store_seconds = time.perf_counter() - begin
         begin = time.perf_counter()
         for i in range(args.keys):
+            reader = rng.choice(nodes)
+            local = bool(reader.storage.get(f"bench/{i}", time.time()))
             t = time.perf_counter()
-            record = await rng.choice(nodes).get(f"bench/{i}", latest=args.latest)
+            record = await reader.get(f"bench/{i}", latest=args.latest)
             get_ms.append((time.perf_counter() - t) * 1000)
+            if not local:
+                remote_get_ms.append(get_ms[-1])
             ok_gets += record is not None and record.value == value
         get_seconds = time.perf_counter() - begin
     finally:
@@ -105,6 +109,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "get_ops_per_s": round(args.keys / get_seconds, 1),
         "get_p50_ms": round(statistics.median(get_ms), 3),
         "get_p95_ms": round(_percentile(get_ms, 0.95), 3),
+        # reads by a node that does not hold the key itself (it holds it on `replicas`/N of reads)
+        "get_remote_p50_ms": round(statistics.median(remote_get_ms), 3) if remote_get_ms else None,
+        "replicas": config.replicas,
         "store_p50_ms": round(statistics.median(store_ms), 3),
         "store_p95_ms": round(_percentile(store_ms, 0.95), 3),
         "success_rate": round((ok_stores + ok_gets) / (2 * args.keys), 4),

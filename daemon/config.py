@@ -102,7 +102,10 @@ class DhtSection:
     client_mode: Literal["auto", "yes", "no"] = _doc(
         "Serve the DHT (no), only query it (yes), or decide from whether other peers can dial us "
         "(auto).", default="auto")
-    k: int = _doc("Bucket size and replication factor.", default=20)
+    k: int = _doc("Bucket size: how many peers per distance range the routing table keeps.",
+                  default=20)
+    replicas: int = _doc("How many of the closest peers hold each record (and a read asks).",
+                         default=8)
     alpha: int = _doc("Parallel requests per lookup step.", default=3)
     lookup_timeout: float = _doc("Deadline of one lookup, in seconds.", default=10.0)
     max_value_bytes: int = _doc("Largest value accepted for storage.", default=64 << 10)

@@ -73,7 +73,7 @@ class PeerNetwork:
         self.status.client_mode = client_mode
         log.info("network_reachability", reachable=self.status.reachable, client_mode=client_mode)
         self.dht = DHTNode(self.transport, self.identity, DHTConfig(
-            k=dht.k, alpha=dht.alpha, lookup_timeout=dht.lookup_timeout,
+            k=dht.k, replicas=dht.replicas, alpha=dht.alpha, lookup_timeout=dht.lookup_timeout,
             refresh_interval=dht.refresh_interval, republish_interval=dht.republish_interval,
             client_mode=client_mode,
             limits=RecordLimits(max_value_bytes=dht.max_value_bytes, max_entries=dht.max_records)))

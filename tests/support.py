@@ -148,3 +148,10 @@ async def wait_until(predicate: Any, timeout: float = 120.0, interval: float = 0
             if value:
                 return value
             await asyncio.sleep(interval)
+
+
+async def p2p_address(daemon: DaemonProcess) -> str:
+    """The daemon's loopback peer address (tests listen on 127.0.0.1 only)."""
+    info = await daemon.call("node.info")
+    (address,) = [a for a in info["addresses"]["p2p"] if "/127.0.0.1/" in a]
+    return address

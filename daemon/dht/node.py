@@ -42,7 +42,8 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class DHTConfig:
-    k: int = 20  # bucket size and replication factor
+    k: int = 20  # bucket size, and how many closest nodes a node lookup finds
+    replicas: int = 8  # how many of the closest nodes hold each record (and a get asks)
     alpha: int = 3  # parallel queries per lookup
     rpc_timeout: float = 2.0  # one request/reply
     lookup_timeout: float = 5.0  # default deadline of one get/store/find (lookup and stores)
@@ -164,7 +165,8 @@ class DHTNode:
             return Record(key, tuple(local))
         key_id = key_id_of(key)
         result = await self._lookup(key_id, self._deadline(timeout), key=key,
-                                    stop=None if latest else (lambda r: bool(r.entries)))
+                                    stop=None if latest else (lambda r: bool(r.entries)),
+                                    count=self.config.replicas)
         gathered = [*local]
         for entries in result.entries.values():
             gathered.extend(entries)
@@ -303,7 +305,8 @@ class DHTNode:
         return min(self.config.rpc_timeout, deadline - asyncio.get_running_loop().time())
 
     async def _lookup(self, target: int, deadline: float, *, key: str | None = None,
-                      stop: Callable[[LookupResult], bool] | None = None) -> LookupResult:
+                      stop: Callable[[LookupResult], bool] | None = None,
+                      count: int | None = None) -> LookupResult:
         header = self._caller_header()
 
         async def find_node(contact: Contact) -> QueryReply:
@@ -320,7 +323,7 @@ class DHTNode:
 
         result = await iterative_lookup(
             target, self._nearest(target), find_value if key is not None else find_node,
-            k=self.config.k, alpha=self.config.alpha, deadline=deadline,
+            k=count or self.config.k, alpha=self.config.alpha, deadline=deadline,
             exclude=frozenset({self.peer_id, *self._banned}), stop=stop)
         self.routing_table.touch(target, asyncio.get_running_loop().time())
         return result
@@ -356,15 +359,16 @@ class DHTNode:
         return good
 
     async def _replicate(self, entry: Entry, deadline: float) -> int:
-        """Store `entry` at the k nodes closest to its key (this one included when it is one)."""
+        """Store `entry` at the `replicas` nodes closest to its key (this one included when it is one)."""
         key_id = key_id_of(entry.key)
-        found = await self._lookup(key_id, deadline)
-        targets = found.closest
+        replicas = self.config.replicas
+        found = await self._lookup(key_id, deadline, count=replicas)
+        targets = found.closest[:replicas]
         stored = 0
         if not self.config.client_mode and (
-                len(targets) < self.config.k
+                len(targets) < replicas
                 or self.node_id ^ key_id < node_id_of(targets[-1].peer_id) ^ key_id):
-            targets = targets[: self.config.k - 1]
+            targets = targets[: replicas - 1]
             try:
                 self.storage.store(entry, self._clock())
                 stored += 1
@@ -395,7 +399,7 @@ class DHTNode:
         node = self.routing_table.get(peer_id)
         if node is None:
             return
-        k, sent = self.config.k, 0
+        k, sent = self.config.replicas, 0
         now = self._clock()
         for entry in list(self.storage.entries()):
             if entry.expiration <= now:

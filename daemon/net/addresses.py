@@ -6,6 +6,7 @@ there. Parsing is strict: anything else is a ValueError that says what is wrong.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass
 
@@ -22,6 +23,11 @@ class PeerAddress:
 
     @classmethod
     def parse(cls, text: str) -> PeerAddress:
+        """Read an address; ValueError says what is wrong. Cached: peers repeat addresses a lot."""
+        return _parse(text)
+
+    @classmethod
+    def _parse_uncached(cls, text: str) -> PeerAddress:
         parts = text.split("/")
         if len(parts) < 5 or parts[0] != "":
             raise ValueError(f"{text!r} is not an address like /ip4/1.2.3.4/tcp/4100/p2p/<peer-id>")
@@ -63,3 +69,8 @@ class PeerAddress:
     def __str__(self) -> str:
         text = f"/{self.host_kind}/{self.host}/{self.transport}/{self.port}"
         return text + (f"/p2p/{self.peer_id}" if self.peer_id else "")
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse(text: str) -> PeerAddress:
+    return PeerAddress._parse_uncached(text)

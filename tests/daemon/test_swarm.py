@@ -5,16 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from support import wait_until
+from support import p2p_address, wait_until
 
 from dedloc.daemon.identity import Identity
 from dedloc.rpc import ErrorCode, RpcCallError
-
-
-async def p2p_address(daemon) -> str:  # type: ignore[no-untyped-def]
-    info = await daemon.call("node.info")
-    (address,) = [a for a in info["addresses"]["p2p"] if "/127.0.0.1/" in a]
-    return address
 
 
 async def test_five_daemons_form_one_swarm(daemon_factory) -> None:  # type: ignore[no-untyped-def]

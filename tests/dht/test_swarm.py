@@ -42,9 +42,9 @@ async def test_64_nodes_survive_losing_20_percent(swarm: Swarm) -> None:
     keys = [f"key-{i}" for i in range(50)]
     for i, key in enumerate(keys):
         stored = await rng.choice(nodes).store(key, f"value-{i}".encode(), expiration)
-        assert stored == 20
-        # replicas sit on the 20 nodes closest to the key
-        closest = sorted(nodes, key=lambda n: n.node_id ^ key_id_of(key))[:20]
+        assert stored == FAST.replicas
+        # replicas sit on the nodes closest to the key
+        closest = sorted(nodes, key=lambda n: n.node_id ^ key_id_of(key))[:FAST.replicas]
         assert holders(nodes, key) == {n.peer_id for n in closest}
 
     victims = rng.sample(nodes, 13)
@@ -82,7 +82,7 @@ async def test_client_mode_node_stores_and_reads_but_is_in_no_table(swarm: Swarm
     client = await swarm.add(dataclasses.replace(FAST, client_mode=True))
     assert client.joined
     expiration = time.time() + 60
-    assert await client.store("from-client", b"hello", expiration) == 12
+    assert await client.store("from-client", b"hello", expiration) == FAST.replicas
     assert len(client.storage) == 0
     record = await nodes[5].get("from-client")
     assert record is not None and record.value == b"hello"
@@ -101,7 +101,7 @@ async def test_reader_detects_forged_records(swarm: Swarm) -> None:
     nodes = await grow(swarm, 16)
     alice, reader = nodes[1], nodes[2]
     key = "run/peers"
-    assert await alice.store(key, b"alice-is-here", time.time() + 60, sub_key=alice.peer_id) >= 15
+    assert await alice.store(key, b"alice-is-here", time.time() + 60, sub_key=alice.peer_id) == FAST.replicas
     liars = [n for n in nodes if n not in (alice, reader) and n.storage.get(key, time.time())]
     honest_holder = liars.pop()
     for liar in liars:  # every holder but one (and the writer) lies, with a later expiration
@@ -205,7 +205,7 @@ async def test_new_node_close_to_a_key_receives_it(swarm: Swarm) -> None:
         await asyncio.sleep(0.01)
     due = received = 0
     for key in keys:
-        closest = sorted(swarm.nodes, key=lambda n: n.node_id ^ key_id_of(key))[:20]
+        closest = sorted(swarm.nodes, key=lambda n: n.node_id ^ key_id_of(key))[:FAST.replicas]
         for node in closest:
             if node in newcomers:
                 due += 1
