@@ -1,0 +1,103 @@
+"""What every member of an averaging round agrees on: the group, its order, and who reduces what.
+
+Matchmaking produces a `Group` (the leader assembles it and sends the same one to every member);
+load balancing fills `part_bounds`; the all-reduce reads it. Pure data, JSON-able both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Role = Literal["trainer", "aux", "client"]
+ROLES: tuple[Role, ...] = ("trainer", "aux", "client")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of a round, as it announced itself.
+
+    role: "trainer" sends its vector and may reduce; "aux" reduces but sends nothing (weight 0);
+    "client" sends but never reduces (nobody can dial it). Bandwidths are bytes per second,
+    measured from past transfers (or the configured guess).
+    """
+
+    peer_id: str
+    role: Role
+    weight: float
+    upload: float
+    download: float
+    reachable: bool = True
+
+    @property
+    def sends(self) -> bool:
+        return self.role != "aux" and self.weight > 0
+
+    @property
+    def can_reduce(self) -> bool:
+        return self.role != "client" and self.reachable
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Member:
+        role = data["role"]
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        return cls(str(data["peer_id"]), role, float(data["weight"]), float(data["upload"]),
+                   float(data["download"]), bool(data.get("reachable", True)))
+
+
+@dataclass(frozen=True)
+class Group:
+    """One averaging round's group. `part_bounds[i]` is the half-open element range that member i
+    reduces (empty when it reduces nothing); the ranges tile [0, size) in member order and are
+    multiples of `chunk_elements` except at the end of the vector."""
+
+    group_id: str
+    key: str
+    members: tuple[Member, ...]
+    size: int
+    part_bounds: tuple[tuple[int, int], ...]
+    chunk_elements: int
+    compression: str
+    deadline: float  # unix time by which the round is over, success or not
+
+    def index_of(self, peer_id: str) -> int:
+        for index, member in enumerate(self.members):
+            if member.peer_id == peer_id:
+                return index
+        raise KeyError(f"{peer_id} is not a member of group {self.group_id}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group_id": self.group_id, "key": self.key,
+                "members": [m.to_json() for m in self.members], "size": self.size,
+                "part_bounds": [list(b) for b in self.part_bounds],
+                "chunk_elements": self.chunk_elements, "compression": self.compression,
+                "deadline": self.deadline}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Group:
+        members = tuple(Member.from_json(m) for m in data["members"])
+        bounds = tuple((int(a), int(b)) for a, b in data["part_bounds"])
+        group = cls(str(data["group_id"]), str(data["key"]), members, int(data["size"]), bounds,
+                    int(data["chunk_elements"]), str(data["compression"]), float(data["deadline"]))
+        group.check()
+        return group
+
+    def check(self) -> None:
+        """ValueError unless the bounds tile the vector, one range per member."""
+        if len(self.part_bounds) != len(self.members):
+            raise ValueError("one part range per member is required")
+        position = 0
+        for (start, end), member in zip(self.part_bounds, self.members, strict=True):
+            if start != position or end < start:
+                raise ValueError(f"part ranges must tile [0, {self.size}) in member order")
+            if end > start and not member.can_reduce:
+                raise ValueError(f"{member.peer_id} cannot reduce but was given a part")
+            position = end
+        if position != self.size:
+            raise ValueError(f"part ranges cover {position} of {self.size} elements")
+        if self.chunk_elements <= 0:
+            raise ValueError("chunk_elements must be positive")
