@@ -1,0 +1,13 @@
+"""The averaging layer's exceptions."""
+
+from __future__ import annotations
+
+from ..errors import DaemonError
+
+
+class AveragingError(DaemonError):
+    """Root of the errors of `daemon.averaging`."""
+
+
+class MatchmakingError(AveragingError):
+    """Matchmaking was misused, or a peer's join was refused (the message says why)."""

@@ -1,0 +1,295 @@
+"""Matchmaking: the peers that want to average under one key form one group, within a window.
+
+1. Each peer announces itself in the DHT: a sub-key of `averaging/<key>` named by its own peer id
+   (only it can write that), holding its `Member` info, expiring when its window closes.
+2. It reads the key until the window closes, or until it has seen `expected` peers.
+3. The leader is the reachable candidate with the smallest peer id. A follower asks the leader to
+   let it join (`avg.join`, acknowledged at once, so a silent leader is skipped quickly); the
+   leader waits for joins until its window closes (or every candidate it saw has joined), then
+   assembles the group: the ordered members, their shares of the vector from the load balancer,
+   a fresh group id, the round's deadline, and sends that same `Group` to every member
+   (`avg.group`).
+4. A peer asked to join while it follows someone else answers with a redirect to its leader; ids
+   only decrease along redirects, so they end. A leader that does not answer, or that has already
+   closed its group, is skipped for the next candidate while time remains; in the end a peer can
+   always average alone (a group of one), so matchmaking never deadlocks and never waits past the
+   window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import structlog
+
+from ..dht import DHTNode
+from ..net import Message, PeerTransport, RemoteError, RequestContext, TransportError
+from .errors import MatchmakingError
+from .group import Group, Member
+
+log = structlog.get_logger(__name__)
+
+JOIN = "avg.join"
+GROUP = "avg.group"
+JOIN_ACK_SECONDS = 3.0  # at most this long for a leader to acknowledge a join, else it is skipped
+DHT_PREFIX = "averaging/"
+POLL_SECONDS = 0.1
+
+# Given the members and the vector, the leader's choice of part ranges (the load balancer).
+Planner = Callable[[tuple[Member, ...], int, int], tuple[tuple[int, int], ...]]
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """One peer's wish to average under `key`."""
+
+    key: str
+    member: Member
+    size: int  # float32 elements
+    chunk_elements: int
+    compression: str
+    window: float  # seconds to gather peers
+    deadline: float  # unix time by which the whole round ends
+    expected: int | None = None  # stop gathering once this many peers (with us) are seen
+    max_group_size: int = 64
+
+    def compatible(self, other: dict[str, Any]) -> bool:
+        return (other.get("size") == self.size and other.get("compression") == self.compression
+                and other.get("chunk_elements") == self.chunk_elements)
+
+
+@dataclass
+class _Gathering:
+    """A round this peer is forming (as leader) or joining (as follower)."""
+
+    request: RoundRequest
+    leader: str | None = None  # None while undecided, our own id when leading
+    joiners: dict[str, Member] = field(default_factory=dict)
+    group: asyncio.Future[Group] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    joined: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: bool = False
+
+
+class Matchmaker:
+    def __init__(self, transport: PeerTransport, dht: DHTNode, planner: Planner) -> None:
+        self._transport = transport
+        self._dht = dht
+        self._planner = planner
+        self.peer_id = transport.peer_id
+        self._rounds: dict[str, _Gathering] = {}
+        transport.add_unary_handler(JOIN, self._on_join)
+        transport.add_unary_handler(GROUP, self._on_group)
+
+    async def form_group(self, request: RoundRequest) -> Group:
+        """The group this round averages in (possibly just us). Returns by the window's end plus
+        a short grace; raises MatchmakingError only for misuse (a key already being formed)."""
+        if request.key in self._rounds:
+            raise MatchmakingError(f"a round under key {request.key!r} is already being formed here")
+        if request.member.peer_id != self.peer_id:
+            raise MatchmakingError("the request's member must be this peer")
+        gathering = _Gathering(request)
+        self._rounds[request.key] = gathering
+        window_end = time.time() + request.window
+        try:
+            await self._announce(request, window_end)
+            candidates = await self._gather(request, window_end)
+            return await self._settle(gathering, candidates, window_end)
+        finally:
+            gathering.closed = True
+            if not gathering.group.done():
+                gathering.group.cancel()
+            self._rounds.pop(request.key, None)
+
+    # Announcing and gathering ------------------------------------------------------------
+
+    async def _announce(self, request: RoundRequest, window_end: float) -> None:
+        info = {**request.member.to_json(), "size": request.size, "compression": request.compression,
+                "chunk_elements": request.chunk_elements}
+        try:
+            await self._dht.store(DHT_PREFIX + request.key, orjson.dumps(info),
+                                  window_end + 2 * _grace(request), sub_key=self.peer_id,
+                                  timeout=max(0.5, window_end - time.time()))
+        except (TransportError, TimeoutError) as exc:
+            log.warning("matchmaking_announce_failed", key=request.key, error=str(exc))
+
+    async def _gather(self, request: RoundRequest, window_end: float) -> dict[str, Member]:
+        """Read the announcements until the window closes or `expected` peers are seen."""
+        seen: dict[str, Member] = {self.peer_id: request.member}
+        while True:
+            remaining = window_end - time.time()
+            if remaining <= 0:
+                break
+            try:
+                record = await self._dht.get(DHT_PREFIX + request.key, timeout=max(0.2, remaining))
+            except (TransportError, TimeoutError) as exc:
+                log.debug("matchmaking_read_failed", key=request.key, error=str(exc))
+                record = None
+            for sub_key, entry in (record.sub_keys.items() if record is not None else ()):
+                member = _member_from(entry.value, sub_key, request)
+                if member is not None:
+                    seen[sub_key] = member
+            if request.expected is not None and len(seen) >= request.expected:
+                break
+            await asyncio.sleep(min(POLL_SECONDS, max(0.0, window_end - time.time())))
+        return seen
+
+    # Deciding the leader -----------------------------------------------------------------
+
+    async def _settle(self, gathering: _Gathering, candidates: dict[str, Member],
+                      window_end: float) -> Group:
+        request = gathering.request
+        leaders = sorted(pid for pid, m in candidates.items() if m.can_reduce or pid == self.peer_id)
+        give_up = window_end + _grace(request)
+        tried: set[str] = set()
+        for _ in range(8):
+            options = [pid for pid in leaders if pid not in tried]
+            leader = options[0] if options else self.peer_id
+            if leader == self.peer_id:
+                return await self._lead(gathering, candidates, give_up)
+            gathering.leader = leader
+            tried.add(leader)
+            outcome = await self._join(gathering, leader, give_up)
+            if isinstance(outcome, Group):
+                return outcome
+            if outcome is not None and outcome not in tried:  # a redirect to the leader's leader
+                leaders = sorted({*leaders, outcome})
+        return self._alone(request)
+
+    async def _join(self, gathering: _Gathering, leader: str, give_up: float) -> Group | str | None:
+        """Ask `leader` to take us; the group, a redirect (a peer id), or None if it failed."""
+        request = gathering.request
+        header = {"key": request.key, "member": request.member.to_json(), "size": request.size,
+                  "compression": request.compression, "chunk_elements": request.chunk_elements}
+        timeout = min(_ack_seconds(request), give_up - time.time())
+        if timeout <= 0:
+            return None
+        try:
+            reply = await self._transport.call(leader, JOIN, Message(header), timeout=timeout)
+        except RemoteError as exc:
+            log.info("matchmaking_join_refused", leader=leader[:12], kind=exc.kind, error=exc.message)
+            return None
+        except (TransportError, TimeoutError) as exc:
+            log.info("matchmaking_leader_unreachable", leader=leader[:12], error=str(exc))
+            return None
+        if "redirect" in reply.header:
+            return str(reply.header["redirect"])
+        try:  # accepted: the leader sends the group (avg.group) once it is assembled
+            async with asyncio.timeout(max(0.0, give_up + _grace(request) - time.time())):
+                return await asyncio.shield(gathering.group)
+        except TimeoutError:
+            log.info("matchmaking_leader_never_sent_group", leader=leader[:12])
+            return None
+
+    async def _lead(self, gathering: _Gathering, candidates: dict[str, Member], give_up: float) -> Group:
+        """Wait for the others to join (until the window closes or all candidates are in)."""
+        request = gathering.request
+        gathering.leader = self.peer_id
+        others = set(candidates) - {self.peer_id}
+        while time.time() < give_up and not others <= set(gathering.joiners):
+            if len(gathering.joiners) + 1 >= request.max_group_size:
+                break
+            gathering.joined.clear()
+            try:
+                async with asyncio.timeout(max(0.0, give_up - time.time())):
+                    await gathering.joined.wait()
+            except TimeoutError:
+                break
+        gathering.closed = True
+        members = (request.member, *sorted(gathering.joiners.values(), key=lambda m: m.peer_id))
+        group = self._assemble(request, members)
+        gathering.group.set_result(group)
+        log.info("matchmaking_group_formed", key=request.key, size=len(members), group=group.group_id[:12])
+        await asyncio.gather(*(self._send_group(group, m.peer_id) for m in members[1:]))
+        return group
+
+    async def _send_group(self, group: Group, peer_id: str) -> None:
+        timeout = min(JOIN_ACK_SECONDS, group.deadline - time.time())
+        try:
+            await self._transport.call(peer_id, GROUP, Message({"group": group.to_json()}),
+                                       timeout=max(0.1, timeout))
+        except (TransportError, TimeoutError) as exc:  # it will be missing from the all-reduce
+            log.warning("matchmaking_group_not_delivered", peer=peer_id[:12], error=str(exc))
+
+    def _assemble(self, request: RoundRequest, members: tuple[Member, ...]) -> Group:
+        ordered = tuple(sorted(members, key=lambda m: m.peer_id))
+        digest = hashlib.sha256(request.key.encode() + secrets.token_bytes(16)
+                                + "".join(m.peer_id for m in ordered).encode()).hexdigest()
+        bounds = self._planner(ordered, request.size, request.chunk_elements)
+        group = Group(digest, request.key, ordered, request.size, bounds, request.chunk_elements,
+                      request.compression, request.deadline)
+        group.check()
+        return group
+
+    def _alone(self, request: RoundRequest) -> Group:
+        log.info("matchmaking_alone", key=request.key)
+        return Group("solo-" + secrets.token_hex(8), request.key, (request.member,), request.size,
+                     ((0, request.size),), request.chunk_elements, request.compression,
+                     request.deadline)
+
+    # The leader's side of avg.join ---------------------------------------------------------
+
+    async def _on_join(self, ctx: RequestContext, message: Message) -> Message:
+        header = message.header
+        key = header.get("key")
+        gathering = self._rounds.get(key) if isinstance(key, str) else None
+        if gathering is None:
+            raise MatchmakingError("no round of that key is being formed here")
+        if gathering.leader is not None and gathering.leader != self.peer_id:
+            return Message({"redirect": gathering.leader})
+        try:
+            member = Member.from_json(header["member"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MatchmakingError(f"bad member info: {exc}") from None
+        if member.peer_id != ctx.peer_id:
+            raise MatchmakingError("a peer may only join as itself")
+        if not gathering.request.compatible(header):
+            raise MatchmakingError("this round averages a vector of another size, chunking or "
+                                   "compression")
+        if gathering.closed:
+            raise MatchmakingError("the group is already formed")
+        if len(gathering.joiners) + 1 >= gathering.request.max_group_size:
+            raise MatchmakingError("the group is full")
+        gathering.joiners[member.peer_id] = member
+        gathering.joined.set()
+        return Message({"accepted": True})
+
+    async def _on_group(self, ctx: RequestContext, message: Message) -> Message:
+        try:
+            group = Group.from_json(message.header["group"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MatchmakingError(f"bad group: {exc}") from None
+        gathering = self._rounds.get(group.key)
+        if gathering is None or gathering.leader != ctx.peer_id:
+            raise MatchmakingError("not waiting for a group from you under that key")
+        if self.peer_id not in {m.peer_id for m in group.members}:
+            raise MatchmakingError("the group does not include this peer")
+        if not gathering.group.done():
+            gathering.group.set_result(group)
+        return Message({})
+
+
+def _ack_seconds(request: RoundRequest) -> float:
+    return min(JOIN_ACK_SECONDS, max(0.5, 0.5 * request.window))
+
+
+def _grace(request: RoundRequest) -> float:
+    """How long after the window settling may take: room to skip two silent leaders."""
+    return max(0.5, 0.25 * request.window) + 2 * _ack_seconds(request)
+
+
+def _member_from(value: bytes, sub_key: str, request: RoundRequest) -> Member | None:
+    try:
+        info = orjson.loads(value)
+        member = Member.from_json(info)
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    if member.peer_id != sub_key or not request.compatible(info):
+        return None
+    return member
