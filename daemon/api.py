@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypedDict
 from dedloc import __version__
 from dedloc.rpc import ErrorCode, InvalidParams, MethodRegistry, rpc_method
 
+from .averaging_api import ERROR_MAP as AVERAGING_ERROR_MAP
+from .averaging_api import AveragingApi
 from .collab.runs import RUN_NAME
 from .errors import (
     RunExistsError,
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 ERROR_MAP: dict[type[BaseException], ErrorCode] = {
     **NETWORK_ERROR_MAP,
+    **AVERAGING_ERROR_MAP,
     ShuttingDownError: ErrorCode.SHUTTING_DOWN,
     RunExistsError: ErrorCode.RUN_EXISTS,
     UnknownRunError: ErrorCode.UNKNOWN_RUN,
@@ -77,6 +80,7 @@ def build_registry(node: Node) -> MethodRegistry:
         error_map=ERROR_MAP)
     registry.register_object(ControlApi(node))
     registry.register_object(NetworkApi(node.network))
+    registry.register_object(AveragingApi(node.network))
     return registry
 
 

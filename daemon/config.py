@@ -116,12 +116,28 @@ class DhtSection:
 
 
 @dataclass(frozen=True)
+class AveragingSection:
+    upload_mbps: float = _doc("Starting guess of this machine's upload bandwidth in Mbit/s; "
+                              "replaced by what transfers measure.", default=100.0)
+    download_mbps: float = _doc("Starting guess of the download bandwidth in Mbit/s.", default=100.0)
+    chunk_bytes: int = _doc("Size of the chunks a vector is streamed in (1-4 MiB is best).",
+                            default=2 << 20)
+    window: float = _doc("Seconds matchmaking gathers peers for a round.", default=5.0)
+    max_group_size: int = _doc("Most peers averaging in one group.", default=64)
+    balancing: Literal["lp", "uniform"] = _doc(
+        "How the vector is split among reducers: lp (by measured bandwidth, DeDLOC) or uniform "
+        "(equal parts; for comparison).", default="lp")
+    history: int = _doc("How many past rounds averaging.status keeps.", default=50)
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeSection = field(default_factory=NodeSection)
     log: LogSection = field(default_factory=LogSection)
     rpc: RpcSection = field(default_factory=RpcSection)
     net: NetSection = field(default_factory=NetSection)
     dht: DhtSection = field(default_factory=DhtSection)
+    averaging: AveragingSection = field(default_factory=AveragingSection)
     workers: WorkersSection = field(default_factory=WorkersSection)
 
     # Derived paths (environment applied) -------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from .averaging.averager import Averager
 from .config import Config
 from .dht import DHTConfig, DHTNode, RecordLimits
 from .errors import DaemonError
@@ -42,6 +43,7 @@ class PeerNetwork:
         self.status = NetworkStatus()
         self.transport: TlsTransport | None = None
         self.dht: DHTNode | None = None
+        self.averager: Averager | None = None
         self._task: asyncio.Task[None] | None = None
         self._bootstrap = [PeerAddress.parse(a) for a in config.net.bootstrap]
 
@@ -77,6 +79,8 @@ class PeerNetwork:
             refresh_interval=dht.refresh_interval, republish_interval=dht.republish_interval,
             client_mode=client_mode,
             limits=RecordLimits(max_value_bytes=dht.max_value_bytes, max_entries=dht.max_records)))
+        self.averager = Averager(self.transport, self.dht, self.config.averaging,
+                                 reachable=self.status.reachable is not False)
         await self.dht.start(self._bootstrap, wait=True)
 
     async def _connect_bootstrap(self) -> list[str]:
@@ -93,6 +97,11 @@ class PeerNetwork:
         if self.dht is None:
             raise NotJoinedError("the node is still joining the network; try again in a moment")
         return self.dht
+
+    def require_averager(self) -> Averager:
+        if self.averager is None:
+            raise NotJoinedError("the node is still joining the network; try again in a moment")
+        return self.averager
 
     def dht_status(self) -> dict[str, Any]:
         if self.dht is None:
@@ -124,6 +133,8 @@ class PeerNetwork:
             counters.update({f"net.{k}": v for k, v in self.transport.counters().items()})
         if self.dht is not None:
             counters.update({f"dht.{k}": v for k, v in self.dht.stats.items()})
+        if self.averager is not None:
+            counters.update({f"averaging.{k}": v for k, v in self.averager.counters.items()})
         return counters
 
     async def close(self) -> None:

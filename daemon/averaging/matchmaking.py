@@ -203,7 +203,7 @@ class Matchmaker:
                 break
         gathering.closed = True
         members = (request.member, *sorted(gathering.joiners.values(), key=lambda m: m.peer_id))
-        group = self._assemble(request, members)
+        group = await self._assemble(request, members)
         gathering.group.set_result(group)
         log.info("matchmaking_group_formed", key=request.key, size=len(members), group=group.group_id[:12])
         await asyncio.gather(*(self._send_group(group, m.peer_id) for m in members[1:]))
@@ -217,11 +217,12 @@ class Matchmaker:
         except (TransportError, TimeoutError) as exc:  # it will be missing from the all-reduce
             log.warning("matchmaking_group_not_delivered", peer=peer_id[:12], error=str(exc))
 
-    def _assemble(self, request: RoundRequest, members: tuple[Member, ...]) -> Group:
+    async def _assemble(self, request: RoundRequest, members: tuple[Member, ...]) -> Group:
         ordered = tuple(sorted(members, key=lambda m: m.peer_id))
         digest = hashlib.sha256(request.key.encode() + secrets.token_bytes(16)
                                 + "".join(m.peer_id for m in ordered).encode()).hexdigest()
-        bounds = self._planner(ordered, request.size, request.chunk_elements)
+        # The load balancer's LP runs in a thread: the event loop never waits on it.
+        bounds = await asyncio.to_thread(self._planner, ordered, request.size, request.chunk_elements)
         group = Group(digest, request.key, ordered, request.size, bounds, request.chunk_elements,
                       request.compression, request.deadline)
         group.check()

@@ -161,6 +161,7 @@ class LinkStream:
         self._local_closed = False
         self._error: TransportError | None = None
         self._discarding = False
+        self._frame_open = False  # a frame's payload is being read into the current buffer
         self.header: dict[str, Any] = {}
         self.accepted: asyncio.Future[None] = link.loop.create_future()
 
@@ -284,7 +285,8 @@ class LinkStream:
         current = self._current
         if current is None:
             self._into = into
-        elif current.owned and current.buffer is not None and current.total <= len(into):
+        elif current.owned and current.buffer is not None and current.total <= len(into) \
+                and not self._frame_open:  # mid-frame, the reader still writes into the old buffer
             into[:current.filled] = current.buffer[:current.filled]
             current.buffer = into[:current.total]
             current.owned = False
@@ -327,9 +329,11 @@ class LinkStream:
         self._recv_allow -= length
         if self._recv_allow < 0:
             raise ProtocolViolation(f"peer sent past its flow-control window on stream {self.sid}")
+        self._frame_open = True
         return current.buffer[current.filled:current.filled + length]
 
     def _on_data(self, frame: Frame) -> None:
+        self._frame_open = False
         if frame.stream_id and not frame.flags & F_CONT and not len(frame.payload):
             self._allocate_empty(frame)
         current = self._current

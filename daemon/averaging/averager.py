@@ -1,0 +1,135 @@
+"""One node's averaging: matchmaking, load balancing and the all-reduce, round after round.
+
+`Averager.average` is what both the collaboration and the `averaging.average` RPC call: find the
+group for a key, let the leader split the vector by measured bandwidth, run the butterfly
+all-reduce in place, learn bandwidth from the transfers, and keep a short history for
+`averaging.status`. A round never outlives its deadline; a round that fails keeps nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from ..config import AveragingSection
+from ..dht import DHTNode
+from ..net import PeerTransport
+from .allreduce import AllReduceReport, AllReduceService
+from .bandwidth import BandwidthEstimator
+from .errors import AveragingError
+from .group import Member, Role
+from .matchmaking import Matchmaker, RoundRequest
+
+log = structlog.get_logger(__name__)
+
+MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+
+
+@dataclass(frozen=True)
+class RoundOptions:
+    key: str
+    weight: float
+    role: Role
+    deadline: float  # unix time
+    compression: str = "none"
+    expected: int | None = None
+    window: float | None = None
+
+
+class Averager:
+    def __init__(self, transport: PeerTransport, dht: DHTNode, config: AveragingSection, *,
+                 reachable: bool = True) -> None:
+        self.config = config
+        self.peer_id = transport.peer_id
+        self.reachable = reachable
+        self.bandwidth = BandwidthEstimator(config.upload_mbps * MBIT, config.download_mbps * MBIT)
+        self.allreduce = AllReduceService(transport)
+        self.matchmaker = Matchmaker(transport, dht, self._plan)
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.history)
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    @property
+    def chunk_elements(self) -> int:
+        return max(1, self.config.chunk_bytes // 4)
+
+    def _plan(self, members: tuple[Member, ...], size: int, chunk: int) -> tuple[tuple[int, int], ...]:
+        from .balancing import solve_shares, to_part_bounds, uniform_shares  # scipy: loaded on first use
+
+        mode = self.config.balancing
+        if mode == "uniform":
+            fractions = uniform_shares(members)
+        else:
+            fractions = solve_shares(members, size * 4).fractions
+        return to_part_bounds(fractions, size, chunk)
+
+    async def average(self, vector: np.ndarray, options: RoundOptions) -> dict[str, Any]:
+        """Average `vector` (float32, changed in place) with the peers that average under the same
+        key; return the round's report. Peer failures are reported, not raised."""
+        if vector.dtype != np.float32 or vector.ndim != 1:
+            raise AveragingError("the vector must be one-dimensional float32")
+        started = time.time()
+        if options.deadline <= started:
+            raise AveragingError("the round's deadline has already passed")
+        role: Role = options.role
+        weight = 0.0 if role == "aux" else options.weight
+        if role != "client" and not self.reachable:
+            role = "client"  # nobody can dial us: we send, we do not reduce
+        member = Member(self.peer_id, role, weight, self.bandwidth.upload, self.bandwidth.download,
+                        reachable=self.reachable)
+        window = options.window if options.window is not None else self.config.window
+        window = max(0.1, min(window, (options.deadline - started) / 2))
+        request = RoundRequest(options.key, member, size=int(vector.size),
+                               chunk_elements=self.chunk_elements, compression=options.compression,
+                               window=window, deadline=options.deadline, expected=options.expected,
+                               max_group_size=self.config.max_group_size)
+        group = await self.matchmaker.form_group(request)
+        matched = time.time()
+        report: AllReduceReport | None = None
+        if len(group.members) > 1:
+            report = await self.allreduce.run(group, group.index_of(self.peer_id), vector, weight)
+            self._learn_bandwidth(report)
+        finished = time.time()
+        summary = self._summarise(options, group, report, started, matched, finished)
+        self.history.append(summary)
+        self.counters["rounds"] += 1
+        self.counters["rounds_failed" if summary["failed_parts"] else "rounds_ok"] += 1
+        log.info("averaging_round", key=options.key, group_size=summary["group_size"],
+                 seconds=summary["seconds"], failed_parts=len(summary["failed_parts"]))
+        return summary
+
+    def _learn_bandwidth(self, report: AllReduceReport) -> None:
+        if report.seconds > 0:
+            self.bandwidth.observe_upload(report.bytes_sent, report.seconds)
+            self.bandwidth.observe_download(report.bytes_received, report.seconds)
+
+    def _summarise(self, options: RoundOptions, group: Any, report: AllReduceReport | None,
+                   started: float, matched: float, finished: float) -> dict[str, Any]:
+        index = group.index_of(self.peer_id)
+        start, end = group.part_bounds[index]
+        return {
+            "key": options.key,
+            "group_id": group.group_id,
+            "group_size": len(group.members),
+            "members": [m.peer_id for m in group.members],
+            "part": [start, end],
+            "shares": [b - a for a, b in group.part_bounds],
+            "seconds": round(finished - started, 4),
+            "matchmaking_seconds": round(matched - started, 4),
+            "allreduce_seconds": round(finished - matched, 4),
+            "bytes_sent": report.bytes_sent if report else 0,
+            "bytes_received": report.bytes_received if report else 0,
+            "failed_parts": [list(p) for p in report.failed_parts] if report else [],
+            "senders_excluded": dict(report.senders_excluded) if report else {},
+            "finished_at": finished,
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {"rounds": list(self.history), "counters": dict(self.counters),
+                "bandwidth": {"upload_bytes_per_second": self.bandwidth.upload,
+                              "download_bytes_per_second": self.bandwidth.download,
+                              "samples": self.bandwidth.samples}}

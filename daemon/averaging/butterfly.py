@@ -1,0 +1,400 @@
+"""One member's share of one butterfly all-reduce round (the protocol is in wire.py).
+
+As a sender, the member streams part j of its vector to each reducer j and writes the averaged
+chunks it gets back straight into its vector. As a reducer, it adds every sender's chunks (its own
+included) into a `PartReducer` and, as soon as a chunk has come from every live sender, averages
+it, encodes it once, writes it into its own vector and sends the same bytes back to every sender
+(so sending, reducing and receiving overlap chunk by chunk).
+
+Ownership: `execute` runs every task of the round in one TaskGroup under one deadline (the
+group's); a sender stream served by the transport's handler is adopted into that group. Numpy work
+on chunks above `inline_elements` runs in the service's thread pool; those jobs are awaited
+shielded (a job that started finishes and its bookkeeping stays right) and drained before
+`execute` returns, so nothing touches the vector after the call.
+
+Faults never raise: a sender whose stream fails, stalls or sends a bad chunk is dropped from the
+chunks it has not delivered (its stream aborted with the reason); a reducer whose stream fails
+leaves its remaining chunks local. The report says what failed and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from functools import partial
+from typing import Any
+
+import numpy as np
+import structlog
+
+from ..net import Message, PeerTransport, PeerUnreachableError, Stream, TransportClosed, TransportError
+from .compression import Buffer, CompressionError, Meta, get_codec
+from .group import Group
+from .jobs import ChunkJobs
+from .reducer import PartReducer
+from .report import AllReduceReport, TransferLog, build_report
+from .wire import METHOD, ChunkPlan, PeerFault, StreamOpen, chunk_header, parse_chunk
+
+log = structlog.get_logger(__name__)
+
+FAULTS = (TransportError, PeerFault, CompressionError)
+
+
+def _leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(_leaf(error)).__name__}: {_leaf(error)}"
+
+
+class Round:
+    def __init__(self, transport: PeerTransport, group: Group, index: int, vector: np.ndarray,
+                 weight: float, *, pool: concurrent.futures.Executor, stall_timeout: float,
+                 inline_elements: int, counters: Counter[str],
+                 on_open: Callable[[Round], None]) -> None:
+        self.transport = transport
+        self.group = group
+        self.index = index
+        self.vector = vector
+        self.weight = weight
+        self.codec = get_codec(group.compression)
+        self.stall_timeout = stall_timeout
+        self.counters = counters
+        self._on_open = on_open
+        self.loop = asyncio.get_running_loop()
+        self.deadline = self.loop.time() + (group.deadline - time.time())
+        members = group.members
+        self.sends = members[index].sends
+        self.plans = {j: ChunkPlan(a, b, group.chunk_elements) for j, (a, b) in enumerate(group.part_bounds)
+                      if b > a}
+        # sender role: the reducers we send to, which averaged chunks came back, why others did not
+        self.targets = [j for j in self.plans if j != index] if self.sends else []
+        self.got = {j: [False] * self.plans[j].count for j in self.targets}
+        self.skipped: dict[tuple[int, int], str] = {}
+        self.errors: dict[int, str] = {}
+        # reducer role
+        self.own = own = self.plans.get(index)
+        self.reducer = PartReducer(own, [i for i, m in enumerate(members) if m.sends]) if own else None
+        count = own.count if own else 0
+        self.results: list[tuple[Buffer, Meta] | None] = [None] * count
+        self.unaveraged: dict[int, str] = {}
+        self.done = [asyncio.Event() for _ in range(count)]
+        self.remaining = count
+        self.reduced = asyncio.Event()
+        if not count:
+            self.reduced.set()
+        self.adopted: set[int] = set()
+        self.serving: dict[int, asyncio.Task[None]] = {}
+        self.excluded: dict[int, str] = {}
+        # shared
+        self.traffic = TransferLog()
+        self.jobs = ChunkJobs(pool, inline_elements)
+        self.tg: asyncio.TaskGroup | None = None
+        self.closing = False
+        self.log = log.bind(group_id=group.group_id, peer_id=transport.peer_id, member=index)
+
+    # --- the round ------------------------------------------------------------------------------
+    async def execute(self) -> AllReduceReport:
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout_at(self.deadline), asyncio.TaskGroup() as tg:
+                self.tg = tg
+                self._on_open(self)
+                for j in self.targets:
+                    tg.create_task(self._exchange(j), name=f"allreduce-send-{j}")
+                if self.reducer is not None:
+                    if self.sends:
+                        tg.create_task(self._contribute(), name="allreduce-own")
+                    tg.create_task(self._watch_arrivals(), name="allreduce-arrivals")
+                tg.create_task(self.reduced.wait(), name="allreduce-reduced")
+        except TimeoutError:
+            self.log.info("allreduce_deadline_passed")
+        finally:
+            self.closing = True
+            await self.jobs.drain()
+        report = self._report(time.perf_counter() - started)
+        self.log.info("allreduce_round", seconds=round(report.seconds, 4), bytes_sent=report.bytes_sent,
+                      bytes_received=report.bytes_received, failed=len(report.failures),
+                      excluded=len(report.senders_excluded))
+        return report
+
+    def _left(self) -> float:
+        """Per-operation timeout: a backstop a little past the round's deadline, which stops every
+        operation itself (so a failure at the deadline reads "deadline passed")."""
+        return max(0.0, self.deadline - self.loop.time()) + 1.0
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        if self.closing or self.tg is None:
+            coro.close()
+            return
+        try:
+            self.tg.create_task(coro, name=name)
+        except RuntimeError:  # the group is shutting down at the deadline: the round is over
+            coro.close()
+
+    # --- sender role ----------------------------------------------------------------------------
+    async def _exchange(self, j: int) -> None:
+        """Send part j to reducer j and take its averages back."""
+        peer = self.group.members[j].peer_id
+        plan = self.plans[j]
+        stream: Stream | None = None
+        reason = "round over"
+        clean = False
+        try:
+            opened = StreamOpen(self.group.group_id, self.index, self.weight, self.group.deadline)
+            stream = await self.transport.open_stream(peer, METHOD, opened.header(), timeout=self._left())
+            self.traffic.start(peer)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._push(stream, plan, peer))
+                tg.create_task(self._pull(stream, plan, j, peer))
+            clean = True
+        except* FAULTS as errors:
+            reason = describe(errors)
+            self.errors[j] = reason
+            self.log.info("allreduce_reducer_failed", reducer=peer, reason=reason)
+            if isinstance(_leaf(errors), TransportClosed | PeerUnreachableError):
+                self._exclude(j, f"link lost: {reason}")
+        finally:
+            if stream is not None and not clean:
+                await stream.abort(reason)
+
+    def _encode(self, plan: ChunkPlan, c: int) -> asyncio.Future[tuple[Buffer, Meta]]:
+        a, b = plan.absolute(c)
+        return self.jobs.submit(b - a, self.codec.encode, self.vector[a:b])
+
+    async def _push(self, stream: Stream, plan: ChunkPlan, peer: str) -> None:
+        upcoming = self._encode(plan, 0)
+        for c in range(plan.count):
+            payload, meta = await asyncio.shield(upcoming)
+            if c + 1 < plan.count:
+                upcoming = self._encode(plan, c + 1)  # encode the next chunk while this one goes
+            await stream.send(Message(chunk_header(c, meta), payload), timeout=self._left())
+            self.traffic.sent(peer, len(payload))
+        await stream.close()
+
+    async def _pull(self, stream: Stream, plan: ChunkPlan, j: int, peer: str) -> None:
+        scratch = _buffer(self.codec.max_payload_bytes(plan.largest))
+        for c in range(plan.count):
+            message = await stream.receive_into(scratch, timeout=self._left())
+            if message is None:
+                raise PeerFault(f"the reducer closed its stream after {c} of {plan.count} chunks")
+            skip = message.header.get("skip")
+            if skip is not None and message.header.get("c") == c:
+                self.skipped[(j, c)] = f"not averaged by the reducer: {str(skip)[:200]}"
+                continue
+            meta = parse_chunk(message.header, c, plan.count)
+            self.traffic.received(peer, len(message.payload))
+            a, b = plan.absolute(c)
+            await self.jobs.run(b - a, self._take_average, j, c, message.payload, meta)
+
+    def _take_average(self, j: int, c: int, payload: Buffer, meta: Meta) -> None:
+        a, b = self.plans[j].absolute(c)
+        self.codec.decode(payload, meta, b - a, out=self.vector[a:b])
+        self.got[j][c] = True
+
+    # --- reducer role ---------------------------------------------------------------------------
+    def refusal(self, peer_id: str, opened: StreamOpen) -> str | None:
+        """Why a sender's stream cannot be served (None: it can)."""
+        i, members = opened.sender, self.group.members
+        if self.closing or self.tg is None or self.reduced.is_set():
+            return f"round {self.group.group_id} is over here"
+        if self.reducer is None:
+            return f"member {self.index} reduces nothing in round {self.group.group_id}"
+        if i >= len(members) or i == self.index or members[i].peer_id != peer_id:
+            return f"peer {peer_id} is not member {i} of round {self.group.group_id}"
+        if not members[i].sends:
+            return f"member {i} does not send in round {self.group.group_id}"
+        if i in self.excluded:
+            return f"member {i} was excluded: {self.excluded[i]}"
+        if i in self.adopted:
+            return f"member {i} already has a stream open"
+        return None
+
+    async def adopt(self, peer_id: str, stream: Stream, opened: StreamOpen) -> None:
+        """Serve a sender's stream in this round's task group; return once it is served."""
+        reason = self.refusal(peer_id, opened)
+        if reason is not None or self.tg is None:
+            self.counters["streams_refused"] += 1
+            raise PeerFault(reason)
+        i = opened.sender
+        try:
+            task = self.tg.create_task(self._serve(i, stream, opened.weight), name=f"allreduce-reduce-{i}")
+        except RuntimeError:  # the task group is shutting down at the deadline
+            raise PeerFault(f"round {self.group.group_id} is over here") from None
+        self.adopted.add(i)
+        self.serving[i] = task
+        finished = self.loop.create_future()
+        task.add_done_callback(lambda _: finished.done() or finished.set_result(None))
+        await finished
+
+    async def _serve(self, i: int, stream: Stream, weight: float) -> None:
+        peer = self.group.members[i].peer_id
+        self.traffic.start(peer)
+        clean = False
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._gather(i, stream, weight, peer))
+                tg.create_task(self._answer(stream, peer))
+            clean = True
+        except* FAULTS as errors:
+            self._exclude(i, describe(errors))
+        finally:
+            self.serving.pop(i, None)
+            if not clean:
+                await stream.abort(self.excluded.get(i, "round over"))
+
+    async def _gather(self, i: int, stream: Stream, weight: float, peer: str) -> None:
+        """Receive sender i's chunks in order, each added into the sums (in a thread) while the
+        next one arrives into the other buffer."""
+        assert self.own is not None and self.reducer is not None
+        plan, reducer = self.own, self.reducer
+        size = self.codec.max_payload_bytes(plan.largest)
+        buffers = (_buffer(size), _buffer(size))
+        lossless = self.codec.name == "none"
+        decoded = (None, None) if lossless else (np.empty(plan.largest, np.float32),
+                                                   np.empty(plan.largest, np.float32))
+        previous: asyncio.Future[None] | None = None
+        for c in range(plan.count):
+            message = await stream.receive_into(buffers[c % 2],
+                                                timeout=min(self._left(), self.stall_timeout))
+            if message is None:
+                raise PeerFault(f"the sender closed its stream after {c} of {plan.count} chunks")
+            meta = parse_chunk(message.header, c, plan.count)
+            self.traffic.received(peer, len(message.payload))
+            if previous is not None:
+                await asyncio.shield(previous)
+            if not reducer.expects(i, c):
+                return
+            reducer.take(i, c)
+            first, last = plan.relative(c)
+            previous = self.jobs.submit(last - first, self._add_chunk, c, message.payload, meta, weight,
+                                    decoded[c % 2])
+            previous.add_done_callback(partial(self._on_added, i, c, weight))
+        if previous is not None:
+            await asyncio.shield(previous)
+
+    def _add_chunk(self, c: int, payload: Buffer, meta: Meta, weight: float, out: np.ndarray | None) -> None:
+        assert self.own is not None and self.reducer is not None
+        first, last = self.own.relative(c)
+        values = self.codec.decode(payload, meta, last - first, None if out is None else out[:last - first])
+        self.reducer.add(c, values, weight, values if values.flags.writeable else None)
+
+    async def _contribute(self) -> None:
+        """Add our own part (exact, no codec) with our weight."""
+        assert self.own is not None and self.reducer is not None
+        plan, reducer = self.own, self.reducer
+        scratch = np.empty(plan.largest, np.float32)
+        for c in range(plan.count):
+            if not reducer.expects(self.index, c):
+                continue
+            reducer.take(self.index, c)
+            a, b = plan.absolute(c)
+            job = self.jobs.submit(b - a, reducer.add, c, self.vector[a:b], self.weight, scratch)
+            job.add_done_callback(partial(self._on_added, self.index, c, self.weight))
+            await asyncio.shield(job)
+
+    def _on_added(self, i: int, c: int, weight: float, job: asyncio.Future[None]) -> None:
+        assert self.reducer is not None
+        error = None if job.cancelled() else job.exception()
+        if job.cancelled() or error is not None:
+            settled = self.reducer.released(c)
+        else:
+            settled = self.reducer.added(c, weight)
+        if settled:
+            self._spawn(self._finalize(c), f"allreduce-average-{c}")
+        if error is not None:
+            self.counters["bad_chunks"] += 1
+            self._exclude(i, f"chunk {c}: {describe(error)}")
+
+    async def _finalize(self, c: int) -> None:
+        assert self.own is not None
+        a, b = self.own.absolute(c)
+        try:
+            await self.jobs.run(b - a, self._average, c)
+        except CompressionError as exc:  # the average overflowed float32
+            self.unaveraged[c] = describe(exc)
+        self.done[c].set()
+        self.remaining -= 1
+        if not self.remaining:
+            self.reduced.set()
+
+    def _average(self, c: int) -> None:
+        assert self.own is not None and self.reducer is not None
+        average = self.reducer.average(c)
+        if average is None:
+            self.unaveraged[c] = "no sender delivered this chunk"
+            return
+        payload, meta = self.codec.encode(average)
+        a, b = self.own.absolute(c)
+        self.codec.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
+        self.results[c] = (payload, meta)
+
+    async def _answer(self, stream: Stream, peer: str) -> None:
+        assert self.own is not None
+        for c in range(self.own.count):
+            await self.done[c].wait()
+            result = self.results[c]
+            if result is None:
+                header: dict[str, Any] = {"c": c, "skip": self.unaveraged.get(c, "not averaged")}
+                payload: Buffer = b""
+            else:
+                payload, meta = result
+                header = chunk_header(c, meta)
+            await stream.send(Message(header, payload), timeout=self._left())
+            self.traffic.sent(peer, len(payload))
+        await stream.close()
+
+    async def _watch_arrivals(self) -> None:
+        """Drop the senders whose stream has not come within the stall timeout."""
+        try:
+            async with asyncio.timeout(min(self.stall_timeout, self._left())):
+                await self.reduced.wait()
+            return
+        except TimeoutError:
+            pass
+        for i, member in enumerate(self.group.members):
+            if member.sends and i != self.index and i not in self.adopted:
+                self._exclude(i, f"no stream came within {self.stall_timeout}s")
+
+    def _exclude(self, i: int, reason: str) -> None:
+        """Leave sender i out of every chunk it has not delivered; stop serving its stream."""
+        if i in self.excluded or self.reducer is None or i == self.index:
+            return
+        if not self.group.members[i].sends:
+            return
+        self.excluded[i] = reason
+        self.counters["senders_excluded"] += 1
+        self.log.warning("allreduce_sender_excluded", sender=self.group.members[i].peer_id, reason=reason)
+        for c in self.reducer.drop(i):
+            self._spawn(self._finalize(c), f"allreduce-average-{c}")
+        task = self.serving.get(i)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    # --- report ---------------------------------------------------------------------------------
+    def _report(self, seconds: float) -> AllReduceReport:
+        outcomes: dict[str, list[tuple[tuple[int, int], bool, str]]] = {}
+        for j, plan in self.plans.items():
+            if j == self.index:
+                done = [(self.results[c] is not None, self.unaveraged.get(c, "deadline passed"))
+                        for c in range(plan.count)]
+            elif j in self.got:
+                default = self.errors.get(j, "deadline passed")
+                done = [(self.got[j][c], self.skipped.get((j, c), default)) for c in range(plan.count)]
+            else:
+                continue
+            outcomes[self.group.members[j].peer_id] = [
+                (plan.absolute(c), ok, reason) for c, (ok, reason) in enumerate(done)]
+        excluded = {self.group.members[i].peer_id: r for i, r in sorted(self.excluded.items())}
+        return build_report(self.group.group_id, seconds, outcomes, self.traffic, excluded)
+
+
+def _buffer(size: int) -> memoryview:
+    """A receive buffer (not zero-filled: the transport writes every byte before we read it)."""
+    return memoryview(np.empty(size, np.uint8))

@@ -1,0 +1,106 @@
+"""The all-reduce's stream protocol (method "avg.part"): pure header codecs and the chunk plan.
+
+Sender i opens one stream to each reducer j != i whose part is not empty, with the header
+    {"g": group_id, "i": i (the sender's member index), "w": its weight, "d": round deadline}
+Sender -> reducer: one message per chunk c of part j, in order c = 0, 1, ...:
+    header {"c": c, "m": codec meta (left out when empty)}, payload: the encoded chunk (raw bytes);
+    then the sender closes its side.
+Reducer -> sender, on the same stream: the averaged chunks, in the same order and the same format
+(one encoding per chunk, the same bytes to every sender), then the reducer closes its side.
+A reducer that refuses a stream or excludes its sender (bad chunk, unknown group, too slow) aborts
+the stream; the abort reason says why. A sender that stops early aborts or closes its side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import AveragingError
+
+METHOD = "avg.part"
+
+
+class PeerFault(AveragingError):
+    """A peer broke the all-reduce protocol (bad header, bad chunk, wrong order, ...)."""
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Part [start, end) of the vector, cut into chunks of `chunk_elements` (the last may be short)."""
+
+    start: int
+    end: int
+    chunk_elements: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def count(self) -> int:
+        return -(-self.size // self.chunk_elements)
+
+    @property
+    def largest(self) -> int:
+        return min(self.size, self.chunk_elements)
+
+    def relative(self, index: int) -> tuple[int, int]:
+        """Chunk `index` as a range within the part."""
+        first = index * self.chunk_elements
+        return first, min(first + self.chunk_elements, self.size)
+
+    def absolute(self, index: int) -> tuple[int, int]:
+        """Chunk `index` as a range of the whole vector."""
+        first, last = self.relative(index)
+        return self.start + first, self.start + last
+
+
+@dataclass(frozen=True)
+class StreamOpen:
+    """What a sender says when it opens its stream to a reducer."""
+
+    group_id: str
+    sender: int
+    weight: float
+    deadline: float
+
+    def header(self) -> dict[str, Any]:
+        return {"g": self.group_id, "i": self.sender, "w": self.weight, "d": self.deadline}
+
+    @classmethod
+    def parse(cls, header: dict[str, Any]) -> StreamOpen:
+        group_id, sender = header.get("g"), header.get("i")
+        weight, deadline = header.get("w"), header.get("d")
+        if not isinstance(group_id, str) or not group_id or len(group_id) > 200:
+            raise PeerFault("stream header without a group id")
+        if isinstance(sender, bool) or not isinstance(sender, int) or sender < 0:
+            raise PeerFault("stream header without a member index")
+        for name, value in (("weight", weight), ("deadline", deadline)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise PeerFault(f"stream header with a bad {name}")
+        if weight <= 0:  # type: ignore[operator]
+            raise PeerFault("a sender's weight must be positive")
+        return cls(group_id, sender, float(weight), float(deadline))  # type: ignore[arg-type]
+
+
+def chunk_header(index: int, meta: dict[str, Any]) -> dict[str, Any]:
+    return {"c": index, "m": meta} if meta else {"c": index}
+
+
+def parse_chunk(header: dict[str, Any], expected: int, count: int) -> dict[str, Any]:
+    """The codec meta of chunk `expected` (chunks come in order); PeerFault for anything else."""
+    index = header.get("c")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise PeerFault("chunk message without a chunk index")
+    if index != expected:
+        if 0 <= index < expected:
+            raise PeerFault(f"duplicate chunk {index}")
+        if index < 0 or index >= count:
+            raise PeerFault(f"unknown chunk index {index} (the part has {count} chunks)")
+        raise PeerFault(f"chunk {index} out of order (expected {expected})")
+    meta = header.get("m", {})
+    if not isinstance(meta, dict):
+        raise PeerFault(f"chunk {index}: codec meta is not an object")
+    return meta

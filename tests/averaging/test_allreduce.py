@@ -1,0 +1,487 @@
+"""The butterfly all-reduce over real TlsTransports on 127.0.0.1 (one process, one transport per
+member): exact weighted averages, aux and client members, codecs, senders and reducers that die,
+hostile chunks, silent members and the deadline, and nothing left behind afterwards.
+
+The links use 1 KiB frames and a 16 KiB stream window, so every chunk spans several frames and
+flow control works throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+from net.netutil import wait_until
+
+from dedloc.daemon.averaging.allreduce import AllReduceError, AllReduceReport, AllReduceService
+from dedloc.daemon.averaging.compression import get_codec
+from dedloc.daemon.averaging.group import Group, Member, Role
+from dedloc.daemon.averaging.wire import METHOD, StreamOpen
+from dedloc.daemon.identity import Identity
+from dedloc.daemon.net import (
+    LinkLimits,
+    Message,
+    PeerAddress,
+    RequestContext,
+    Stream,
+    StreamAborted,
+    TlsTransport,
+    TransportError,
+    TransportLimits,
+)
+
+LOOPBACK = PeerAddress.parse("/ip4/127.0.0.1/tcp/0")
+LIMITS = TransportLimits(handshake_timeout=2.0,
+                         link=LinkLimits(chunk_bytes=1024, stream_window=16 * 1024, ping_interval=2.0))
+CHUNK = 1000
+_ids = itertools.count()
+
+
+@dataclass
+class Cluster:
+    transports: list[TlsTransport]
+    services: list[AllReduceService] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[str]:
+        return [t.peer_id for t in self.transports]
+
+
+async def start_cluster(count: int) -> Cluster:
+    transports = [await TlsTransport.start(Identity.generate(), [LOOPBACK], limits=LIMITS)
+                  for _ in range(count)]
+    for a, b in itertools.combinations(transports, 2):
+        a.learn_addresses(b.peer_id, b.listen_addresses())
+        b.learn_addresses(a.peer_id, a.listen_addresses())
+        await a.connect(b.listen_addresses()[0], timeout=5)
+    # the accepting sides finish their handshakes too
+    await wait_until(lambda: all(len(t.links()) == count - 1 for t in transports))
+    return Cluster(transports)
+
+
+@pytest.fixture
+async def clusters() -> AsyncIterator[Callable[..., Any]]:
+    made: list[Cluster] = []
+
+    async def make(count: int, *, services: Sequence[int] | None = None, **options: Any) -> Cluster:
+        cluster = await start_cluster(count)
+        made.append(cluster)
+        for index in range(count) if services is None else services:
+            cluster.services.append(AllReduceService(cluster.transports[index], **options))
+        return cluster
+
+    yield make
+    for cluster in made:
+        for service in cluster.services:
+            service.close()
+        for transport in cluster.transports:
+            await transport.close()
+
+
+def make_group(ids: Sequence[str], *, roles: Sequence[Role] | None = None,
+               weights: Sequence[float] | None = None, size: int = 10_007,
+               bounds: Sequence[tuple[int, int]] | None = None, compression: str = "none",
+               seconds: float = 20.0, chunk: int = CHUNK) -> Group:
+    roles = list(roles or ["trainer"] * len(ids))
+    weights = list(weights or [1.0] * len(ids))
+    members = tuple(Member(peer, role, 0.0 if role == "aux" else weight, 1e6, 1e6)
+                    for peer, role, weight in zip(ids, roles, weights, strict=True))
+    if bounds is None:
+        reducers = [i for i, m in enumerate(members) if m.can_reduce]
+        chunks = -(-size // chunk)
+        cuts = np.linspace(0, chunks, len(reducers) + 1).round().astype(int) * chunk
+        cuts[-1] = size
+        spans = dict(zip(reducers, itertools.pairwise(cuts), strict=True))
+        position, built = 0, []
+        for i in range(len(members)):
+            end = int(spans[i][1]) if i in spans else position
+            built.append((position, end))
+            position = end
+        bounds = built
+    return Group(f"group-{next(_ids)}", "key", members, size, tuple(bounds), chunk, compression,
+                 time.time() + seconds)
+
+
+def vectors(count: int, size: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(size) * (i + 1) + i).astype(np.float32) for i in range(count)]
+
+
+def weighted(vectors_: Sequence[np.ndarray], weights: Sequence[float], members: Sequence[int]) -> np.ndarray:
+    total = sum(weights[i] for i in members)
+    return (sum(weights[i] * vectors_[i].astype(np.float64) for i in members) / total).astype(np.float32)
+
+
+async def run_all(cluster: Cluster, group: Group, vecs: list[np.ndarray], weights: Sequence[float],
+                  members: Sequence[int] | None = None) -> list[AllReduceReport]:
+    members = range(len(group.members)) if members is None else members
+    return list(await asyncio.gather(*(cluster.services[i].run(group, i, vecs[i], weights[i])
+                                       for i in members)))
+
+
+def chunk_ranges(group: Group) -> list[tuple[int, tuple[int, int]]]:
+    """(reducer, element range) of every chunk of the group."""
+    found = []
+    for j, (a, b) in enumerate(group.part_bounds):
+        for start in range(a, b, group.chunk_elements):
+            found.append((j, (start, min(start + group.chunk_elements, b))))
+    return found
+
+
+def close(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.allclose(a, b, rtol=1e-5, atol=1e-5))
+
+
+# --- averages ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("count", "inline"), [(2, 1 << 15), (3, 0), (5, 1 << 15)])
+async def test_weighted_average_is_exact(clusters: Any, count: int, inline: int) -> None:
+    cluster = await clusters(count, inline_elements=inline)
+    weights = [1.0, 2.5, 0.25, 7.0, 1.1][:count]
+    size = 10_007 if count != 2 else 4_321
+    # uneven parts: member 0 gets one chunk, the last one the rest
+    chunks = -(-size // CHUNK)
+    cuts = [0, CHUNK] + [min(size, CHUNK * (1 + (chunks - 1) * k // (count - 1))) for k in range(1, count)]
+    group = make_group(cluster.ids, weights=weights, size=size,
+                       bounds=list(itertools.pairwise(cuts)))
+    vecs = vectors(count, size)
+    expected = weighted(vecs, weights, range(count))
+    reports = await run_all(cluster, group, vecs, weights)
+    for vector, report in zip(vecs, reports, strict=True):
+        assert report.ok and report.parts_reduced == ((0, size),) and not report.senders_excluded
+        assert report.bytes_sent > 0 and report.bytes_received > 0
+        assert np.allclose(vector, expected, rtol=1e-6, atol=1e-6)
+        assert np.array_equal(vector, vecs[0])
+    for index, report in enumerate(reports):
+        assert set(report.transfers) == set(cluster.ids) - {cluster.ids[index]}
+
+
+async def test_aux_member_reduces_without_sending(clusters: Any) -> None:
+    cluster = await clusters(3)
+    weights = [2.0, 1.0, 0.0]
+    group = make_group(cluster.ids, roles=["trainer", "trainer", "aux"], weights=weights)
+    vecs = vectors(3, group.size)
+    aux_before = vecs[2].copy()
+    expected = weighted(vecs, weights, [0, 1])
+    reports = await run_all(cluster, group, vecs, weights)
+    assert all(r.ok for r in reports)
+    a, b = group.part_bounds[2]
+    assert b > a
+    for vector in vecs[:2]:
+        assert close(vector, expected) and np.array_equal(vector, vecs[0])
+    assert np.array_equal(vecs[2][a:b], vecs[0][a:b])  # aux holds its averaged part
+    assert np.array_equal(vecs[2][:a], aux_before[:a])
+    assert reports[2].parts_reduced == ((a, b),) and reports[2].bytes_received > 0
+    # the aux only took chunks of its part and sent their averages back (same size, no codec)
+    assert all(t.bytes_received == t.bytes_sent == 4 * (b - a) for t in reports[2].transfers.values())
+
+
+async def test_client_member_sends_but_reduces_nothing(clusters: Any) -> None:
+    cluster = await clusters(3)
+    weights = [1.0, 1.0, 3.0]
+    group = make_group(cluster.ids, roles=["trainer", "trainer", "client"], weights=weights)
+    assert group.part_bounds[2][0] == group.part_bounds[2][1]
+    vecs = vectors(3, group.size)
+    expected = weighted(vecs, weights, [0, 1, 2])
+    reports = await run_all(cluster, group, vecs, weights)
+    assert all(r.ok for r in reports)
+    for vector in vecs:
+        assert close(vector, expected) and np.array_equal(vector, vecs[0])
+    assert not reports[2].senders_excluded
+
+
+@pytest.mark.parametrize("compression", ["fp16", "uint8", "quantile8"])
+async def test_compressed_average_within_codec_bounds(clusters: Any, compression: str) -> None:
+    cluster = await clusters(3, inline_elements=0)
+    weights = [1.0, 3.0, 0.5]
+    group = make_group(cluster.ids, weights=weights, compression=compression)
+    vecs = vectors(3, group.size, seed=5)
+    originals = [v.copy() for v in vecs]
+    codec = get_codec(compression)
+    reports = await run_all(cluster, group, vecs, weights)
+    assert all(r.ok for r in reports)
+    for j, (a, b) in chunk_ranges(group):
+        # what reducer j averages: its own chunk exact, the others' as decoded from the wire
+        seen = []
+        for i, x in enumerate(originals):
+            chunk = x[a:b]
+            seen.append(chunk if i == j else codec.decode(*codec.encode(chunk), b - a))
+        average = weighted(seen, weights, range(3))
+        exact = weighted([x[a:b] for x in originals], weights, range(3))
+        slack = 1e-5 * float(np.abs(average).max())
+        assert np.abs(vecs[0][a:b] - average).max() <= codec.error_bound(average) * 1.001 + slack
+        sender_error = sum(w * codec.error_bound(x[a:b]) for w, x in zip(weights, originals, strict=True))
+        assert np.abs(vecs[0][a:b] - exact).max() <= (sender_error / sum(weights)
+                                                      + codec.error_bound(average) * 1.001 + slack)
+    for vector in vecs:
+        assert np.array_equal(vector, vecs[0])
+
+
+# --- faults -----------------------------------------------------------------------------------------
+class Tripwire:
+    """Wraps a member's transport: after `after` messages sent on its opened (or served) streams,
+    it closes the real transport, as if the process died there."""
+
+    def __init__(self, inner: TlsTransport, after: int, side: str) -> None:
+        self.inner, self.after, self.side = inner, after, side
+        self.sent = 0
+        self.killer: asyncio.Task[None] | None = None
+
+    @property
+    def peer_id(self) -> str:
+        return self.inner.peer_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def add_stream_handler(self, method: str, handler: Any) -> None:
+        async def wrapped(ctx: RequestContext, stream: Stream) -> None:
+            await handler(ctx, _Counted(stream, self) if self.side == "served" else stream)
+        self.inner.add_stream_handler(method, wrapped)
+
+    async def open_stream(self, peer_id: str, method: str, header: dict[str, Any], *,
+                          timeout: float) -> Stream:
+        stream = await self.inner.open_stream(peer_id, method, header, timeout=timeout)
+        return _Counted(stream, self) if self.side == "opened" else stream
+
+    def count(self) -> None:
+        self.sent += 1
+        if self.sent == self.after:
+            self.killer = asyncio.get_running_loop().create_task(self.inner.close())
+
+
+class _Counted:
+    def __init__(self, stream: Stream, trip: Tripwire) -> None:
+        self._stream, self._trip = stream, trip
+        self.header = stream.header
+
+    async def send(self, message: Message, *, timeout: float) -> None:
+        await self._stream.send(message, timeout=timeout)
+        self._trip.count()
+
+    async def receive(self, *, timeout: float) -> Message | None:
+        return await self._stream.receive(timeout=timeout)
+
+    async def receive_into(self, buffer: Any, *, timeout: float) -> Message | None:
+        return await self._stream.receive_into(buffer, timeout=timeout)
+
+    async def close(self) -> None:
+        await self._stream.close()
+
+    async def abort(self, reason: str) -> None:
+        await self._stream.abort(reason)
+
+
+async def test_sender_that_dies_is_left_out(clusters: Any) -> None:
+    cluster = await clusters(4, services=[0, 1, 2])
+    trip = Tripwire(cluster.transports[3], after=4, side="opened")
+    cluster.services.append(AllReduceService(trip))  # type: ignore[arg-type]
+    weights = [1.0, 2.0, 1.5, 4.0]
+    group = make_group(cluster.ids, roles=["trainer", "trainer", "trainer", "client"], weights=weights,
+                       size=30_000)
+    vecs = vectors(4, group.size)
+    with_all, without = weighted(vecs, weights, range(4)), weighted(vecs, weights, range(3))
+    reports = await run_all(cluster, group, vecs, weights)
+    assert trip.killer is not None
+    await trip.killer
+    dead = cluster.ids[3]
+    assert not reports[3].ok  # the dead one kept what it had: no error raised
+    for report in reports[:3]:
+        assert report.ok, report.failures
+        assert dead in report.senders_excluded
+    left_out = 0
+    for _, (a, b) in chunk_ranges(group):
+        assert np.array_equal(vecs[0][a:b], vecs[1][a:b]) and np.array_equal(vecs[0][a:b], vecs[2][a:b])
+        if close(vecs[0][a:b], without[a:b]):
+            left_out += 1
+        else:
+            assert close(vecs[0][a:b], with_all[a:b])
+    assert left_out >= 3  # at least the last chunk of every part came after its death
+    for j, (a, b) in enumerate(group.part_bounds[:3]):
+        last = max(a, b - CHUNK)
+        assert close(vecs[j][last:b], without[last:b])
+
+
+async def test_reducer_that_dies_leaves_its_part_local(clusters: Any) -> None:
+    cluster = await clusters(4, services=[0, 1, 2])
+    trip = Tripwire(cluster.transports[3], after=3, side="served")
+    cluster.services.append(AllReduceService(trip))  # type: ignore[arg-type]
+    weights = [1.0, 2.0, 1.5, 4.0]
+    group = make_group(cluster.ids, weights=weights, size=40_000)
+    vecs = vectors(4, group.size)
+    originals = [v.copy() for v in vecs]
+    with_all, without = weighted(vecs, weights, range(4)), weighted(vecs, weights, range(3))
+    reports = await run_all(cluster, group, vecs, weights)
+    assert trip.killer is not None
+    await trip.killer
+    dead = cluster.ids[3]
+    a3, b3 = group.part_bounds[3]
+    for i, report in enumerate(reports[:3]):
+        assert report.failures and {f.reducer for f in report.failures} == {dead}
+        # exactly the chunks that kept the local value are reported failed
+        kept = [(a, b) for j, (a, b) in chunk_ranges(group) if j == 3
+                and np.array_equal(vecs[i][a:b], originals[i][a:b])]
+        failed = [(a, b) for f in report.failures for a, b in _chunks_of(f.start, f.end, group)]
+        assert kept == failed and kept and kept[-1][1] == b3
+        for j, (a, b) in chunk_ranges(group):
+            if j == 3 and (a, b) not in kept:
+                assert close(vecs[i][a:b], with_all[a:b])
+    for j, (a, b) in chunk_ranges(group):
+        if j != 3:  # the other parts: reduced, identical, with or without the dead one's values
+            assert np.array_equal(vecs[0][a:b], vecs[1][a:b]) and np.array_equal(vecs[0][a:b], vecs[2][a:b])
+            assert close(vecs[0][a:b], with_all[a:b]) or close(vecs[0][a:b], without[a:b])
+    assert all(r.parts_reduced[0][0] == 0 for r in reports[:3])
+    assert all((a3, b3) != r.parts_reduced[-1] for r in reports[:3])
+
+
+def _chunks_of(start: int, end: int, group: Group) -> list[tuple[int, int]]:
+    return [(a, b) for _, (a, b) in chunk_ranges(group) if start <= a and b <= end]
+
+
+async def hostile_sender(transport: TlsTransport, group: Group, index: int, vector: np.ndarray,
+                         mode: str) -> None:
+    """Speaks the wire protocol by hand: chunk 0 good, chunk 1 bad (as `mode` says)."""
+
+    async def one(j: int) -> None:
+        a = group.part_bounds[j][0]
+        opened = StreamOpen(group.group_id, index, group.members[index].weight, group.deadline)
+        stream = await transport.open_stream(group.members[j].peer_id, METHOD, opened.header(), timeout=5)
+        await stream.send(Message({"c": 0}, vector[a:a + CHUNK].tobytes()), timeout=5)
+        bad = vector[a + CHUNK:a + 2 * CHUNK].copy()
+        header: dict[str, Any] = {"c": 1}
+        if mode == "nan":
+            bad[10] = np.nan
+        elif mode == "short":
+            bad = bad[:-3]
+        elif mode == "unknown":
+            header = {"c": 999}
+        elif mode == "duplicate":
+            header = {"c": 0}
+        await stream.send(Message(header, bad.tobytes()), timeout=5)
+        try:
+            while await stream.receive(timeout=10) is not None:
+                pass
+        except StreamAborted:
+            pass
+
+    await asyncio.gather(*(one(j) for j in range(3)))
+
+
+@pytest.mark.parametrize(("mode", "reason"), [("nan", "NaN"), ("short", "payload of 3988 bytes"),
+                                              ("unknown", "unknown chunk index 999"),
+                                              ("duplicate", "duplicate chunk 0")])
+async def test_bad_chunk_excludes_its_sender(clusters: Any, mode: str, reason: str) -> None:
+    cluster = await clusters(4, services=[0, 1, 2])
+    weights = [1.0, 2.0, 1.5, 4.0]
+    group = make_group(cluster.ids, roles=["trainer", "trainer", "trainer", "client"], weights=weights)
+    vecs = vectors(4, group.size)
+    with_all, without = weighted(vecs, weights, range(4)), weighted(vecs, weights, range(3))
+    reports, _ = await asyncio.gather(run_all(cluster, group, vecs, weights, members=[0, 1, 2]),
+                                      hostile_sender(cluster.transports[3], group, 3, vecs[3], mode))
+    hostile = cluster.ids[3]
+    for report in reports:
+        assert report.ok
+        assert reason in report.senders_excluded[hostile]
+    for j, (a, b) in chunk_ranges(group):
+        first = a == group.part_bounds[j][0]  # chunk 0 of each part came intact: it counts
+        assert np.array_equal(vecs[0][a:b], vecs[1][a:b]) and np.array_equal(vecs[0][a:b], vecs[2][a:b])
+        assert close(vecs[0][a:b], (with_all if first else without)[a:b])
+    assert sum(s.counters["senders_excluded"] for s in cluster.services) == 3
+
+
+async def test_silent_member_deadline_and_nothing_left_behind(clusters: Any) -> None:
+    cluster = await clusters(4, services=[0, 1, 2], stall_timeout=0.5)
+
+    async def swallow(ctx: RequestContext, stream: Stream) -> None:
+        """A member that takes chunks and never answers, nor sends its own."""
+        try:
+            while await stream.receive(timeout=30) is not None:
+                pass
+            # then hold the stream open until the sender aborts it
+            await wait_until(lambda: stream.finished, timeout=30)  # type: ignore[attr-defined]
+        except TransportError:
+            pass
+
+    cluster.transports[3].add_stream_handler(METHOD, swallow)
+    await asyncio.sleep(0)
+    baseline = len(asyncio.all_tasks())
+    weights = [1.0, 2.0, 1.5, 1.0]
+    group = make_group(cluster.ids, weights=weights, seconds=2.0)
+    vecs = vectors(4, group.size)
+    originals = [v.copy() for v in vecs]
+    without = weighted(vecs, weights, range(3))
+    reports = await run_all(cluster, group, vecs, weights, members=[0, 1, 2])
+    assert time.time() < group.deadline + 1.0
+    a3, b3 = group.part_bounds[3]
+    silent = cluster.ids[3]
+    for i, report in enumerate(reports):
+        assert report.failed_parts == ((a3, b3),)
+        assert report.failures[0].reducer == silent and "deadline" in report.failures[0].reason
+        assert "no stream came" in report.senders_excluded[silent]
+        assert np.array_equal(vecs[i][a3:b3], originals[i][a3:b3])
+        assert close(vecs[i][:a3], without[:a3]) and np.array_equal(vecs[i][:a3], vecs[0][:a3])
+    # nothing left: no tasks, no streams (the silent member's handlers end on the aborts)
+    await wait_until(lambda: len(asyncio.all_tasks()) == baseline and not any(
+        link.streams for t in cluster.transports for link in t.links()))
+    for service in cluster.services:
+        assert service.status()["active_rounds"] == []
+
+
+async def test_round_that_starts_late_still_gets_its_streams(clusters: Any) -> None:
+    cluster = await clusters(3)
+    weights = [1.0, 1.0, 1.0]
+    group = make_group(cluster.ids, weights=weights)
+    vecs = vectors(3, group.size)
+    expected = weighted(vecs, weights, range(3))
+
+    async def late() -> AllReduceReport:
+        await asyncio.sleep(0.3)
+        return await cluster.services[2].run(group, 2, vecs[2], 1.0)
+
+    reports = await asyncio.gather(cluster.services[0].run(group, 0, vecs[0], 1.0),
+                                   cluster.services[1].run(group, 1, vecs[1], 1.0), late())
+    assert all(r.ok for r in reports)
+    assert all(close(v, expected) for v in vecs)
+
+
+async def test_unknown_or_finished_groups_are_refused(clusters: Any) -> None:
+    cluster = await clusters(2, arrival_grace=0.2)
+    opened = StreamOpen("no-such-group", 0, 1.0, time.time() + 10)
+    stream = await cluster.transports[0].open_stream(cluster.ids[1], METHOD, opened.header(), timeout=5)
+    with pytest.raises(StreamAborted, match="no round of group no-such-group"):
+        await stream.receive(timeout=5)
+    group = make_group(cluster.ids, size=100)
+    await run_all(cluster, group, vectors(2, 100), [1.0, 1.0])
+    late = StreamOpen(group.group_id, 0, 1.0, group.deadline)
+    stream = await cluster.transports[0].open_stream(cluster.ids[1], METHOD, late.header(), timeout=5)
+    with pytest.raises(StreamAborted, match="is over here"):
+        await stream.receive(timeout=5)
+    stream = await cluster.transports[0].open_stream(cluster.ids[1], METHOD, {"g": 5}, timeout=5)
+    with pytest.raises(StreamAborted, match="without a group id"):
+        await stream.receive(timeout=5)
+    assert cluster.services[1].counters["streams_refused"] == 3
+
+
+async def test_misuse_raises(clusters: Any) -> None:
+    cluster = await clusters(2)
+    service = cluster.services[0]
+    group = make_group(cluster.ids, size=100)
+    good = np.zeros(100, np.float32)
+    with pytest.raises(AllReduceError, match="has 99 elements"):
+        await service.run(group, 0, np.zeros(99, np.float32), 1.0)
+    with pytest.raises(AllReduceError, match="float32"):
+        await service.run(group, 0, np.zeros(100, np.float64), 1.0)
+    with pytest.raises(AllReduceError, match="not this peer"):
+        await service.run(group, 1, good, 1.0)
+    with pytest.raises(AllReduceError, match="weight"):
+        await service.run(group, 0, good, 0.0)
+    bad = good.copy()
+    bad[50] = np.inf
+    with pytest.raises(AllReduceError, match="NaN or Inf"):
+        await service.run(group, 0, bad, 1.0)
+    with pytest.raises(AllReduceError, match="unknown compression"):
+        await service.run(make_group(cluster.ids, size=100, compression="zip"), 0, good, 1.0)
