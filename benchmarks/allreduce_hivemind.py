@@ -19,17 +19,15 @@ MIB = 1 << 20
 LOCAL_ONLY = {"nat_port_map": False, "auto_nat": False, "use_relay": False, "use_auto_relay": False}
 
 
-def _peer(index: int, args: argparse.Namespace, host: str, wrap: list[str] | None,
-          addresses: Any, ready: Any, barrier: Any, results: Any) -> None:
+def _peer(index: int, args: argparse.Namespace, host: str, initial: list[str], addresses: Any,
+          barrier: Any, results: Any) -> None:
     import hivemind
     import torch
 
-    initial = list(addresses) if index else None
-    dht = hivemind.DHT(start=True, initial_peers=initial, host_maddrs=[f"/ip4/{host}/tcp/0"],
+    dht = hivemind.DHT(start=True, initial_peers=initial or None, host_maddrs=[f"/ip4/{host}/tcp/0"],
                        **LOCAL_ONLY)
     if index == 0:
-        addresses.extend(str(a) for a in dht.get_visible_maddrs())
-    ready.wait()
+        addresses.put([str(a) for a in dht.get_visible_maddrs()])
     torch.manual_seed(index)
     tensor = torch.randn(args.mib * MIB // 4)
     averager = hivemind.averaging.DecentralizedAverager(
@@ -48,20 +46,18 @@ def _peer(index: int, args: argparse.Namespace, host: str, wrap: list[str] | Non
 def run_hivemind(args: argparse.Namespace, lab: Any) -> dict[str, Any]:
     if lab is not None:
         raise SystemExit("--impl hivemind does not run in the netlab yet")
-    context = mp.get_context("spawn")
-    manager = context.Manager()
-    addresses = manager.list()
-    ready = context.Event()
+    context = mp.get_context("fork")  # hivemind starts its own processes by fork
+    addresses = context.Queue()
     barrier = context.Barrier(args.peers)
     results = context.Queue()
-    processes = [context.Process(target=_peer, args=(i, args, "127.0.0.1", None, addresses, ready,
-                                                     barrier, results)) for i in range(args.peers)]
-    processes[0].start()
-    while not addresses:
-        time.sleep(0.1)
+    first = context.Process(target=_peer, args=(0, args, "127.0.0.1", [], addresses, barrier, results))
+    first.start()
+    initial = addresses.get(timeout=120)
+    processes = [first, *(context.Process(target=_peer, args=(i, args, "127.0.0.1", initial, addresses,
+                                                                barrier, results))
+                          for i in range(1, args.peers))]
     for process in processes[1:]:
         process.start()
-    ready.set()
     rounds: dict[int, list[tuple[float, float, bool]]] = {}
     for _ in range(args.peers * (args.warmup + args.rounds)):
         round_index, _, started, finished, ok = results.get(timeout=args.timeout + 120)

@@ -7,21 +7,28 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from dedloc.rpc import ErrorCode, rpc_method
 
-from .averaging.averager import RoundOptions
+from .averaging.allreduce import AllReduceError
+from .averaging.averager import NonFiniteVector, RoundOptions
 from .averaging.errors import AveragingError
-from .averaging.shm import attach
+from .averaging.shm import SharedBufferError, attach
 
 if TYPE_CHECKING:
     from .network import PeerNetwork
 
-ERROR_MAP = {AveragingError: ErrorCode.BUFFER_ERROR}
+ERROR_MAP: dict[type[BaseException], ErrorCode] = {
+    SharedBufferError: ErrorCode.BUFFER_ERROR,
+    AllReduceError: ErrorCode.BUFFER_ERROR,
+    NonFiniteVector: ErrorCode.BUFFER_ERROR,
+    AveragingError: ErrorCode.AVERAGING_ERROR,
+}
 
 
 class AveragingApi:
     def __init__(self, network: PeerNetwork) -> None:
         self._network = network
 
-    @rpc_method("averaging.average", errors=(ErrorCode.NOT_JOINED, ErrorCode.BUFFER_ERROR))
+    @rpc_method("averaging.average", errors=(ErrorCode.NOT_JOINED, ErrorCode.BUFFER_ERROR,
+                                             ErrorCode.AVERAGING_ERROR))
     async def average(
         self,
         key: Annotated[str, "The round's key: every peer that averages under it joins one group "

@@ -35,6 +35,7 @@ class ErrorCode(IntEnum):
     PEER_UNREACHABLE = 1012
     PEER_ID_MISMATCH = 1013
     DHT_REFUSED = 1014
+    AVERAGING_ERROR = 1015
 
 
 ERROR_DESCRIPTIONS: dict[ErrorCode, str] = {
@@ -60,6 +61,7 @@ ERROR_DESCRIPTIONS: dict[ErrorCode, str] = {
     ErrorCode.NOT_JOINED: "The node has not joined the network yet; try again shortly.",
     ErrorCode.PEER_UNREACHABLE: "No address of the peer answered.",
     ErrorCode.PEER_ID_MISMATCH: "The peer at that address is not the peer the address names.",
+    ErrorCode.AVERAGING_ERROR: "An averaging round could not be run as asked (the message says why).",
     ErrorCode.DHT_REFUSED: "The DHT refused the record (too large, expired, or a sub-key owned by "
     "another peer); the message says which.",
 }

@@ -78,19 +78,19 @@ class AllReduceService:
         transport.add_stream_handler(METHOD, self._handle)
 
     # --- rounds ---------------------------------------------------------------------------------
-    async def run(self, group: Group, my_index: int, vector: np.ndarray, weight: float) -> AllReduceReport:
+    async def run(self, group: Group, my_index: int, vector: np.ndarray, weight: float, *,
+                  finite_checked: bool = False) -> AllReduceReport:
         """Average `vector` (float32, 1-D, `group.size` long; changed in place) with the group.
 
         Member `my_index` sends its vector with `weight` (> 0) if it is a sender and reduces its
         part `group.part_bounds[my_index]`. Parts (or chunks of them) that could not be averaged
-        keep their local values and are listed in the report's `failed_parts`."""
+        keep their local values and are listed in the report's `failed_parts`. `finite_checked`:
+        the caller has already made sure the vector holds no NaN or Inf."""
         self._check(group, my_index, vector, weight)
         if not group.members[my_index].sends:
             weight = 0.0
-        elif vector.size >= _FINITE_CHECK_BLOCK:
-            await asyncio.get_running_loop().run_in_executor(self._pool, _check_finite, vector)
-        else:
-            _check_finite(vector)
+        elif not finite_checked:
+            await self._check_finite(vector)
         if group.group_id in self._rounds:
             raise AllReduceError(f"a round of group {group.group_id} is already running")
         self.counters["rounds"] += 1
@@ -107,6 +107,12 @@ class AllReduceService:
         if report.failed_parts:
             self.counters["rounds_with_failures"] += 1
         return report
+
+    async def _check_finite(self, vector: np.ndarray) -> None:
+        if vector.size >= _FINITE_CHECK_BLOCK:
+            await asyncio.get_running_loop().run_in_executor(self._pool, check_finite, vector)
+        else:
+            check_finite(vector)
 
     def _check(self, group: Group, my_index: int, vector: np.ndarray, weight: float) -> None:
         try:
@@ -185,7 +191,7 @@ class AllReduceService:
         return {"active_rounds": sorted(self._rounds), "counters": dict(self.counters)}
 
 
-def _check_finite(vector: np.ndarray) -> None:
+def check_finite(vector: np.ndarray) -> None:
     for start in range(0, vector.size, _FINITE_CHECK_BLOCK):
         try:
             finite_range(vector[start:start + _FINITE_CHECK_BLOCK])

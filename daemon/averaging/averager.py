@@ -8,6 +8,7 @@ all-reduce in place, learn bandwidth from the transfers, and keep a short histor
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import structlog
 from ..config import AveragingSection
 from ..dht import DHTNode
 from ..net import PeerTransport
-from .allreduce import AllReduceReport, AllReduceService
+from .allreduce import AllReduceError, AllReduceReport, AllReduceService, check_finite
 from .bandwidth import BandwidthEstimator
 from .errors import AveragingError
 from .group import Member, Role
@@ -39,6 +40,10 @@ class RoundOptions:
     compression: str = "none"
     expected: int | None = None
     window: float | None = None
+
+
+class NonFiniteVector(AveragingError):
+    """The vector holds NaN or Inf; it is not averaged (the caller's fault)."""
 
 
 class Averager:
@@ -75,6 +80,11 @@ class Averager:
         started = time.time()
         if options.deadline <= started:
             raise AveragingError("the round's deadline has already passed")
+        try:
+            await asyncio.to_thread(check_finite, vector)
+        except AllReduceError as exc:
+            self.counters["rejected_nonfinite"] += 1
+            raise NonFiniteVector(f"{exc}; nothing was averaged") from None
         role: Role = options.role
         weight = 0.0 if role == "aux" else options.weight
         if role != "client" and not self.reachable:
@@ -89,9 +99,12 @@ class Averager:
                                max_group_size=self.config.max_group_size)
         group = await self.matchmaker.form_group(request)
         matched = time.time()
+        log.info("averaging_group_ready", key=options.key, group=group.group_id[:12],
+                 group_size=len(group.members), part=list(group.part_bounds[group.index_of(self.peer_id)]))
         report: AllReduceReport | None = None
         if len(group.members) > 1:
-            report = await self.allreduce.run(group, group.index_of(self.peer_id), vector, weight)
+            report = await self.allreduce.run(group, group.index_of(self.peer_id), vector, weight,
+                                              finite_checked=True)
             self._learn_bandwidth(report)
         finished = time.time()
         summary = self._summarise(options, group, report, started, matched, finished)

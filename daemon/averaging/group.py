@@ -87,14 +87,15 @@ class Group:
         return group
 
     def check(self) -> None:
-        """ValueError unless the bounds tile the vector, one range per member."""
+        """ValueError unless the bounds tile the vector, one range per member, and only members
+        that can reduce have a part (a group of one keeps the whole vector: nothing moves)."""
         if len(self.part_bounds) != len(self.members):
             raise ValueError("one part range per member is required")
         position = 0
         for (start, end), member in zip(self.part_bounds, self.members, strict=True):
             if start != position or end < start:
                 raise ValueError(f"part ranges must tile [0, {self.size}) in member order")
-            if end > start and not member.can_reduce:
+            if end > start and not member.can_reduce and len(self.members) > 1:
                 raise ValueError(f"{member.peer_id} cannot reduce but was given a part")
             position = end
         if position != self.size:

@@ -40,7 +40,7 @@ JOIN = "avg.join"
 GROUP = "avg.group"
 JOIN_ACK_SECONDS = 3.0  # at most this long for a leader to acknowledge a join, else it is skipped
 DHT_PREFIX = "averaging/"
-POLL_SECONDS = 0.1
+POLL_SECONDS = (0.01, 0.2)  # between DHT reads while gathering: first, and at most (backing off)
 
 # Given the members and the vector, the leader's choice of part ranges (the load balancer).
 Planner = Callable[[tuple[Member, ...], int, int], tuple[tuple[int, int], ...]]
@@ -122,6 +122,7 @@ class Matchmaker:
     async def _gather(self, request: RoundRequest, window_end: float) -> dict[str, Member]:
         """Read the announcements until the window closes or `expected` peers are seen."""
         seen: dict[str, Member] = {self.peer_id: request.member}
+        pause = POLL_SECONDS[0]
         while True:
             remaining = window_end - time.time()
             if remaining <= 0:
@@ -137,7 +138,8 @@ class Matchmaker:
                     seen[sub_key] = member
             if request.expected is not None and len(seen) >= request.expected:
                 break
-            await asyncio.sleep(min(POLL_SECONDS, max(0.0, window_end - time.time())))
+            await asyncio.sleep(min(pause, max(0.0, window_end - time.time())))
+            pause = min(pause * 2, POLL_SECONDS[1])
         return seen
 
     # Deciding the leader -----------------------------------------------------------------
@@ -145,12 +147,15 @@ class Matchmaker:
     async def _settle(self, gathering: _Gathering, candidates: dict[str, Member],
                       window_end: float) -> Group:
         request = gathering.request
-        leaders = sorted(pid for pid, m in candidates.items() if m.can_reduce or pid == self.peer_id)
+        # Only a peer others can dial may lead; a peer nobody can dial only ever joins.
+        leaders = sorted(pid for pid, m in candidates.items() if m.can_reduce)
         give_up = window_end + _grace(request)
         tried: set[str] = set()
         for _ in range(8):
             options = [pid for pid in leaders if pid not in tried]
-            leader = options[0] if options else self.peer_id
+            if not options:
+                break
+            leader = options[0]
             if leader == self.peer_id:
                 return await self._lead(gathering, candidates, give_up)
             gathering.leader = leader
@@ -218,6 +223,8 @@ class Matchmaker:
             log.warning("matchmaking_group_not_delivered", peer=peer_id[:12], error=str(exc))
 
     async def _assemble(self, request: RoundRequest, members: tuple[Member, ...]) -> Group:
+        if len(members) == 1:
+            return self._alone(request)
         ordered = tuple(sorted(members, key=lambda m: m.peer_id))
         digest = hashlib.sha256(request.key.encode() + secrets.token_bytes(16)
                                 + "".join(m.peer_id for m in ordered).encode()).hexdigest()

@@ -58,5 +58,7 @@ def attach(name: str, length: int, dtype: str = "float32") -> Iterator[np.ndarra
     try:
         yield array
     finally:
-        del array
-        mapping.close()
+        # No explicit close: finished round objects can keep views alive in reference cycles for
+        # a moment, and closing under a view raises. The mapping is unmapped when its last view
+        # is gone (refcount or the cyclic collector); the shared-memory object stays the caller's.
+        del array, mapping

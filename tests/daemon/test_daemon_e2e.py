@@ -8,6 +8,7 @@ import signal
 from support import wait_until
 
 CONTROL_METHODS = {"node.info", "node.shutdown", "node.peers", "node.connect", "dht.store", "dht.get",
+                   "averaging.average", "averaging.status",
                    "workloads.list", "run.start", "run.status", "run.stop", "run.restart",
                    "rpc.discover"}
 
