@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from netlab import NetLab, load_profile
 
 MIB = 1 << 20
+WIRE_BYTES_PER_ELEMENT = {"none": 4.0, "fp16": 2.0, "uint8": 1.0, "quantile8": 1.0}
 
 
 async def _wait_ready(socket: Path, process: asyncio.subprocess.Process, log: Path) -> dict[str, Any]:
@@ -192,7 +193,8 @@ async def run_dedloc(args: argparse.Namespace, lab: NetLab | None) -> dict[str, 
             if mode == "lp":
                 bandwidths = ([(p.upload_mbit * 1e6 / 8, p.download_mbit * 1e6 / 8) for p in profile]
                               if profile else measured)
-                result["bound_seconds"] = round(bound_seconds(bandwidths, length * 4), 4)
+                wire_bytes = length * WIRE_BYTES_PER_ELEMENT[args.compression]
+                result["bound_seconds"] = round(bound_seconds(bandwidths, wire_bytes), 4)
                 result["bandwidths_used_for_bound"] = "shaped" if profile else "measured"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

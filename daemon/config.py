@@ -121,7 +121,7 @@ class AveragingSection:
                               "replaced by what transfers measure.", default=100.0)
     download_mbps: float = _doc("Starting guess of the download bandwidth in Mbit/s.", default=100.0)
     chunk_bytes: int = _doc("Size of the chunks a vector is streamed in (1-4 MiB is best).",
-                            default=2 << 20)
+                            default=4 << 20)
     window: float = _doc("Seconds matchmaking gathers peers for a round.", default=5.0)
     max_group_size: int = _doc("Most peers averaging in one group.", default=64)
     balancing: Literal["lp", "uniform"] = _doc(

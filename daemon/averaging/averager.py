@@ -29,6 +29,8 @@ from .matchmaking import Matchmaker, RoundRequest
 log = structlog.get_logger(__name__)
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+MIN_CHUNK_BYTES = 64 << 10
+CHUNKS_PER_VECTOR = 16
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,12 @@ class Averager:
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.history)
         self.counters: collections.Counter[str] = collections.Counter()
 
-    @property
-    def chunk_elements(self) -> int:
-        return max(1, self.config.chunk_bytes // 4)
+    def chunk_elements(self, size: int) -> int:
+        """Chunks of `averaging.chunk_bytes`, but at least ~32 per vector so that sending,
+        reducing and receiving overlap even for small vectors (not below 64 KiB: smaller chunks
+        cost more than they overlap). Depends only on the size and the config, so peers agree."""
+        wanted = max(MIN_CHUNK_BYTES, size * 4 // CHUNKS_PER_VECTOR)
+        return max(1, min(self.config.chunk_bytes, wanted) // 4)
 
     def _plan(self, members: tuple[Member, ...], size: int, chunk: int) -> tuple[tuple[int, int], ...]:
         from .balancing import solve_shares, to_part_bounds, uniform_shares  # scipy: loaded on first use
@@ -94,7 +99,8 @@ class Averager:
         window = options.window if options.window is not None else self.config.window
         window = max(0.1, min(window, (options.deadline - started) / 2))
         request = RoundRequest(options.key, member, size=int(vector.size),
-                               chunk_elements=self.chunk_elements, compression=options.compression,
+                               chunk_elements=self.chunk_elements(int(vector.size)),
+                               compression=options.compression,
                                window=window, deadline=options.deadline, expected=options.expected,
                                max_group_size=self.config.max_group_size)
         group = await self.matchmaker.form_group(request)
