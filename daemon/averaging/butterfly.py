@@ -53,6 +53,9 @@ def describe(error: BaseException) -> str:
     return f"{type(_leaf(error)).__name__}: {_leaf(error)}"
 
 
+SOCKET_QUEUE_BYTES = 4 << 20  # what kernel socket buffers may hold ahead of a chunk
+
+
 class Round:
     def __init__(self, transport: PeerTransport, group: Group, index: int, vector: np.ndarray,
                  weight: float, *, pool: concurrent.futures.Executor, stall_timeout: float,
@@ -262,7 +265,7 @@ class Round:
         previous: asyncio.Future[None] | None = None
         for c in range(plan.count):
             message = await stream.receive_into(buffers[c % 2],
-                                                timeout=min(self._left(), self.stall_timeout))
+                                                timeout=min(self._left(), self._stall_for(i)))
             if message is None:
                 raise PeerFault(f"the sender closed its stream after {c} of {plan.count} chunks")
             meta = parse_chunk(message.header, c, plan.count)
@@ -349,6 +352,16 @@ class Round:
             await stream.send(Message(header, payload), timeout=self._left())
             self.traffic.sent(peer, len(payload))
         await stream.close()
+
+    def _stall_for(self, i: int) -> float:
+        """How long sender i may go without delivering a chunk: the stall timeout, or more for a
+        slow link: a sender feeds every reducer through one upload, and the chunks queued in its
+        socket buffers drain at its upload rate."""
+        member = self.group.members[i]
+        reducers = sum(1 for start, end in self.group.part_bounds if end > start)
+        chunk_bytes = self.group.chunk_elements * 4
+        expected = (chunk_bytes * reducers + SOCKET_QUEUE_BYTES) / max(member.upload, 1e3)
+        return max(self.stall_timeout, 4 * expected)
 
     async def _watch_arrivals(self) -> None:
         """Drop the senders whose stream has not come within the stall timeout."""
