@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--epochs", type=int, help="stop after this many epochs")
     start.add_argument("--checkpoint-every", type=int, help="checkpoint every N epochs")
     start.add_argument("--device", help='"auto", "cpu", "cuda" or "cuda:N"')
+    start.add_argument("--collaborative", action="store_true",
+                       help="train together with the peers running the same run")
+    start.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
     status = commands.add_parser("status", help="progress of the runs")
     status.add_argument("name", nargs="?")
     status.add_argument("--watch", action="store_true", help="keep showing live progress")
@@ -134,9 +137,11 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] 
         return "node.connect", {"address": args.address}
     if args.command == "start":
         params: dict[str, Any] = {"workload": args.workload, "config": dict(args.config)}
-        for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device"):
+        for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device", "min_peers"):
             if getattr(args, option) is not None:
                 params[option] = getattr(args, option)
+        if args.collaborative:
+            params["collaborative"] = True
         return "run.start", params
     if args.command in ("status", "stop", "restart"):
         return f"run.{args.command}", {"name": args.name} if args.name else None

@@ -76,6 +76,14 @@ def render_status(run: dict[str, Any]) -> str:
             + (f"  {speed:.1f} samples/s" if speed else "") + "\n"
             + f"  next step {progress_bar(run['accumulated'], run['target_batch_size'])} "
               f"{run['accumulated']}/{run['target_batch_size']}\n")
+    if run.get("collaborative") and run.get("run_peers") is not None:
+        eta = run.get("run_eta_seconds")
+        last = run.get("last_round") or {}
+        text += (f"  run: {run['run_peers']} trainers, {run.get('run_samples_accumulated', 0)}/"
+                 f"{run['target_batch_size']} samples toward the next step"
+                 + (f", eta {eta:.1f} s" if eta else "")
+                 + (f"; last round: {last.get('group_size')} peers in {last.get('seconds')} s"
+                    if last else "") + "\n")
     error = run.get("error")
     if error:
         text += f"  error: {error.get('message')}\n"

@@ -136,6 +136,11 @@ class ControlApi:
                                     {"minimum": 0}] = 10,
         device: Annotated[str | None, 'Device for the worker ("auto", "cpu", "cuda:N"); '
                           "default: workers.device."] = None,
+        collaborative: Annotated[bool, "Train together with the peers running the same run (same "
+                                 "name, workload, config and target): progress is shared through "
+                                 "the DHT and gradients are averaged at the run's target."] = False,
+        min_peers: Annotated[int, "A collaborative run takes no step before this many trainers "
+                             "take part.", {"minimum": 1}] = 1,
     ) -> RunStatus:
         """Start training a workload locally in a new worker; answers once the worker has loaded it.
 
@@ -146,7 +151,7 @@ class ControlApi:
             raise InvalidParams("name", "1-64 letters, digits, '_', '.' or '-', starting with a "
                                         "letter or digit")
         return await self._node.runs.start(workload, dict(config), name, target_batch_size, epochs,
-                                           checkpoint_every, device)
+                                           checkpoint_every, device, collaborative, min_peers)
 
     @rpc_method("run.status", errors=(ErrorCode.UNKNOWN_RUN,))
     async def run_status(

@@ -36,11 +36,11 @@ class Node:
         self.started_at = time.time()
         self.socket_path: Path = config.socket_path()
         self.identity = Identity.load_or_create(config.state_dir())
-        self.runs = RunRegistry(config, self.identity.peer_id)
+        self.network = PeerNetwork(config, self.identity)
+        self.runs = RunRegistry(config, self.identity.peer_id, self.network)
         self.workloads = WorkloadListing(config.worker_command(),
                                          cache_seconds=config.workers.list_cache_seconds,
                                          timeout=config.workers.start_timeout)
-        self.network = PeerNetwork(config, self.identity)
         self.registry = build_registry(self)
         self._server = JsonRpcServer(
             self.registry, self.socket_path, mode=config.rpc.socket_mode,

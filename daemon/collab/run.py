@@ -28,6 +28,8 @@ from dedloc.rpc import RpcCallError
 from ..errors import RunNotActiveError, WorkerError
 from ..workers.buffers import SharedBuffer
 from ..workers.process import WorkerProcess
+from .collaboration import Collaboration
+from .progress import GlobalProgress, next_report_delay, should_average
 
 log = structlog.get_logger(__name__)
 
@@ -49,11 +51,13 @@ class RunSpec:
     seed: int = 0
     init_seed: int = 0
     device: str = "auto"
+    min_peers: int = 1  # a collaborative run takes no step before this many trainers are present
 
     def fingerprint(self) -> str:
         """Identifies the training problem: a checkpoint of another one is never loaded."""
         essence = {"workload": self.workload, "config": self.config,
-                   "target_batch_size": self.target_batch_size, "init_seed": self.init_seed}
+                   "target_batch_size": self.target_batch_size, "init_seed": self.init_seed,
+                   "min_peers": self.min_peers}
         return hashlib.sha256(orjson.dumps(essence, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
@@ -67,13 +71,18 @@ class RunProgress:
     samples_per_second: float | None = None
     epoch_losses: list[float] = field(default_factory=list)
     skipped_steps: int = 0
+    failed_rounds: int = 0
     restarts: int = 0
 
 
 class Run:
     def __init__(self, spec: RunSpec, run_dir: Path, spawn_worker: WorkerFactory,
-                 stop_timeout: float, history: int = 200) -> None:
+                 stop_timeout: float, history: int = 200,
+                 collaboration: Collaboration | None = None) -> None:
         self.spec = spec
+        self.collaboration = collaboration
+        self.global_progress: GlobalProgress | None = None
+        self.last_round: dict[str, Any] | None = None
         self.run_dir = run_dir
         self._spawn_worker = spawn_worker
         self._stop_timeout = stop_timeout
@@ -90,6 +99,7 @@ class Run:
         self._buffer: SharedBuffer | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop_requested = asyncio.Event()
+        self._next_sync = 0.0
         self._log = log.bind(run=spec.name)
 
     # Lifecycle ---------------------------------------------------------------------------
@@ -164,7 +174,9 @@ class Run:
                     await self._checkpoint()
                     break
                 await self._train_some()
-                if self.progress.accumulated >= self.spec.target_batch_size:
+                if self.collaboration is not None:
+                    await self._sync_with_peers()
+                elif self.progress.accumulated >= self.spec.target_batch_size:
                     await self._step()
         except WorkerError as exc:
             if self._stop_requested.is_set():
@@ -181,8 +193,9 @@ class Run:
 
     async def _train_some(self) -> None:
         assert self._worker is not None
-        wanted = self.spec.target_batch_size - self.progress.accumulated
-        result = await self._worker.call("worker.train", {"samples": wanted, "max_seconds": 2.0})
+        wanted = max(1, self.spec.target_batch_size - self.progress.accumulated)
+        max_seconds = 0.5 if self.collaboration is not None else 2.0
+        result = await self._worker.call("worker.train", {"samples": wanted, "max_seconds": max_seconds})
         done, loss = int(result["samples"]), float(result["loss"])
         progress = self.progress
         progress.samples += done
@@ -194,13 +207,42 @@ class Run:
         self._epoch_loss_sum += loss * done
         self._epoch_loss_samples += done
 
-    async def _step(self) -> None:
+    async def _sync_with_peers(self) -> None:
+        """Publish our progress, read the run's, and take the collaborative step once the run's
+        samples reach the target."""
+        collaboration = self.collaboration
+        assert collaboration is not None
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._next_sync and self.progress.accumulated < self.spec.target_batch_size:
+            return
+        p = self.progress
+        own = collaboration.own_progress(p.epoch, p.accumulated, p.samples_per_second, p.samples)
+        await collaboration.publish(own)
+        progress = await collaboration.global_progress(own)
+        self.global_progress = progress
+        self._next_sync = loop.time() + next_report_delay(
+            progress, p.samples_per_second or 0.0, min_delay=0.05, max_delay=5.0)
+        if (should_average(progress, p.epoch) and p.accumulated > 0
+                and progress.live_trainers >= self.spec.min_peers):
+            await self._step(expected=progress.live_trainers)
+
+    async def _step(self, expected: int = 1) -> None:
         assert self._worker is not None and self._buffer is not None
         buffer = self._buffer
         await self._worker.call("worker.export", {"what": "gradients", "buffer": buffer.name,
                                                   "numel": buffer.numel})
-        # A single peer's average is its own gradient; collaborative averaging plugs in here.
         finite = await asyncio.to_thread(lambda: bool(np.isfinite(buffer.array).all()))
+        if finite and self.collaboration is not None:
+            report = await self.collaboration.average_gradients(
+                buffer.array, self.progress.epoch, float(self.progress.accumulated), expected)
+            self.last_round = report
+            if report is None or report["failed_parts"] or report["group_size"] < self.spec.min_peers:
+                # Stepping with partly local gradients would make this peer drift from the others:
+                # keep accumulating and join the next round instead.
+                self.progress.failed_rounds += 1
+                self._log.warning("averaging_round_failed_no_step", epoch=self.progress.epoch,
+                                  report=report and report["failed_parts"])
+                return
         if not finite:
             self.progress.skipped_steps += 1
             self._log.warning("nonfinite_gradients_skipped", epoch=self.progress.epoch)
@@ -287,6 +329,14 @@ class Run:
             "epoch_losses": list(p.epoch_losses),
             "samples_per_second": p.samples_per_second,
             "skipped_steps": p.skipped_steps,
+            "failed_rounds": p.failed_rounds,
+            "collaborative": self.collaboration is not None,
+            "run_peers": None if self.global_progress is None else self.global_progress.live_trainers,
+            "run_samples_accumulated": (None if self.global_progress is None
+                                        else self.global_progress.samples_accumulated),
+            "run_eta_seconds": None if self.global_progress is None else self.global_progress.eta_seconds,
+            "contributions": {} if self.global_progress is None else self.global_progress.contributions,
+            "last_round": self.last_round,
             "restarts": p.restarts,
             "device": self.description.get("device"),
             "parameters": self.description.get("total_numel"),

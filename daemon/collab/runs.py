@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from ..config import Config
 from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, UnknownRunError
 from ..workers.process import WorkerProcess
+from .collaboration import Collaboration
 from .run import Run, RunSpec
+
+if TYPE_CHECKING:
+    from ..network import PeerNetwork
 
 log = structlog.get_logger(__name__)
 
@@ -20,9 +24,10 @@ RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class RunRegistry:
-    def __init__(self, config: Config, peer_id: str) -> None:
+    def __init__(self, config: Config, peer_id: str, network: PeerNetwork | None = None) -> None:
         self.config = config
         self.peer_id = peer_id
+        self.network = network
         self.runs_dir = config.state_dir() / "runs"
         self.sockets_dir = config.runtime_dir() / "workers"
         self._runs: dict[str, Run] = {}
@@ -43,7 +48,8 @@ class RunRegistry:
 
     async def start(self, workload: str, config: dict[str, Any], name: str | None,
                     target_batch_size: int, epochs: int | None, checkpoint_every: int,
-                    device: str | None) -> dict[str, Any]:
+                    device: str | None, collaborative: bool = False,
+                    min_peers: int = 1) -> dict[str, Any]:
         name = name or workload
         if not RUN_NAME.match(name):
             raise ValueError(f"run name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
@@ -57,9 +63,12 @@ class RunRegistry:
             spec = RunSpec(name=name, workload=workload, config=config,
                            target_batch_size=target_batch_size, epochs=epochs,
                            checkpoint_every=checkpoint_every, seed=self.data_seed(name),
-                           device=device or self.config.workers.device)
+                           device=device or self.config.workers.device, min_peers=min_peers)
+            if collaborative and self.network is None:
+                raise RunNotActiveError("collaborative runs need the peer network")
+            collaboration = Collaboration(self.network, spec) if collaborative and self.network else None
             run = Run(spec, self.runs_dir / name, self._spawn_worker,
-                      stop_timeout=self.config.workers.stop_timeout)
+                      stop_timeout=self.config.workers.stop_timeout, collaboration=collaboration)
             await run.start()
             self._runs[name] = run
             return run.status()
