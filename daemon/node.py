@@ -18,6 +18,7 @@ from dedloc.rpc import JsonRpcServer
 
 from .api import build_registry
 from .collab.runs import RunRegistry
+from .collab.state_sync import StateSharing
 from .config import Config
 from .identity import Identity
 from .network import PeerNetwork
@@ -69,6 +70,8 @@ class Node:
             loop.add_signal_handler(sig, self.request_shutdown, sig.name)
         try:
             await self.network.start()
+            assert self.network.transport is not None
+            StateSharing(self.network.transport, self.runs.find_by_key)
             await self._server.start()
             log.info("dedlocd_ready", peer_id=self.identity.peer_id, socket=str(self.socket_path))
             self.notifier.notify("READY=1", f"STATUS=serving on {self.socket_path}")

@@ -36,6 +36,7 @@ class Collaboration:
         self.peer_id = network.identity.peer_id
         self.key = f"collab/{spec.name}/{spec.fingerprint()}"
         self.rejected_reports = 0
+        self.last_reports: list[PeerProgress] = []
 
     def own_progress(self, epoch: int, accumulated: int, samples_per_second: float | None,
                      total: int) -> PeerProgress:
@@ -66,6 +67,7 @@ class Collaboration:
                 reports, rejected = reports_from_sub_keys(
                     {sub: entry.value for sub, entry in record.sub_keys.items()})
                 self.rejected_reports += len(rejected)
+        self.last_reports = reports
         return estimate_global(reports, target_batch_size=self.spec.target_batch_size,
                                now=time.time(), own=own, stale_after=STALE_AFTER)
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,9 @@ from ..errors import RunNotActiveError, WorkerError
 from ..workers.buffers import SharedBuffer
 from ..workers.process import WorkerProcess
 from .collaboration import Collaboration
+from .errors import StateSyncError
 from .progress import GlobalProgress, next_report_delay, should_average
+from .state_sync import StateSnapshot, download_state
 
 log = structlog.get_logger(__name__)
 
@@ -72,6 +75,8 @@ class RunProgress:
     epoch_losses: list[float] = field(default_factory=list)
     skipped_steps: int = 0
     failed_rounds: int = 0
+    state_downloads: int = 0
+    failed_state_downloads: int = 0
     restarts: int = 0
 
 
@@ -100,6 +105,8 @@ class Run:
         self._task: asyncio.Task[None] | None = None
         self._stop_requested = asyncio.Event()
         self._next_sync = 0.0
+        # Worker calls that touch the model, from the loop and from state donations, one at a time.
+        self._model_lock = asyncio.Lock()
         self._log = log.bind(run=spec.name)
 
     # Lifecycle ---------------------------------------------------------------------------
@@ -195,7 +202,9 @@ class Run:
         assert self._worker is not None
         wanted = max(1, self.spec.target_batch_size - self.progress.accumulated)
         max_seconds = 0.5 if self.collaboration is not None else 2.0
-        result = await self._worker.call("worker.train", {"samples": wanted, "max_seconds": max_seconds})
+        async with self._model_lock:
+            result = await self._worker.call("worker.train", {"samples": wanted,
+                                                              "max_seconds": max_seconds})
         done, loss = int(result["samples"]), float(result["loss"])
         progress = self.progress
         progress.samples += done
@@ -222,15 +231,63 @@ class Run:
         self.global_progress = progress
         self._next_sync = loop.time() + next_report_delay(
             progress, p.samples_per_second or 0.0, min_delay=0.05, max_delay=5.0)
-        if (should_average(progress, p.epoch) and p.accumulated > 0
+        if progress.epoch > p.epoch:
+            await self._catch_up(progress.epoch)
+        elif (should_average(progress, p.epoch) and p.accumulated > 0
                 and progress.live_trainers >= self.spec.min_peers):
             await self._step(expected=progress.live_trainers)
+
+    async def _catch_up(self, run_epoch: int) -> None:
+        """Behind the run (new, or a round failed): load the state of a peer at the run's epoch."""
+        collaboration = self.collaboration
+        assert collaboration is not None and self._worker is not None
+        donors = [r.peer_id for r in collaboration.last_reports
+                  if r.epoch == run_epoch and r.role == "trainer" and r.peer_id != collaboration.peer_id]
+        transport = collaboration.network.transport
+        if not donors or transport is None:
+            return
+        donor = random.choice(donors)  # newcomers spread over the donors
+        try:
+            state = await download_state(transport, donor, collaboration.key)
+        except StateSyncError as exc:
+            self.progress.failed_state_downloads += 1
+            self._log.warning("state_download_failed", donor=donor[:12], error=str(exc))
+            return
+        try:
+            async with self._model_lock:
+                await self._worker.call("worker.apply", {"what": "state", "buffer": state.buffer.name,
+                                                         "numel": state.numel, "meta": state.meta})
+                await self._worker.call("worker.zero_grad")
+                self.progress.epoch = state.epoch
+                self.progress.accumulated = 0
+                self._epoch_loss_sum, self._epoch_loss_samples = 0.0, 0
+        finally:
+            state.buffer.close()
+        self.progress.state_downloads += 1
+        self._next_sync = 0.0
+        self._log.info("state_downloaded", donor=donor[:12], epoch=state.epoch)
+
+    async def export_state(self) -> StateSnapshot:
+        """This run's full state in a new shared buffer (the caller closes it), for a peer."""
+        if self._worker is None:
+            raise RunNotActiveError(f"run {self.spec.name!r} has no worker")
+        async with self._model_lock:
+            description = await self._worker.call("worker.describe")
+            buffer = SharedBuffer(int(description["state_numel"]))
+            try:
+                result = await self._worker.call("worker.export", {
+                    "what": "state", "buffer": buffer.name, "numel": buffer.numel})
+            except BaseException:
+                buffer.close()
+                raise
+            return StateSnapshot(buffer, int(result["numel"]), result["meta"], self.progress.epoch)
 
     async def _step(self, expected: int = 1) -> None:
         assert self._worker is not None and self._buffer is not None
         buffer = self._buffer
-        await self._worker.call("worker.export", {"what": "gradients", "buffer": buffer.name,
-                                                  "numel": buffer.numel})
+        async with self._model_lock:
+            await self._worker.call("worker.export", {"what": "gradients", "buffer": buffer.name,
+                                                      "numel": buffer.numel})
         finite = await asyncio.to_thread(lambda: bool(np.isfinite(buffer.array).all()))
         if finite and self.collaboration is not None:
             report = await self.collaboration.average_gradients(
@@ -246,11 +303,13 @@ class Run:
         if not finite:
             self.progress.skipped_steps += 1
             self._log.warning("nonfinite_gradients_skipped", epoch=self.progress.epoch)
-            await self._worker.call("worker.zero_grad")
+            async with self._model_lock:
+                await self._worker.call("worker.zero_grad")
         else:
-            await self._worker.call("worker.apply", {"what": "gradients", "buffer": buffer.name,
-                                                     "numel": buffer.numel})
-            self.progress.epoch += 1
+            async with self._model_lock:  # the step and the epoch count move together
+                await self._worker.call("worker.apply", {"what": "gradients", "buffer": buffer.name,
+                                                         "numel": buffer.numel})
+                self.progress.epoch += 1
         self.progress.accumulated = 0
         if self._epoch_loss_samples:
             losses = self.progress.epoch_losses
@@ -274,7 +333,8 @@ class Run:
     async def _checkpoint(self) -> None:
         assert self._worker is not None
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        await self._worker.call("worker.checkpoint_save", {"path": str(self._checkpoint_path)})
+        async with self._model_lock:
+            await self._worker.call("worker.checkpoint_save", {"path": str(self._checkpoint_path)})
         record = {"fingerprint": self.spec.fingerprint(), "spec": asdict(self.spec),
                   "progress": {**asdict(self.progress), "accumulated": 0}}
         await asyncio.to_thread(_write_atomically, self._record_path, orjson.dumps(record))
@@ -330,6 +390,7 @@ class Run:
             "samples_per_second": p.samples_per_second,
             "skipped_steps": p.skipped_steps,
             "failed_rounds": p.failed_rounds,
+            "state_downloads": p.state_downloads,
             "collaborative": self.collaboration is not None,
             "run_peers": None if self.global_progress is None else self.global_progress.live_trainers,
             "run_samples_accumulated": (None if self.global_progress is None

@@ -73,6 +73,13 @@ class RunRegistry:
             self._runs[name] = run
             return run.status()
 
+    def find_by_key(self, key: str) -> Run | None:
+        """The active collaborative run whose peer-to-peer key is `key` (for state donations)."""
+        for run in self._runs.values():
+            if run.collaboration is not None and run.collaboration.key == key and run.active:
+                return run
+        return None
+
     def get(self, name: str | None) -> Run:
         if name is None:
             active = [r for r in self._runs.values() if r.active] or list(self._runs.values())

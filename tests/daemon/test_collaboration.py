@@ -63,3 +63,33 @@ async def test_a_lone_collaborative_trainer_still_steps(daemon_factory: Any, epo
 
     status = await wait_until(finished, timeout=120)
     assert status["epoch"] == epochs and status["last_round"]["group_size"] == 1
+
+
+async def test_a_late_trainer_downloads_the_state_and_contributes(daemon_factory: Any) -> None:
+    first = await daemon_factory()
+    address = await p2p_address(first)
+    second = await daemon_factory("--net.bootstrap", address)
+    params = {"workload": "tiny", "name": "joinable", "target_batch_size": 128, "collaborative": True,
+              "min_peers": 2}
+    await asyncio.gather(first.call("run.start", params), second.call("run.start", params))
+
+    async def epoch_at_least(daemon: Any, n: int) -> dict | None:
+        (status,) = await daemon.call("run.status", {"name": "joinable"})
+        assert status["state"] == "running", status
+        return status if status["epoch"] >= n else None
+
+    await wait_until(lambda: epoch_at_least(first, 3), timeout=120)
+    late = await daemon_factory("--net.bootstrap", address)
+    await late.call("run.start", params)
+    caught_up = await wait_until(lambda: epoch_at_least(late, 3), timeout=120)
+    assert caught_up["state_downloads"] >= 1  # it did not train from scratch
+
+    async def contributed() -> dict | None:
+        (status,) = await late.call("run.status", {"name": "joinable"})
+        last = status["last_round"]
+        return status if last and last["group_size"] == 3 else None
+
+    status = await wait_until(contributed, timeout=120)
+    assert status["epoch"] > caught_up["epoch"] - 1
+    for daemon in (first, second, late):
+        await daemon.call("run.stop", {"name": "joinable"})

@@ -1,0 +1,13 @@
+"""The collaboration layer's exceptions."""
+
+from __future__ import annotations
+
+from ..errors import DaemonError
+
+
+class CollaborationError(DaemonError):
+    """Root of the errors of `daemon.collab`'s peer-to-peer side."""
+
+
+class StateSyncError(CollaborationError):
+    """A state download failed (the donor vanished or sent something malformed)."""

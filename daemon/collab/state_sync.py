@@ -1,0 +1,102 @@
+"""State download: a trainer that is behind (a newcomer, or one whose round failed) takes the
+run's latest state from a peer that has it.
+
+The donor exports its worker's full state (parameters, optimizer state, buffers) into shared
+memory and streams it in chunks; the receiver loads it into its own worker. Donors are picked at
+random among the trainers at the run's epoch, so newcomers spread over them. Every step has a
+deadline; a failed download is retried at the next sync with another donor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from ..net import Message, PeerTransport, RequestContext, Stream, TransportError
+from ..workers.buffers import SharedBuffer
+from .errors import StateSyncError
+
+if TYPE_CHECKING:
+    from .run import Run
+
+log = structlog.get_logger(__name__)
+
+METHOD = "collab.state"
+CHUNK_BYTES = 4 << 20
+MAX_STATE_BYTES = 64 << 30
+
+
+@dataclass
+class StateSnapshot:
+    buffer: SharedBuffer
+    numel: int
+    meta: dict[str, Any]
+    epoch: int
+
+
+class StateSharing:
+    """Serves the state of this daemon's collaborative runs to peers that ask by run key."""
+
+    def __init__(self, transport: PeerTransport, find_run: Callable[[str], Run | None]) -> None:
+        self._find_run = find_run
+        self.served = 0
+        transport.add_stream_handler(METHOD, self._serve)
+
+    async def _serve(self, ctx: RequestContext, stream: Stream) -> None:
+        key = getattr(stream, "header", {}).get("key")
+        run = self._find_run(key) if isinstance(key, str) else None
+        if run is None or not run.active:
+            await stream.abort("this peer has no active run of that key")
+            return
+        exported = await run.export_state()
+        try:
+            await stream.send(Message({"meta": exported.meta, "numel": exported.numel,
+                                       "epoch": exported.epoch}), timeout=30)
+            view = memoryview(exported.buffer.array).cast("B")[: exported.numel * 4]
+            try:
+                for offset in range(0, len(view), CHUNK_BYTES):
+                    await stream.send(Message({"o": offset}, view[offset:offset + CHUNK_BYTES]),
+                                      timeout=120)
+            finally:
+                view.release()
+            await stream.close()
+            self.served += 1
+            log.info("state_served", peer=ctx.peer_id[:12], run=key, epoch=exported.epoch)
+        finally:
+            exported.buffer.close()
+
+
+async def download_state(transport: PeerTransport, donor: str, key: str) -> StateSnapshot:
+    """Fetch a run's state from `donor`; StateSyncError (and nothing half-loaded) on failure."""
+    try:
+        stream = await transport.open_stream(donor, METHOD, {"key": key}, timeout=15)
+        first = await stream.receive(timeout=60)
+    except (TransportError, TimeoutError) as exc:
+        raise StateSyncError(f"state download from {donor[:12]} failed: {exc}") from exc
+    if first is None or not isinstance(first.header.get("numel"), int):
+        raise StateSyncError(f"{donor[:12]} sent no state header")
+    numel, epoch, meta = first.header["numel"], first.header.get("epoch"), first.header.get("meta")
+    if not 0 < numel * 4 <= MAX_STATE_BYTES or not isinstance(epoch, int) or not isinstance(meta, dict):
+        raise StateSyncError(f"{donor[:12]} sent a malformed state header")
+    buffer = SharedBuffer(numel)
+    view = memoryview(buffer.array).cast("B")
+    try:
+        received = 0
+        while received < len(view):
+            message = await stream.receive(timeout=120)
+            if message is None:
+                raise StateSyncError(f"{donor[:12]} closed the stream after {received} bytes")
+            payload = memoryview(message.payload).cast("B")
+            if message.header.get("o") != received or received + len(payload) > len(view):
+                raise StateSyncError(f"{donor[:12]} sent a chunk out of place")
+            view[received:received + len(payload)] = payload
+            received += len(payload)
+    except (TransportError, TimeoutError, StateSyncError) as exc:
+        view.release()
+        buffer.close()
+        raise StateSyncError(f"state download from {donor[:12]} failed: {exc}") from exc
+    view.release()
+    return StateSnapshot(buffer, numel, meta, epoch)
