@@ -1,8 +1,10 @@
-"""`make demo`: a real local run on the built-in defaults, end to end.
+"""`make demo`: a real local collaboration on the built-in defaults, end to end.
 
-Starts a dedlocd on a temporary state directory, starts the built-in `tiny` workload through the
-control API, shows its progress until the loss has clearly dropped, stops everything, and prints
-a one-line JSON summary as its last line. Exit code 0 only if the loss dropped.
+Starts three dedlocd daemons on loopback (temporary state directories), each trains the built-in
+`tiny` workload in one collaborative run: they average gradients at the run's target batch and
+step together. Midway a fourth daemon joins, downloads the run's state from a peer and takes part.
+The demo shows the run's progress, stops everything it started, and prints a one-line JSON summary
+as its last line. Exit code 0 only if the loss went down and the newcomer took part.
 """
 
 from __future__ import annotations
@@ -23,102 +25,141 @@ from dedloc.rpc import JsonRpcClient, RpcConnectionError, RpcError
 
 from .render import render_status
 
+RUN = "demo"
 
-async def _connect(socket: Path, daemon: asyncio.subprocess.Process, timeout: float) -> JsonRpcClient:
-    async with asyncio.timeout(timeout):
-        while True:
-            if daemon.returncode is not None:
-                raise RuntimeError(f"dedlocd exited with code {daemon.returncode} during start-up")
-            try:
-                return await JsonRpcClient.connect(socket, default_timeout=300)
-            except RpcConnectionError:
+
+class DemoPeer:
+    def __init__(self, root: Path, process: asyncio.subprocess.Process, log: IO[bytes]) -> None:
+        self.root = root
+        self.process = process
+        self.log = log
+
+    @classmethod
+    async def start(cls, root: Path, bootstrap: str | None) -> DemoPeer:
+        root.mkdir(parents=True)
+        argv = [sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(root),
+                "--log.format", "json", "--net.listen", "/ip4/127.0.0.1/tcp/0"]
+        if bootstrap:
+            argv += ["--net.bootstrap", bootstrap]
+        log = (root / "dedlocd.log").open("wb")
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log)
+        peer = cls(root, process, log)
+        async with asyncio.timeout(60):
+            while True:
+                if process.returncode is not None:
+                    raise RuntimeError(f"dedlocd exited with code {process.returncode} at start-up; "
+                                       f"see {root / 'dedlocd.log'}")
+                with contextlib.suppress(RpcConnectionError):
+                    info = await peer.call("node.info")
+                    if info["dht"]["mode"] != "starting":
+                        return peer
                 await asyncio.sleep(0.1)
 
+    async def call(self, method: str, params: Any = None) -> Any:
+        async with await JsonRpcClient.connect(self.root / "dedlocd.sock", default_timeout=300) as client:
+            return await client.call(method, params)
 
-async def demo(args: argparse.Namespace, workdir: Path, log_file: IO[bytes]) -> dict[str, Any]:
-    log_path = Path(log_file.name)
+    async def status(self) -> dict[str, Any]:
+        (status,) = await self.call("run.status", {"name": RUN})
+        return status
+
+    async def stop(self) -> int:
+        with contextlib.suppress(RpcError):
+            await self.call("node.shutdown")
+        try:
+            async with asyncio.timeout(60):
+                code = await self.process.wait()
+        except TimeoutError:
+            self.process.kill()
+            code = await self.process.wait()
+        self.log.close()
+        return code
+
+
+async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     started = time.monotonic()
-    daemon = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(workdir / "state"),
-        "--node.runtime_dir", str(workdir), "--log.format", "json",
-        "--net.listen", "/ip4/127.0.0.1/tcp/0",
-        stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+    peers: list[DemoPeer] = []
     try:
-        client = await _connect(workdir / "dedlocd.sock", daemon, timeout=60)
-        async with client:
-            info = await client.call("node.info")
-            sys.stdout.write(f"dedlocd {info['version']} is up: peer {info['peer_id']}\n"
-                             f"  log: {log_path}\n")
-            status = await client.call("run.start", {
-                "workload": args.workload, "target_batch_size": args.target_batch_size,
-                "checkpoint_every": 0})
-            sys.stdout.write(f"started run {status['name']!r}: {status['parameters']} parameters "
-                             f"on {status['device']}\n")
-            status = await _follow(client, status["name"], args)
-            await client.call("run.stop", {"name": status["name"]})
-            await client.call("node.shutdown")
-        async with asyncio.timeout(60):
-            code = await daemon.wait()
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            daemon.kill()
-        await daemon.wait()
-        raise
-    losses = status["epoch_losses"]
+        peers.append(await DemoPeer.start(workdir / "peer0", None))
+        info = await peers[0].call("node.info")
+        bootstrap = info["addresses"]["p2p"][0]
+        peers += await asyncio.gather(*(DemoPeer.start(workdir / f"peer{i}", bootstrap)
+                                        for i in range(1, args.peers)))
+        sys.stdout.write(f"{args.peers} daemons up; bootstrap peer {bootstrap}\n")
+        params = {"workload": "tiny", "name": RUN, "target_batch_size": args.target_batch_size,
+                  "collaborative": True, "min_peers": args.peers, "checkpoint_every": 0}
+        await asyncio.gather(*(peer.call("run.start", params) for peer in peers))
+        newcomer: DemoPeer | None = None
+        deadline = time.monotonic() + args.max_seconds
+        tty = sys.stdout.isatty()
+        drawn = 0
+        while True:
+            status = await peers[0].status()
+            text = render_status(status) + f"  peers in the run: {status.get('run_peers')}\n"
+            if newcomer is not None:
+                late = await newcomer.status()
+                text += (f"  newcomer: epoch {late['epoch']}, {late['state_downloads']} state download(s), "
+                         f"last round with {(late['last_round'] or {}).get('group_size')} peers\n")
+            sys.stdout.write((f"\x1b[{drawn}F\x1b[J" if tty and drawn else "") + text)
+            sys.stdout.flush()
+            drawn = text.count("\n")
+            if status["state"] != "running":
+                raise RuntimeError(f"the run stopped: {status['state']} {status.get('error')}")
+            if newcomer is None and status["epoch"] >= args.join_epoch:
+                newcomer = await DemoPeer.start(workdir / "newcomer", bootstrap)
+                await newcomer.call("run.start", params)
+                sys.stdout.write("a fourth daemon joined the run\n")
+                drawn = 0
+            losses = status["epoch_losses"]
+            if newcomer is not None and len(losses) >= args.min_epochs \
+                    and losses[-1] <= args.drop * losses[0]:
+                late = await newcomer.status()
+                if late["state_downloads"] and (late["last_round"] or {}).get("group_size") == args.peers + 1:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no result within {args.max_seconds} s")
+            await asyncio.sleep(0.5)
+        everyone = [*peers, newcomer]
+        statuses = [await peer.status() for peer in everyone]
+        for peer in everyone:
+            await peer.call("run.stop", {"name": RUN})
+    finally:
+        codes = [await peer.stop() for peer in [*peers, *([newcomer] if newcomer else [])]]
+    losses = statuses[0]["epoch_losses"]
     return {
-        "peers": 1,
-        "samples": status["samples"],
-        "epochs": status["epoch"],
-        "loss_first": round(losses[0] if losses else status["loss_first"], 4),
-        "loss_last": round(losses[-1] if losses else status["loss"], 4),
+        "peers": len(everyone),
+        "epochs": max(s["epoch"] for s in statuses),
+        "samples": sum(s["samples"] for s in statuses),
+        "loss_first": round(losses[0], 4),
+        "loss_last": round(losses[-1], 4),
+        "joined": sum(1 for s in statuses if s["state_downloads"]),
         "seconds": round(time.monotonic() - started, 1),
-        "daemon_exit_code": code,
+        "daemon_exit_codes": codes,
     }
-
-
-async def _follow(client: JsonRpcClient, name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Show progress until the per-epoch loss has fallen to `args.drop` of its first value."""
-    deadline = time.monotonic() + args.max_seconds
-    tty = sys.stdout.isatty()
-    while True:
-        (status,) = await client.call("run.status", {"name": name})
-        text = render_status(status)
-        sys.stdout.write(("\x1b[2F\x1b[J" if tty and status["samples"] else "") + text)
-        sys.stdout.flush()
-        losses = status["epoch_losses"]
-        if status["state"] != "running":
-            raise RuntimeError(f"the run stopped: {status['state']} {status.get('error')}")
-        if len(losses) >= args.min_epochs and losses[-1] <= args.drop * losses[0]:
-            return status
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the loss did not drop to {args.drop:.0%} within {args.max_seconds} s")
-        await asyncio.sleep(0.25)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dedloc-demo", description=__doc__)
-    parser.add_argument("--workload", default="tiny")
-    parser.add_argument("--target-batch-size", type=int, default=128)
+    parser.add_argument("--peers", type=int, default=3, help="trainers at the start")
+    parser.add_argument("--target-batch-size", type=int, default=512)
+    parser.add_argument("--join-epoch", type=int, default=4, help="when the fourth trainer joins")
+    parser.add_argument("--min-epochs", type=int, default=8)
     parser.add_argument("--drop", type=float, default=0.5,
-                        help="stop when the epoch loss is this fraction of the first epoch's")
-    parser.add_argument("--min-epochs", type=int, default=5)
-    parser.add_argument("--max-seconds", type=float, default=300)
+                        help="finish once the epoch loss is this fraction of the first epoch's")
+    parser.add_argument("--max-seconds", type=float, default=170)
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="dedloc-demo-", dir="/tmp"))
-    log_path = workdir / "dedlocd.log"
     try:
-        with open(log_path, "wb") as log_file:
-            summary = asyncio.run(demo(args, workdir, log_file))
+        summary = asyncio.run(demo(args, workdir))
     except (RuntimeError, TimeoutError, OSError, RpcError) as exc:
-        tail = log_path.read_text(errors="replace").splitlines()[-15:] if log_path.exists() else []
-        sys.stderr.write(f"demo failed: {exc}\nthe daemon's log ({log_path}) ends with:\n"
-                         + "".join(f"  {line}\n" for line in tail))
+        sys.stderr.write(f"demo failed: {exc}\nthe daemons' logs are in {workdir}\n")
         return 1
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     sys.stdout.write(orjson.dumps(summary).decode() + "\n")
-    return 0 if summary["daemon_exit_code"] == 0 else 1
+    return 0 if all(code == 0 for code in summary["daemon_exit_codes"]) else 1
 
 
 if __name__ == "__main__":
