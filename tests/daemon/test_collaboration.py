@@ -93,3 +93,28 @@ async def test_a_late_trainer_downloads_the_state_and_contributes(daemon_factory
     assert status["epoch"] > caught_up["epoch"] - 1
     for daemon in (first, second, late):
         await daemon.call("run.stop", {"name": "joinable"})
+
+
+async def test_the_run_goes_on_when_a_trainer_is_killed(daemon_factory: Any) -> None:
+    first = await daemon_factory()
+    address = await p2p_address(first)
+    others = await asyncio.gather(*(daemon_factory("--net.bootstrap", address) for _ in range(2)))
+    daemons = [first, *others]
+    params = {"workload": "tiny", "name": "churn", "target_batch_size": 192, "collaborative": True,
+              "min_peers": 2}
+    await asyncio.gather(*(d.call("run.start", params) for d in daemons))
+
+    async def epoch_at_least(daemon: Any, n: int) -> dict | None:
+        (status,) = await daemon.call("run.status", {"name": "churn"})
+        assert status["state"] == "running", status
+        return status if status["epoch"] >= n else None
+
+    before = await wait_until(lambda: epoch_at_least(first, 2), timeout=120)
+    victim = daemons[2]
+    victim.process.kill()  # SIGKILL, wherever it is: training, publishing or averaging
+    await victim.process.wait()
+    for survivor in daemons[:2]:
+        after = await wait_until(lambda s=survivor: epoch_at_least(s, before["epoch"] + 3), timeout=180)
+        assert after["state"] == "running"
+    statuses = [(await d.call("run.status", {"name": "churn"}))[0] for d in daemons[:2]]
+    assert {s["last_round"]["group_size"] for s in statuses} == {2}  # the dead peer is out
