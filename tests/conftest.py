@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -10,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 from support import DaemonProcess
+
+# In CI the property tests draw the same examples every run (a submission must not pass or fail
+# by luck); on a developer's machine they explore new ones each time.
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
 @pytest.fixture

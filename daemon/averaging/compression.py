@@ -39,6 +39,10 @@ _LEVEL_BYTES = _LEVELS * 4
 _SAMPLE = 16384
 
 
+# Rounding to float32 cannot be finer than one subnormal step near zero: every lossy bound allows it.
+SUBNORMAL = float(np.finfo(np.float32).smallest_subnormal)
+
+
 class CompressionError(AveragingError, ValueError):
     """A chunk cannot be encoded (NaN/Inf) or a payload/meta cannot be decoded (a bad peer)."""
 
@@ -185,7 +189,7 @@ class Float16:
             return 0.0
         lo, hi = finite_range(array)
         amax = max(-lo, hi)
-        return max(amax * 2.0**-11, math.ldexp(1.0, self._exponent(amax) - 25))
+        return max(amax * 2.0**-11, math.ldexp(1.0, self._exponent(amax) - 25)) + SUBNORMAL
 
 
 def _encode_levels(array: np.ndarray, levels: np.ndarray) -> bytearray:
@@ -299,7 +303,7 @@ class Uniform8:
             return 0.0
         lo, hi = finite_range(array)
         step = (hi - lo) / 255
-        return step / 2 * (1 + 2.0**-13) + 2.0**-21 * max(-lo, hi)
+        return step / 2 * (1 + 2.0**-13) + 2.0**-21 * max(-lo, hi) + SUBNORMAL
 
 
 class Quantile8:
@@ -337,7 +341,7 @@ class Quantile8:
             return 0.0
         levels = self.levels(array).astype(np.float64)
         magnitude = max(-levels[0], levels[-1])
-        return float(np.diff(levels).max(initial=0.0)) / 2 + 2.0**-23 * magnitude
+        return float(np.diff(levels).max(initial=0.0)) / 2 + 2.0**-23 * magnitude + SUBNORMAL
 
 
 CODECS: dict[str, Codec] = {codec.name: codec for codec in (NoCompression(), Float16(), Uniform8(),
