@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,29 +60,24 @@ async def _send_hello(io: SocketIO, hello: dict[str, Any]) -> None:
     await io.send_all([encode_head(FrameType.HELLO, 0, hello, 0)])
 
 
-async def server_handshake(sock: socket.socket, identity: Identity, context: ssl.SSLContext | None,
-                           own_cert_der: bytes | None, addresses: list[PeerAddress]) -> Handshaken:
-    """Run on an accepted socket (non-blocking); the caller owns the deadline and the socket."""
-    io: SocketIO
-    if context is None:
-        io = PlainIO(sock)
-        own_hash = PLAIN_CERT_HASH
-    else:
-        tls = TlsIO(context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False))
-        io = tls
-        try:
-            await tls.handshake()
-        except (ssl.SSLError, OSError) as exc:
-            tls.close()
-            raise HandshakeError(f"TLS handshake failed: {exc}") from exc
-        except BaseException:
-            tls.close()
-            raise
-        own_hash = cert_hash(own_cert_der)
+async def _start_tls(sock: socket.socket, context: ssl.SSLContext, *, server_side: bool) -> TlsIO:
+    """TLS on the fresh socket; HandshakeError (socket closed) if it fails."""
+    tls = TlsIO(context.wrap_socket(sock, server_side=server_side, do_handshake_on_connect=False))
     try:
-        nonce = new_nonce()
-        await _send_hello(io, server_hello(identity, own_hash, nonce, addresses))
-        peer = verify_client_hello(await _read_hello(io), own_hash, nonce)
+        await tls.handshake()
+    except (ssl.SSLError, OSError) as exc:
+        tls.close()
+        raise HandshakeError(f"TLS handshake failed: {exc}") from exc
+    except BaseException:
+        tls.close()
+        raise
+    return tls
+
+
+async def _exchange(io: SocketIO, hellos: Callable[[], Awaitable[PeerHello]]) -> Handshaken:
+    """Run the hello exchange; on any failure the connection is closed."""
+    try:
+        peer = await hellos()
     except TransportClosed as exc:
         io.close()
         raise HandshakeError(f"connection lost during the handshake: {exc}") from exc
@@ -89,6 +85,23 @@ async def server_handshake(sock: socket.socket, identity: Identity, context: ssl
         io.close()
         raise
     return Handshaken(io, peer)
+
+
+async def server_handshake(sock: socket.socket, identity: Identity, context: ssl.SSLContext | None,
+                           own_cert_der: bytes | None, addresses: list[PeerAddress]) -> Handshaken:
+    """Run on an accepted socket (non-blocking); the caller owns the deadline and the socket."""
+    io: SocketIO
+    if context is None:
+        io, own_hash = PlainIO(sock), PLAIN_CERT_HASH
+    else:
+        io, own_hash = await _start_tls(sock, context, server_side=True), cert_hash(own_cert_der)
+
+    async def hellos() -> PeerHello:
+        nonce = new_nonce()
+        await _send_hello(io, server_hello(identity, own_hash, nonce, addresses))
+        return verify_client_hello(await _read_hello(io), own_hash, nonce)
+
+    return await _exchange(io, hellos)
 
 
 async def client_handshake(sock: socket.socket, identity: Identity, context: ssl.SSLContext | None,
@@ -96,31 +109,18 @@ async def client_handshake(sock: socket.socket, identity: Identity, context: ssl
     """Run on a connected socket (non-blocking); the caller owns the deadline."""
     io: SocketIO
     if context is None:
-        io = PlainIO(sock)
-        server_hash = PLAIN_CERT_HASH
+        io, server_hash = PlainIO(sock), PLAIN_CERT_HASH
     else:
-        tls = TlsIO(context.wrap_socket(sock, server_side=False, do_handshake_on_connect=False))
-        io = tls
-        try:
-            await tls.handshake()
-            der = tls.peer_certificate()
-        except (ssl.SSLError, OSError) as exc:
-            tls.close()
-            raise HandshakeError(f"TLS handshake failed: {exc}") from exc
-        except BaseException:
-            tls.close()
-            raise
+        tls = await _start_tls(sock, context, server_side=False)
+        der = tls.peer_certificate()
         if der is None:
             tls.close()
             raise HandshakeError("the peer presented no TLS certificate")
-        server_hash = cert_hash(der)
-    try:
+        io, server_hash = tls, cert_hash(der)
+
+    async def hellos() -> PeerHello:
         peer, nonce = verify_server_hello(await _read_hello(io), server_hash, expected_peer_id)
         await _send_hello(io, client_hello(identity, server_hash, nonce, addresses))
-    except TransportClosed as exc:
-        io.close()
-        raise HandshakeError(f"connection lost during the handshake: {exc}") from exc
-    except BaseException:
-        io.close()
-        raise
-    return Handshaken(io, peer)
+        return peer
+
+    return await _exchange(io, hellos)
