@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Annotated, Any, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
 from dedloc import __version__
 from dedloc.rpc import ErrorCode, InvalidParams, MethodRegistry, rpc_method
 
 from .averaging_api import ERROR_MAP as AVERAGING_ERROR_MAP
 from .averaging_api import AveragingApi
+from .collab.errors import ManifestError
 from .collab.runs import RUN_NAME
 from .errors import (
     RunExistsError,
@@ -36,6 +37,7 @@ ERROR_MAP: dict[type[BaseException], ErrorCode] = {
     UnknownRunError: ErrorCode.UNKNOWN_RUN,
     RunNotActiveError: ErrorCode.RUN_NOT_ACTIVE,
     WorkerError: ErrorCode.WORKER_FAILED,
+    ManifestError: ErrorCode.MANIFEST_ERROR,
 }
 
 
@@ -68,9 +70,13 @@ class WorkloadList(TypedDict):
     errors: Annotated[list[dict[str, Any]], "Plugins that failed to load: plugin, error."]
 
 
-RunStatus = Annotated[dict[str, Any], "A run's state: name, workload, state, epoch, samples, "
-                      "accumulated, target_batch_size, loss_first, loss, epoch_losses, "
-                      "samples_per_second, error, worker {state, pid, exit_code, last_log_lines}."]
+RunStatus = Annotated[dict[str, Any], "A run's state: name, role, workload, manifest, fingerprint, "
+                      "state, phase, epoch, samples, accumulated, target_batch_size, loss_first, "
+                      "loss, epoch_losses, samples_per_second, error, worker {state, pid, exit_code, "
+                      "last_log_lines}; collaborative runs add run_epoch, run_peers, run_aux_peers, "
+                      "run_samples_accumulated, run_samples_per_second, run_eta_seconds, "
+                      "contributions, last_round, epoch_overhead_seconds, "
+                      "run_epoch_overhead_seconds and epoch_history (docs/collaboration.md)."]
 
 
 def build_registry(node: Node) -> MethodRegistry:
@@ -122,36 +128,51 @@ class ControlApi:
 
     @rpc_method("run.start", errors=(ErrorCode.UNKNOWN_WORKLOAD, ErrorCode.INVALID_WORKLOAD_CONFIG,
                                      ErrorCode.RUN_EXISTS, ErrorCode.WORKER_FAILED,
-                                     ErrorCode.PLUGIN_ERROR, ErrorCode.SHUTTING_DOWN))
+                                     ErrorCode.PLUGIN_ERROR, ErrorCode.SHUTTING_DOWN,
+                                     ErrorCode.MANIFEST_ERROR))
     async def run_start(
         self,
-        workload: Annotated[str, "Name of an installed workload (workloads.list)."],
+        workload: Annotated[str | None, "Name of an installed workload (workloads.list); null: join "
+                            "the collaborative run of this name that peers publish in the DHT."] = None,
         config: Annotated[dict[str, Any], "Workload config; omitted keys take their defaults."] = {},  # noqa: B006
         name: Annotated[str | None, "Run name; default: the workload's name."] = None,
         target_batch_size: Annotated[int, "Samples per optimizer step (one epoch).",
                                      {"minimum": 1}] = 256,
-        epochs: Annotated[int | None, "Stop after this many epochs; null: until run.stop.",
-                          {"minimum": 1}] = None,
+        epochs: Annotated[int | None, "The schedule's length: stop after this many epochs; null: "
+                          "until run.stop.", {"minimum": 1}] = None,
         checkpoint_every: Annotated[int, "Checkpoint every N epochs (0: only on stop).",
                                     {"minimum": 0}] = 10,
         device: Annotated[str | None, 'Device for the worker ("auto", "cpu", "cuda:N"); '
                           "default: workers.device."] = None,
         collaborative: Annotated[bool, "Train together with the peers running the same run (same "
-                                 "name, workload, config and target): progress is shared through "
-                                 "the DHT and gradients are averaged at the run's target."] = False,
+                                 "name and manifest): progress is shared through the DHT and "
+                                 "gradients are averaged at the run's target."] = False,
         min_peers: Annotated[int, "A collaborative run takes no step before this many trainers "
                              "take part.", {"minimum": 1}] = 1,
+        role: Annotated[Literal["trainer", "aux"] | None, "trainer (a worker trains) or aux (no "
+                        "worker; it reduces in the run's rounds; implies collaborative); null: "
+                        "node.role."] = None,
+        average_state_every: Annotated[int, "Average parameters and optimizer state every K epochs "
+                                       "(0: never).", {"minimum": 0}] = 5,
+        compression: Annotated[Literal["none", "fp16", "uint8", "quantile8"],
+                               "Compression of the gradients in averaging rounds."] = "none",
     ) -> RunStatus:
-        """Start training a workload locally in a new worker; answers once the worker has loaded it.
+        """Start a run, or join a collaborative one; answers once the worker has loaded it.
 
-        A run of the same name that stopped resumes from its checkpoint if its workload, config
-        and target batch size are the same.
+        The manifest (workload, config with its defaults filled in, target_batch_size, epochs,
+        min_peers, average_state_every, compression) identifies a collaborative run together with
+        its name: peers with the same name and manifest train together, and a run started with
+        only a name (no workload) joins the run its peers publish under that name. A run of the
+        same name and manifest that stopped resumes from its last intact checkpoint.
         """
         if name is not None and not RUN_NAME.match(name):
             raise InvalidParams("name", "1-64 letters, digits, '_', '.' or '-', starting with a "
                                         "letter or digit")
+        if workload is None and name is None:
+            raise InvalidParams("workload", "give a workload to start a run, or a run name to join one")
         return await self._node.runs.start(workload, dict(config), name, target_batch_size, epochs,
-                                           checkpoint_every, device, collaborative, min_peers)
+                                           checkpoint_every, device, collaborative, min_peers,
+                                           role, average_state_every, compression)
 
     @rpc_method("run.status", errors=(ErrorCode.UNKNOWN_RUN,))
     async def run_status(

@@ -32,6 +32,10 @@ class NodeSection:
     runtime_dir: str = _doc(
         "Directory for sockets. Empty: $RUNTIME_DIRECTORY (set by systemd), else the state "
         "directory.", default="")
+    role: Literal["trainer", "aux"] = _doc(
+        "What this daemon's collaborative runs are by default: trainer (a worker trains the "
+        "model) or aux (no worker: it lends its bandwidth to the run's averaging rounds).",
+        default="trainer")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class ErrorCode(IntEnum):
     PEER_ID_MISMATCH = 1013
     DHT_REFUSED = 1014
     AVERAGING_ERROR = 1015
+    MANIFEST_ERROR = 1016
 
 
 ERROR_DESCRIPTIONS: dict[ErrorCode, str] = {
@@ -62,6 +63,8 @@ ERROR_DESCRIPTIONS: dict[ErrorCode, str] = {
     ErrorCode.PEER_UNREACHABLE: "No address of the peer answered.",
     ErrorCode.PEER_ID_MISMATCH: "The peer at that address is not the peer the address names.",
     ErrorCode.AVERAGING_ERROR: "An averaging round could not be run as asked (the message says why).",
+    ErrorCode.MANIFEST_ERROR: "A collaborative run's manifest is invalid, or the run to join was not "
+                              "found or is ambiguous (the message says which and what to give).",
     ErrorCode.DHT_REFUSED: "The DHT refused the record (too large, expired, or a sub-key owned by "
     "another peer); the message says which.",
 }

@@ -134,6 +134,7 @@ class Averager:
             "key": options.key,
             "group_id": group.group_id,
             "group_size": len(group.members),
+            "senders": sum(1 for m in group.members if m.sends),
             "members": [m.peer_id for m in group.members],
             "part": [start, end],
             "shares": [b - a for a, b in group.part_bounds],

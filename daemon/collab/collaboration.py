@@ -1,10 +1,10 @@
-"""A run's link to its peers: progress through the DHT, gradients through the averager.
+"""A run's link to its peers: progress and the manifest through the DHT, vectors through the averager.
 
-Every trainer of a run publishes its `PeerProgress` as its own sub-key of the run's progress key
-and reads the others', so each peer estimates the run's accumulated samples. Once the run reaches
-its target, every trainer averages its accumulated gradients under the epoch's key, weighted by
-its samples, and steps. The run's key carries the run spec's fingerprint, so peers whose workload,
-config or target differ never meet.
+Every peer of a run (trainer or aux) publishes its `PeerProgress` as its own sub-key of the run's
+progress key and reads the others', so each peer estimates the run's accumulated samples. Once
+the run reaches its target, its peers average under the epoch's key: trainers their gradients
+weighted by samples, aux peers as reducers with nothing of their own. The run's key carries the
+manifest's fingerprint, so peers whose workload, config or schedule differ never meet.
 """
 
 from __future__ import annotations
@@ -15,34 +15,44 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
+from ..averaging.errors import AveragingError
 from ..net import TransportError
-from .progress import GlobalProgress, PeerProgress, estimate_global, reports_from_sub_keys
+from .manifest import REFRESH_EVERY, RunManifest, publish_manifest
+from .progress import GlobalProgress, PeerProgress, Role, estimate_global, reports_from_sub_keys
 
 if TYPE_CHECKING:
     from ..network import PeerNetwork
-    from .run import RunSpec
 
 log = structlog.get_logger(__name__)
 
 STALE_AFTER = 30.0  # seconds a progress report stays believable
 ROUND_TIMEOUT = 60.0
-ROUND_WINDOW = 2.0
+ROUND_WINDOW = 2.0  # at most this long to gather a round's peers (it ends early once all are seen)
+
+
+def run_key(name: str, manifest: RunManifest) -> str:
+    return f"collab/{name}/{manifest.fingerprint()}"
 
 
 class Collaboration:
-    def __init__(self, network: PeerNetwork, spec: RunSpec) -> None:
+    def __init__(self, network: PeerNetwork, name: str, manifest: RunManifest, role: Role,
+                 parameters: int) -> None:
         self.network = network
-        self.spec = spec
+        self.name = name
+        self.manifest = manifest
+        self.role = role
+        self.parameters = parameters
         self.peer_id = network.identity.peer_id
-        self.key = f"collab/{spec.name}/{spec.fingerprint()}"
+        self.key = run_key(name, manifest)
         self.rejected_reports = 0
         self.last_reports: list[PeerProgress] = []
+        self._manifest_published = 0.0
 
     def own_progress(self, epoch: int, accumulated: int, samples_per_second: float | None,
-                     total: int) -> PeerProgress:
+                     total: int, step_overhead: float | None = None) -> PeerProgress:
         now = time.time()
         return PeerProgress(self.peer_id, epoch, accumulated, float(samples_per_second or 0.0), now,
-                            now + STALE_AFTER, "trainer", total)
+                            now + STALE_AFTER, self.role, total, step_overhead)
 
     async def publish(self, progress: PeerProgress) -> None:
         dht = self.network.dht
@@ -52,7 +62,25 @@ class Collaboration:
             await dht.store(self.key + "/progress", progress.to_bytes(), progress.expiration,
                             sub_key=self.peer_id, timeout=5.0)
         except (TransportError, TimeoutError) as exc:
-            log.debug("progress_publish_failed", run=self.spec.name, error=str(exc))
+            log.debug("progress_publish_failed", run=self.name, error=str(exc))
+        if self.role == "trainer" and time.time() - self._manifest_published > REFRESH_EVERY:
+            self._manifest_published = time.time()
+            await publish_manifest(dht, self.name, self.manifest, self.parameters, self.peer_id)
+
+    async def leave(self, progress: PeerProgress) -> None:
+        """Tell the run this peer is gone (a report that expires at once), so that its rounds stop
+        expecting it now rather than when its last report goes stale."""
+        dht = self.network.dht
+        if dht is None:
+            return
+        now = time.time()
+        gone = PeerProgress(progress.peer_id, progress.epoch, 0, 0.0, now, now + 1.0, progress.role,
+                            progress.total_samples)
+        try:
+            await dht.store(self.key + "/progress", gone.to_bytes(), gone.expiration,
+                            sub_key=self.peer_id, timeout=2.0)
+        except (TransportError, TimeoutError) as exc:
+            log.debug("progress_leave_failed", run=self.name, error=str(exc))
 
     async def global_progress(self, own: PeerProgress) -> GlobalProgress:
         reports: list[PeerProgress] = []
@@ -61,25 +89,30 @@ class Collaboration:
             try:
                 record = await dht.get(self.key + "/progress", timeout=5.0)
             except (TransportError, TimeoutError) as exc:
-                log.debug("progress_read_failed", run=self.spec.name, error=str(exc))
+                log.debug("progress_read_failed", run=self.name, error=str(exc))
                 record = None
             if record is not None and record.has_sub_keys:
                 reports, rejected = reports_from_sub_keys(
                     {sub: entry.value for sub, entry in record.sub_keys.items()})
                 self.rejected_reports += len(rejected)
         self.last_reports = reports
-        return estimate_global(reports, target_batch_size=self.spec.target_batch_size,
+        return estimate_global(reports, target_batch_size=self.manifest.target_batch_size,
                                now=time.time(), own=own, stale_after=STALE_AFTER)
 
-    async def average_gradients(self, vector: np.ndarray, epoch: int, weight: float,
-                                expected: int) -> dict[str, Any] | None:
-        """Average `vector` in place with this epoch's round; None if averaging is not possible."""
+    async def average(self, vector: np.ndarray, round_key: str, weight: float, expected: int,
+                      compression: str = "none") -> dict[str, Any] | None:
+        """Average `vector` in place in the round `round_key` of this run; the round's report, or
+        None when there is no averager (not joined yet) or the round could not run at all."""
         from ..averaging.averager import RoundOptions
 
         averager = self.network.averager
         if averager is None:
             return None
-        options = RoundOptions(key=f"{self.key}/grad/{epoch}", weight=weight, role="trainer",
+        options = RoundOptions(key=f"{self.key}/{round_key}", weight=weight, role=self.role,
                                deadline=time.time() + ROUND_TIMEOUT, expected=expected,
-                               window=ROUND_WINDOW)
-        return await averager.average(vector, options)
+                               window=ROUND_WINDOW, compression=compression)
+        try:
+            return await averager.average(vector, options)
+        except AveragingError as exc:
+            log.warning("averaging_round_not_run", run=self.name, round=round_key, error=str(exc))
+            return None

@@ -11,3 +11,7 @@ class CollaborationError(DaemonError):
 
 class StateSyncError(CollaborationError):
     """A state download failed (the donor vanished or sent something malformed)."""
+
+
+class ManifestError(CollaborationError):
+    """A run manifest is invalid, or no single run of a name could be found to join."""

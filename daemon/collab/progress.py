@@ -58,6 +58,7 @@ MAX_EPOCH = 10**12
 MAX_SAMPLES = 10**15
 MAX_SAMPLES_PER_SECOND = 1e9
 MAX_TIME = 1e11  # unix seconds: year ~5138; anything later is a broken clock
+MAX_OVERHEAD = 86400.0
 
 
 class InvalidProgress(ValueError):
@@ -100,6 +101,7 @@ class PeerProgress:
     expiration: float
     role: Role = "trainer"
     total_samples: int = 0
+    step_overhead: float | None = None  # seconds from the run's target to this peer's last step
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not self.peer_id:
@@ -121,6 +123,9 @@ class PeerProgress:
                                                 f"{self.time}")
         if self.role not in ROLES:
             raise InvalidProgress("role", f"{self.role!r} is not one of {', '.join(ROLES)}")
+        if self.step_overhead is not None:
+            object.__setattr__(self, "step_overhead",
+                               _check_float("step_overhead", self.step_overhead, MAX_OVERHEAD))
 
     def to_bytes(self) -> bytes:
         return orjson.dumps({
@@ -132,6 +137,7 @@ class PeerProgress:
             "expiration": self.expiration,
             "role": self.role,
             "total_samples": self.total_samples,
+            "step_overhead": self.step_overhead,
         })
 
     @classmethod
@@ -155,7 +161,8 @@ class PeerProgress:
         if payload["peer_id"] != peer_id:
             raise InvalidProgress("peer_id", f"report names {payload['peer_id']!r} but was stored "
                                              f"under {peer_id!r}")
-        return cls(**{name: payload[name] for name in names})
+        return cls(**{name: payload[name] for name in names},
+                   step_overhead=payload.get("step_overhead"))  # optional: older peers omit it
 
 
 def reports_from_sub_keys(values: Mapping[str, bytes]) -> tuple[list[PeerProgress], dict[str, str]]:
@@ -186,6 +193,8 @@ class GlobalProgress:
     ready: bool
     now: float
     contributions: dict[str, int] = field(default_factory=dict)
+    trainers_at_epoch: int = 0  # live trainers at exactly `epoch`: the ones that average now
+    step_overhead: float | None = None  # the worst `step_overhead` reported at the run's epoch
 
     @property
     def remaining(self) -> int:
@@ -233,9 +242,13 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
 
     samples = 0.0
     rate = 0.0
+    at_epoch = 0
+    overheads = [r.step_overhead for r in trainers
+                 if r.step_overhead is not None and r.epoch == epoch]
     for report in trainers:
         if report.epoch != epoch:
             continue
+        at_epoch += 1
         elapsed = min(max(now - report.time, 0.0), stale_after)
         estimate = report.samples_accumulated + report.samples_per_second * elapsed
         samples += min(estimate, float(target_batch_size))
@@ -259,6 +272,8 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         ready=accumulated >= target_batch_size,
         now=now,
         contributions={peer_id: r.total_samples for peer_id, r in sorted(latest.items())},
+        trainers_at_epoch=at_epoch,
+        step_overhead=max(overheads) if overheads else None,
     )
 
 

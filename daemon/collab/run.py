@@ -1,27 +1,25 @@
-"""A run: one workload trained by one worker, epoch by epoch, toward a target batch size.
+"""A trainer's run: one workload trained by one worker, epoch by epoch, toward a target batch size.
 
 An epoch is one optimizer step over `target_batch_size` accumulated samples. The worker
-accumulates gradients; at the target the daemon takes them through shared memory (where the
-collaboration's averaging will sit), checks them, and hands them back for the step. The run keeps
-its progress, checkpoints atomically, and survives its worker's death: it reports it and can be
-restarted from its last checkpoint.
+accumulates gradients; at the target the daemon takes them through shared memory, checks them,
+averages them with the run's other trainers when the run is collaborative (`PeerSync`), and
+hands them back for the step at the run's global epoch (which positions the learning-rate
+schedule). The run keeps its progress, checkpoints atomically (`CheckpointStore`), and survives
+its worker's death: it reports it and can be restarted from its last good checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import os
-import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import orjson
 import structlog
 
 from dedloc.rpc import RpcCallError
@@ -29,39 +27,49 @@ from dedloc.rpc import RpcCallError
 from ..errors import RunNotActiveError, WorkerError
 from ..workers.buffers import SharedBuffer
 from ..workers.process import WorkerProcess
-from .collaboration import Collaboration
-from .errors import StateSyncError
-from .progress import GlobalProgress, next_report_delay, should_average
-from .state_sync import StateSnapshot, download_state
+from .checkpoints import CheckpointStore
+from .manifest import RunManifest
+from .peer_sync import PeerSync
+from .state_sync import StateSnapshot
+from .status import run_status
+
+if TYPE_CHECKING:
+    from ..network import PeerNetwork
 
 log = structlog.get_logger(__name__)
 
 RunState = Literal["starting", "running", "finished", "stopping", "stopped", "crashed", "failed"]
+Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averaging_state",
+                "downloading_state", "checkpointing"]
 ACTIVE_STATES = ("starting", "running", "stopping")
 WorkerFactory = Callable[[str], Awaitable[WorkerProcess]]
+HISTORY = 200
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What to train and how; the run's identity for checkpoints."""
+    """A run as this peer runs it: the shared manifest plus the local choices."""
 
     name: str
-    workload: str
-    config: dict[str, Any]
-    target_batch_size: int
-    epochs: int | None = None
+    manifest: RunManifest
     checkpoint_every: int = 10
-    seed: int = 0
-    init_seed: int = 0
+    seed: int = 0  # this peer's data order
     device: str = "auto"
-    min_peers: int = 1  # a collaborative run takes no step before this many trainers are present
+
+    @property
+    def target_batch_size(self) -> int:
+        return self.manifest.target_batch_size
+
+    @property
+    def epochs(self) -> int | None:
+        return self.manifest.epochs
+
+    @property
+    def min_peers(self) -> int:
+        return self.manifest.min_peers
 
     def fingerprint(self) -> str:
-        """Identifies the training problem: a checkpoint of another one is never loaded."""
-        essence = {"workload": self.workload, "config": self.config,
-                   "target_batch_size": self.target_batch_size, "init_seed": self.init_seed,
-                   "min_peers": self.min_peers}
-        return hashlib.sha256(orjson.dumps(essence, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+        return self.manifest.fingerprint()
 
 
 @dataclass
@@ -75,28 +83,35 @@ class RunProgress:
     epoch_losses: list[float] = field(default_factory=list)
     skipped_steps: int = 0
     failed_rounds: int = 0
+    state_rounds: int = 0
+    failed_state_rounds: int = 0
     state_downloads: int = 0
     failed_state_downloads: int = 0
     restarts: int = 0
 
 
 class Run:
-    def __init__(self, spec: RunSpec, run_dir: Path, spawn_worker: WorkerFactory,
-                 stop_timeout: float, history: int = 200,
-                 collaboration: Collaboration | None = None) -> None:
+    role = "trainer"
+
+    def __init__(self, spec: RunSpec, runs_dir: Path, spawn_worker: WorkerFactory,
+                 stop_timeout: float, network: PeerNetwork | None = None) -> None:
         self.spec = spec
-        self.collaboration = collaboration
-        self.global_progress: GlobalProgress | None = None
-        self.last_round: dict[str, Any] | None = None
-        self.run_dir = run_dir
+        self.runs_dir = runs_dir
+        self._network = network
+        self.sync: PeerSync | None = None
         self._spawn_worker = spawn_worker
         self._stop_timeout = stop_timeout
         self.state: RunState = "starting"
+        self.phase: Phase = "idle"
         self.progress = RunProgress()
         self.error: dict[str, Any] | None = None
         self.started_at = time.time()
         self.description: dict[str, Any] = {}
-        self._history = history
+        self.resumed_from: dict[str, Any] | None = None
+        self.store: CheckpointStore | None = None
+        # One entry per epoch this peer stepped: when the run reached its target, when the step
+        # was applied, the round's group and this peer's samples in it.
+        self.epoch_history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self._epoch_loss_sum = 0.0
         self._epoch_loss_samples = 0
         self._worker: WorkerProcess | None = None
@@ -104,10 +119,21 @@ class Run:
         self._buffer: SharedBuffer | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop_requested = asyncio.Event()
-        self._next_sync = 0.0
         # Worker calls that touch the model, from the loop and from state donations, one at a time.
-        self._model_lock = asyncio.Lock()
+        self.model_lock = asyncio.Lock()
         self._log = log.bind(run=spec.name)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def collaborative(self) -> bool:
+        return self._network is not None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_dir / self.spec.name / self.spec.fingerprint()
 
     # Lifecycle ---------------------------------------------------------------------------
 
@@ -116,20 +142,30 @@ class Run:
         self.state = "starting"
         self.error = None
         self._stop_requested.clear()
+        manifest = self.spec.manifest
         try:
             self._worker = await self._spawn_worker(self.spec.name)
             self.description = await self._worker.call("worker.load", {
-                "workload": self.spec.workload, "config": self.spec.config, "seed": self.spec.seed,
-                "init_seed": self.spec.init_seed, "device": self.spec.device})
+                "workload": manifest.workload, "config": manifest.config, "seed": self.spec.seed,
+                "init_seed": manifest.init_seed, "device": self.spec.device})
+            # The worker fills in the config's defaults: peers that leave out a default and peers
+            # that spell it out run the same manifest.
+            full = self.description.get("config")
+            if isinstance(full, dict) and full != manifest.config:
+                self.spec = replace(self.spec, manifest=replace(manifest, config=full))
+            self.store = CheckpointStore(self.run_dir, self.spec.fingerprint())
+            await asyncio.to_thread(self.store.prepare)
             await self._resume()
             self._buffer = SharedBuffer(int(self.description["total_numel"]))
+            if self._network is not None:
+                self.sync = PeerSync(self._network, self.spec, self, int(self.description["total_numel"]))
         except BaseException:
             await self._release(state="failed")
             raise
         self.state = "running"
         self._task = asyncio.create_task(self._train_loop(), name=f"run-{self.spec.name}")
-        self._log.info("run_started", workload=self.spec.workload, epoch=self.progress.epoch,
-                       parameters=self.description.get("total_numel"))
+        self._log.info("run_started", workload=manifest.workload, epoch=self.progress.epoch,
+                       fingerprint=self.spec.fingerprint(), parameters=self.description.get("total_numel"))
 
     async def restart(self) -> None:
         if self.state in ACTIVE_STATES:
@@ -151,7 +187,7 @@ class Run:
                 await asyncio.wait([self._task])
         if checkpoint and self._worker is not None and self._worker.exit_code is None:
             with contextlib.suppress(WorkerError, RpcCallError):
-                await self._checkpoint()
+                await self.checkpoint()
         await self._release(state="stopped")
 
     async def _release(self, state: RunState) -> None:
@@ -165,11 +201,16 @@ class Run:
             self._buffer = None
         if self.state not in ("crashed", "failed", "finished"):
             self.state = state
+        self.phase = "idle"
         self._log.info("run_ended", state=self.state, epoch=self.progress.epoch)
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
 
     # Training ----------------------------------------------------------------------------
 
@@ -178,13 +219,14 @@ class Run:
             while not self._stop_requested.is_set():
                 if self.spec.epochs is not None and self.progress.epoch >= self.spec.epochs:
                     self.state = "finished"
-                    await self._checkpoint()
+                    await self.checkpoint()
                     break
                 await self._train_some()
-                if self.collaboration is not None:
-                    await self._sync_with_peers()
+                if self.sync is not None:
+                    self.phase = "syncing"
+                    await self.sync.sync()
                 elif self.progress.accumulated >= self.spec.target_batch_size:
-                    await self._step()
+                    await self.step(time.time())
         except WorkerError as exc:
             if self._stop_requested.is_set():
                 return
@@ -195,14 +237,20 @@ class Run:
             self.state = "failed"
             self.error = {"message": exc.message, "code": exc.code, "data": exc.data}
             self._log.error("run_failed", error=str(exc))
+        finally:
+            if self.sync is not None:
+                await self.sync.close()
         if self.state in ("crashed", "failed", "finished"):
             await self._release(state=self.state)
 
     async def _train_some(self) -> None:
         assert self._worker is not None
-        wanted = max(1, self.spec.target_batch_size - self.progress.accumulated)
-        max_seconds = 0.5 if self.collaboration is not None else 2.0
-        async with self._model_lock:
+        self.phase = "training"
+        if self.sync is not None:  # train until the next look at the run's progress
+            wanted, max_seconds = self.sync.next_chunk()
+        else:
+            wanted, max_seconds = max(1, self.spec.target_batch_size - self.progress.accumulated), 2.0
+        async with self.model_lock:
             result = await self._worker.call("worker.train", {"samples": wanted,
                                                               "max_seconds": max_seconds})
         done, loss = int(result["samples"]), float(result["loss"])
@@ -216,62 +264,84 @@ class Run:
         self._epoch_loss_sum += loss * done
         self._epoch_loss_samples += done
 
-    async def _sync_with_peers(self) -> None:
-        """Publish our progress, read the run's, and take the collaborative step once the run's
-        samples reach the target."""
-        collaboration = self.collaboration
-        assert collaboration is not None
-        loop = asyncio.get_running_loop()
-        if loop.time() < self._next_sync and self.progress.accumulated < self.spec.target_batch_size:
-            return
-        p = self.progress
-        own = collaboration.own_progress(p.epoch, p.accumulated, p.samples_per_second, p.samples)
-        await collaboration.publish(own)
-        progress = await collaboration.global_progress(own)
-        self.global_progress = progress
-        self._next_sync = loop.time() + next_report_delay(
-            progress, p.samples_per_second or 0.0, min_delay=0.05, max_delay=5.0)
-        if progress.epoch > p.epoch:
-            await self._catch_up(progress.epoch)
-        elif (should_average(progress, p.epoch) and p.accumulated > 0
-                and progress.live_trainers >= self.spec.min_peers):
-            await self._step(expected=progress.live_trainers)
+    async def worker_call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        """A call to this run's worker under the model lock (for PeerSync and state donations)."""
+        if self._worker is None:
+            raise RunNotActiveError(f"run {self.spec.name!r} has no worker")
+        async with self.model_lock:
+            return await self._worker.call(method, params)
 
-    async def _catch_up(self, run_epoch: int) -> None:
-        """Behind the run (new, or a round failed): load the state of a peer at the run's epoch."""
-        collaboration = self.collaboration
-        assert collaboration is not None and self._worker is not None
-        donors = [r.peer_id for r in collaboration.last_reports
-                  if r.epoch == run_epoch and r.role == "trainer" and r.peer_id != collaboration.peer_id]
-        transport = collaboration.network.transport
-        if not donors or transport is None:
-            return
-        donor = random.choice(donors)  # newcomers spread over the donors
-        try:
-            state = await download_state(transport, donor, collaboration.key)
-        except StateSyncError as exc:
-            self.progress.failed_state_downloads += 1
-            self._log.warning("state_download_failed", donor=donor[:12], error=str(exc))
-            return
-        try:
-            async with self._model_lock:
-                await self._worker.call("worker.apply", {"what": "state", "buffer": state.buffer.name,
-                                                         "numel": state.numel, "meta": state.meta})
-                await self._worker.call("worker.zero_grad")
-                self.progress.epoch = state.epoch
-                self.progress.accumulated = 0
-                self._epoch_loss_sum, self._epoch_loss_samples = 0.0, 0
-        finally:
-            state.buffer.close()
-        self.progress.state_downloads += 1
-        self._next_sync = 0.0
-        self._log.info("state_downloaded", donor=donor[:12], epoch=state.epoch)
+    async def step(self, target_reached_at: float, expected: int = 1) -> bool:
+        """Export the accumulated gradients, average them (collaborative), step; True if stepped."""
+        assert self._worker is not None and self._buffer is not None
+        buffer = self._buffer
+        epoch, accumulated = self.progress.epoch, self.progress.accumulated
+        self.phase = "stepping"
+        await self.worker_call("worker.export", {"what": "gradients", "buffer": buffer.name,
+                                                 "numel": buffer.numel})
+        finite = await asyncio.to_thread(lambda: bool(np.isfinite(buffer.array).all()))
+        report: dict[str, Any] | None = None
+        if finite and self.sync is not None:
+            self.phase = "averaging"
+            report = await self.sync.average_gradients(buffer.array, epoch, accumulated, expected)
+            if report is None:
+                # Stepping with partly local gradients would make this peer drift from the others:
+                # keep accumulating and join the next round instead.
+                self.progress.failed_rounds += 1
+                return False
+        if not finite:
+            self.progress.skipped_steps += 1
+            self._log.warning("nonfinite_gradients_skipped", epoch=epoch)
+            await self.worker_call("worker.zero_grad")
+        else:
+            self.phase = "stepping"
+            async with self.model_lock:  # the step and the epoch count move together
+                await self._worker.call("worker.apply", {
+                    "what": "gradients", "buffer": buffer.name, "numel": buffer.numel,
+                    "meta": {"step": epoch}})  # the schedule follows the run's epoch
+                self.progress.epoch = epoch + 1
+        applied_at = time.time()
+        self.progress.accumulated = 0
+        self._close_epoch_losses()
+        self.epoch_history.append({
+            "epoch": epoch, "samples": accumulated, "stepped": finite,
+            "target_reached_at": target_reached_at, "applied_at": applied_at,
+            "overhead_seconds": round(max(0.0, applied_at - target_reached_at), 4),
+            "group_size": report["group_size"] if report else 1,
+            "trainers": report.get("senders", report["group_size"]) if report else 1,
+            "round_seconds": report["seconds"] if report else 0.0,
+            "matchmaking_seconds": report["matchmaking_seconds"] if report else 0.0,
+        })
+        if finite and self.sync is not None:
+            await self.sync.after_step(self.progress.epoch, report)
+        every = self.spec.checkpoint_every
+        if every > 0 and self.progress.epoch % every == 0:
+            await self.checkpoint()
+        return finite
+
+    def _close_epoch_losses(self) -> None:
+        if self._epoch_loss_samples:
+            losses = self.progress.epoch_losses
+            losses.append(self._epoch_loss_sum / self._epoch_loss_samples)
+            del losses[: max(0, len(losses) - HISTORY)]
+        self._epoch_loss_sum, self._epoch_loss_samples = 0.0, 0
+
+    async def load_state(self, snapshot: StateSnapshot) -> None:
+        """Take a peer's state (a download): the model, optimizer and the run's epoch."""
+        assert self._worker is not None
+        async with self.model_lock:
+            await self._worker.call("worker.apply", {"what": "state", "buffer": snapshot.buffer.name,
+                                                     "numel": snapshot.numel, "meta": snapshot.meta})
+            await self._worker.call("worker.zero_grad")
+            self.progress.epoch = snapshot.epoch
+            self.progress.accumulated = 0
+            self._epoch_loss_sum, self._epoch_loss_samples = 0.0, 0
 
     async def export_state(self) -> StateSnapshot:
         """This run's full state in a new shared buffer (the caller closes it), for a peer."""
         if self._worker is None:
             raise RunNotActiveError(f"run {self.spec.name!r} has no worker")
-        async with self._model_lock:
+        async with self.model_lock:
             description = await self._worker.call("worker.describe")
             buffer = SharedBuffer(int(description["state_numel"]))
             try:
@@ -282,140 +352,54 @@ class Run:
                 raise
             return StateSnapshot(buffer, int(result["numel"]), result["meta"], self.progress.epoch)
 
-    async def _step(self, expected: int = 1) -> None:
-        assert self._worker is not None and self._buffer is not None
-        buffer = self._buffer
-        async with self._model_lock:
-            await self._worker.call("worker.export", {"what": "gradients", "buffer": buffer.name,
-                                                      "numel": buffer.numel})
-        finite = await asyncio.to_thread(lambda: bool(np.isfinite(buffer.array).all()))
-        if finite and self.collaboration is not None:
-            report = await self.collaboration.average_gradients(
-                buffer.array, self.progress.epoch, float(self.progress.accumulated), expected)
-            self.last_round = report
-            if report is None or report["failed_parts"] or report["group_size"] < self.spec.min_peers:
-                # Stepping with partly local gradients would make this peer drift from the others:
-                # keep accumulating and join the next round instead.
-                self.progress.failed_rounds += 1
-                self._log.warning("averaging_round_failed_no_step", epoch=self.progress.epoch,
-                                  report=report and report["failed_parts"])
-                return
-        if not finite:
-            self.progress.skipped_steps += 1
-            self._log.warning("nonfinite_gradients_skipped", epoch=self.progress.epoch)
-            async with self._model_lock:
-                await self._worker.call("worker.zero_grad")
-        else:
-            async with self._model_lock:  # the step and the epoch count move together
-                await self._worker.call("worker.apply", {"what": "gradients", "buffer": buffer.name,
-                                                         "numel": buffer.numel})
-                self.progress.epoch += 1
-        self.progress.accumulated = 0
-        if self._epoch_loss_samples:
-            losses = self.progress.epoch_losses
-            losses.append(self._epoch_loss_sum / self._epoch_loss_samples)
-            del losses[: max(0, len(losses) - self._history)]
-        self._epoch_loss_sum, self._epoch_loss_samples = 0.0, 0
-        every = self.spec.checkpoint_every
-        if every > 0 and self.progress.epoch % every == 0:
-            await self._checkpoint()
-
     # Checkpoints -------------------------------------------------------------------------
 
-    @property
-    def _checkpoint_path(self) -> Path:
-        return self.run_dir / "checkpoint.pt"
-
-    @property
-    def _record_path(self) -> Path:
-        return self.run_dir / "run.json"
-
-    async def _checkpoint(self) -> None:
-        assert self._worker is not None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        async with self._model_lock:
-            await self._worker.call("worker.checkpoint_save", {"path": str(self._checkpoint_path)})
-        record = {"fingerprint": self.spec.fingerprint(), "spec": asdict(self.spec),
-                  "progress": {**asdict(self.progress), "accumulated": 0}}
-        await asyncio.to_thread(_write_atomically, self._record_path, orjson.dumps(record))
-        self._log.debug("run_checkpointed", epoch=self.progress.epoch)
+    async def checkpoint(self) -> None:
+        assert self._worker is not None and self.store is not None
+        store = self.store
+        previous = self.phase
+        self.phase = "checkpointing"
+        try:
+            async with self.model_lock:
+                epoch = self.progress.epoch
+                progress = {**asdict(self.progress), "accumulated": 0}
+                await self._worker.call("worker.checkpoint_save", {"path": str(store.path_for(epoch))})
+            spec = {"name": self.spec.name, "manifest": self.spec.manifest.to_json()}
+            await asyncio.to_thread(store.commit, epoch, progress, spec)
+        finally:
+            self.phase = previous
+        self._log.debug("run_checkpointed", epoch=epoch)
 
     async def _resume(self) -> None:
-        assert self._worker is not None
-        try:
-            record = orjson.loads(self._record_path.read_bytes())
-        except FileNotFoundError:
+        """Load the newest intact checkpoint of this manifest, if any."""
+        assert self._worker is not None and self.store is not None
+        candidates = await asyncio.to_thread(lambda: list(self.store.verified()) if self.store else [])
+        for entry, path in candidates:
+            try:
+                await self._worker.call("worker.checkpoint_load", {"path": str(path)})
+            except RpcCallError as exc:
+                self.store.rejected += 1
+                self._log.warning("checkpoint_not_loaded", path=str(path), error=str(exc))
+                continue
+            saved = entry.progress
+            restarts = self.progress.restarts
+            self.progress = RunProgress(**{k: saved[k] for k in saved
+                                           if k in RunProgress.__dataclass_fields__})
+            self.progress.epoch = entry.epoch
+            self.progress.restarts = max(restarts, self.progress.restarts)
+            self.resumed_from = {"epoch": entry.epoch, "file": entry.file}
+            self._log.info("run_resumed", epoch=entry.epoch, samples=self.progress.samples,
+                           file=entry.file)
             return
-        except (OSError, orjson.JSONDecodeError) as exc:
-            self._log.warning("run_record_unreadable", path=str(self._record_path), error=str(exc))
-            return
-        if record.get("fingerprint") != self.spec.fingerprint():
-            self._log.info("checkpoint_of_other_config_ignored", path=str(self._record_path))
-            return
-        try:
-            await self._worker.call("worker.checkpoint_load", {"path": str(self._checkpoint_path)})
-        except RpcCallError as exc:
-            self._log.warning("checkpoint_not_loaded", error=str(exc))
-            return
-        saved = record["progress"]
-        restarts = self.progress.restarts
-        self.progress = RunProgress(**{k: saved[k] for k in saved if k in RunProgress.__dataclass_fields__})
-        self.progress.restarts = max(restarts, self.progress.restarts)
-        self._log.info("run_resumed", epoch=self.progress.epoch, samples=self.progress.samples)
 
     # Reporting ---------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        worker: dict[str, Any]
+        return run_status(self)
+
+    def worker_status(self) -> dict[str, Any]:
         if self._worker is not None:
-            worker = {"state": "running", **self._worker.failure_data()}
-        elif self._last_worker is not None:
-            worker = {"state": "exited", **self._last_worker}
-        else:
-            worker = {"state": "none", "pid": None, "exit_code": None, "last_log_lines": []}
-        p = self.progress
-        return {
-            "name": self.spec.name,
-            "workload": self.spec.workload,
-            "config": self.description.get("config", self.spec.config),
-            "state": self.state,
-            "epoch": p.epoch,
-            "epochs": self.spec.epochs,
-            "samples": p.samples,
-            "accumulated": p.accumulated,
-            "target_batch_size": self.spec.target_batch_size,
-            "loss_first": p.loss_first,
-            "loss": p.loss_last,
-            "epoch_losses": list(p.epoch_losses),
-            "samples_per_second": p.samples_per_second,
-            "skipped_steps": p.skipped_steps,
-            "failed_rounds": p.failed_rounds,
-            "state_downloads": p.state_downloads,
-            "collaborative": self.collaboration is not None,
-            "run_peers": None if self.global_progress is None else self.global_progress.live_trainers,
-            "run_samples_accumulated": (None if self.global_progress is None
-                                        else self.global_progress.samples_accumulated),
-            "run_eta_seconds": None if self.global_progress is None else self.global_progress.eta_seconds,
-            "contributions": {} if self.global_progress is None else self.global_progress.contributions,
-            "last_round": self.last_round,
-            "restarts": p.restarts,
-            "device": self.description.get("device"),
-            "parameters": self.description.get("total_numel"),
-            "started_at": self.started_at,
-            "error": self.error,
-            "worker": worker,
-        }
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+            return {"state": "running", **self._worker.failure_data()}
+        if self._last_worker is not None:
+            return {"state": "exited", **self._last_worker}
+        return {"state": "none", "pid": None, "exit_code": None, "last_log_lines": []}

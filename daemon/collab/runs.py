@@ -12,7 +12,9 @@ import structlog
 from ..config import Config
 from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, UnknownRunError
 from ..workers.process import WorkerProcess
-from .collaboration import Collaboration
+from .aux import AuxRun
+from .errors import ManifestError
+from .manifest import PublishedManifest, RunManifest, choose_manifest, find_manifests
 from .run import Run, RunSpec
 
 if TYPE_CHECKING:
@@ -30,7 +32,7 @@ class RunRegistry:
         self.network = network
         self.runs_dir = config.state_dir() / "runs"
         self.sockets_dir = config.runtime_dir() / "workers"
-        self._runs: dict[str, Run] = {}
+        self._runs: dict[str, Run | AuxRun] = {}
         self._lock = asyncio.Lock()
         self._closing = False
 
@@ -46,13 +48,20 @@ class RunRegistry:
             start_timeout=workers.start_timeout, call_timeout=workers.call_timeout,
             log_lines=workers.log_lines, threads=workers.threads, label=run_name)
 
-    async def start(self, workload: str, config: dict[str, Any], name: str | None,
+    async def start(self, workload: str | None, config: dict[str, Any], name: str | None,
                     target_batch_size: int, epochs: int | None, checkpoint_every: int,
-                    device: str | None, collaborative: bool = False,
-                    min_peers: int = 1) -> dict[str, Any]:
+                    device: str | None, collaborative: bool = False, min_peers: int = 1,
+                    role: str | None = None, average_state_every: int = 5,
+                    compression: str = "none") -> dict[str, Any]:
+        role = role or self.config.node.role
+        collaborative = collaborative or role == "aux" or workload is None
         name = name or workload
+        if name is None:
+            raise ValueError("give a workload to start a run, or a run name to join one")
         if not RUN_NAME.match(name):
             raise ValueError(f"run name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        if collaborative and self.network is None:
+            raise RunNotActiveError("collaborative runs need the peer network")
         async with self._lock:
             if self._closing:
                 raise ShuttingDownError("the daemon is shutting down")
@@ -60,27 +69,60 @@ class RunRegistry:
             if existing is not None and existing.active:
                 raise RunExistsError(f"run {name!r} is already {existing.state}; stop it first "
                                      "(run.stop) or give the new run another name")
-            spec = RunSpec(name=name, workload=workload, config=config,
-                           target_batch_size=target_batch_size, epochs=epochs,
-                           checkpoint_every=checkpoint_every, seed=self.data_seed(name),
-                           device=device or self.config.workers.device, min_peers=min_peers)
-            if collaborative and self.network is None:
-                raise RunNotActiveError("collaborative runs need the peer network")
-            collaboration = Collaboration(self.network, spec) if collaborative and self.network else None
-            run = Run(spec, self.runs_dir / name, self._spawn_worker,
-                      stop_timeout=self.config.workers.stop_timeout, collaboration=collaboration)
+            run: Run | AuxRun
+            if role == "aux" or workload is None:
+                published = await self._find(name, workload)
+                if role == "aux":
+                    assert self.network is not None
+                    run = AuxRun(self.network, name, published, self.config.workers.stop_timeout)
+                    await run.start()
+                    self._runs[name] = run
+                    return run.status()
+                manifest = published.manifest
+            else:
+                manifest = RunManifest(workload, config, target_batch_size, epochs, min_peers,
+                                       average_state_every, compression)
+            spec = RunSpec(name=name, manifest=manifest, checkpoint_every=checkpoint_every,
+                           seed=self.data_seed(name), device=device or self.config.workers.device)
+            run = Run(spec, self.runs_dir, self._spawn_worker,
+                      stop_timeout=self.config.workers.stop_timeout,
+                      network=self.network if collaborative else None)
             await run.start()
             self._runs[name] = run
-            return run.status()
+            status = run.status()
+        if collaborative:
+            status["other_manifests"] = await self._others(name, run.spec.fingerprint())
+        return status
+
+    async def _find(self, name: str, workload: str | None) -> PublishedManifest:
+        dht = None if self.network is None else self.network.dht
+        if dht is None:
+            raise ManifestError("this node has not joined the network yet, so it cannot look up "
+                                f"run {name!r}; try again in a few seconds")
+        found = await find_manifests(dht, name)
+        if workload is not None:
+            found = [f for f in found if f.manifest.workload == workload]
+        return choose_manifest(name, found)
+
+    async def _others(self, name: str, fingerprint: str) -> list[dict[str, Any]]:
+        """Manifests other peers publish under the same name (a typo or a changed config)."""
+        dht = None if self.network is None else self.network.dht
+        if dht is None:
+            return []
+        others = [f.to_json() for f in await find_manifests(dht, name) if f.fingerprint != fingerprint]
+        if others:
+            log.warning("other_runs_under_the_same_name", run=name, fingerprint=fingerprint,
+                        others=[o["fingerprint"] for o in others])
+        return others
 
     def find_by_key(self, key: str) -> Run | None:
         """The active collaborative run whose peer-to-peer key is `key` (for state donations)."""
         for run in self._runs.values():
-            if run.collaboration is not None and run.collaboration.key == key and run.active:
+            if isinstance(run, Run) and run.sync is not None and run.sync.key == key and run.active:
                 return run
         return None
 
-    def get(self, name: str | None) -> Run:
+    def get(self, name: str | None) -> Run | AuxRun:
         if name is None:
             active = [r for r in self._runs.values() if r.active] or list(self._runs.values())
             if len(active) == 1:
@@ -106,7 +148,7 @@ class RunRegistry:
             if self._closing:
                 raise ShuttingDownError("the daemon is shutting down")
             if run.active:
-                raise RunNotActiveError(f"run {run.spec.name!r} is {run.state}; only a stopped, "
+                raise RunNotActiveError(f"run {run.name!r} is {run.state}; only a stopped, "
                                         "crashed, failed or finished run can be restarted")
             await run.restart()
         return run.status()

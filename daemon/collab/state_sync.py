@@ -3,14 +3,16 @@ run's latest state from a peer that has it.
 
 The donor exports its worker's full state (parameters, optimizer state, buffers) into shared
 memory and streams it in chunks; the receiver loads it into its own worker. Donors are picked at
-random among the trainers at the run's epoch, so newcomers spread over them. Every step has a
-deadline; a failed download is retried at the next sync with another donor.
+random among the trainers at the run's epoch, so newcomers spread over them, and a donor streams
+to at most `MAX_CONCURRENT_SERVES` peers at once (it refuses more as busy). Every step has a
+deadline; a failed download is retried after a backoff with another donor (`DonorChoice`).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -27,6 +29,7 @@ log = structlog.get_logger(__name__)
 METHOD = "collab.state"
 CHUNK_BYTES = 4 << 20
 MAX_STATE_BYTES = 64 << 30
+MAX_CONCURRENT_SERVES = 2  # a donor streams its state to at most this many peers at once
 
 
 @dataclass
@@ -43,6 +46,8 @@ class StateSharing:
     def __init__(self, transport: PeerTransport, find_run: Callable[[str], Run | None]) -> None:
         self._find_run = find_run
         self.served = 0
+        self.refused_busy = 0
+        self._serving = 0
         transport.add_stream_handler(METHOD, self._serve)
 
     async def _serve(self, ctx: RequestContext, stream: Stream) -> None:
@@ -51,6 +56,17 @@ class StateSharing:
         if run is None or not run.active:
             await stream.abort("this peer has no active run of that key")
             return
+        if self._serving >= MAX_CONCURRENT_SERVES:
+            self.refused_busy += 1
+            await stream.abort("busy: this peer is already sending its state to others; ask another")
+            return
+        self._serving += 1
+        try:
+            await self._send_state(ctx, stream, run, key)
+        finally:
+            self._serving -= 1
+
+    async def _send_state(self, ctx: RequestContext, stream: Stream, run: Run, key: str) -> None:
         exported = await run.export_state()
         try:
             await stream.send(Message({"meta": exported.meta, "numel": exported.numel,
@@ -100,3 +116,42 @@ async def download_state(transport: PeerTransport, donor: str, key: str) -> Stat
         raise StateSyncError(f"state download from {donor[:12]} failed: {exc}") from exc
     view.release()
     return StateSnapshot(buffer, numel, meta, epoch)
+
+
+@dataclass
+class DonorChoice:
+    """Which peer to download the state from: a random one among those at the run's epoch (so
+    newcomers spread over the donors), skipping donors that failed in the last `avoid_seconds`,
+    and waiting `backoff` seconds (doubling per failure in a row, at most `max_backoff`) after a
+    failure before trying again."""
+
+    avoid_seconds: float = 60.0
+    backoff: float = 0.5
+    max_backoff: float = 30.0
+    rng: random.Random = field(default_factory=random.Random)
+    _failed_at: dict[str, float] = field(default_factory=dict)
+    _failures_in_a_row: int = 0
+    _not_before: float = 0.0
+
+    def pick(self, donors: list[str], now: float) -> str | None:
+        if now < self._not_before or not donors:
+            return None
+        fresh = [d for d in donors if now - self._failed_at.get(d, float("-inf")) >= self.avoid_seconds]
+        if not fresh:  # every donor failed lately: the one that failed longest ago
+            fresh = [min(donors, key=lambda d: self._failed_at[d])]
+        return self.rng.choice(sorted(fresh))
+
+    def failed(self, donor: str, now: float) -> None:
+        self._failed_at[donor] = now
+        self._failures_in_a_row += 1
+        self._not_before = now + self.wait(now)
+
+    def wait(self, now: float) -> float:
+        """Seconds to wait after the current run of failures."""
+        if self._failures_in_a_row == 0:
+            return 0.0
+        return min(self.max_backoff, self.backoff * 2 ** (self._failures_in_a_row - 1))
+
+    def succeeded(self) -> None:
+        self._failures_in_a_row = 0
+        self._not_before = 0.0

@@ -41,8 +41,10 @@ async def test_three_trainers_step_together(daemon_factory: Any) -> None:
         # every peer trained: the run needed all of them
         assert status["samples"] > 0
     # The same averaged gradients, the same steps: identical parameters everywhere.
-    models = [torch.load(d.root / "state" / "runs" / "together" / "checkpoint.pt",
-                         weights_only=False)["model"] for d in daemons]
+    fingerprint = statuses[0]["fingerprint"]
+    paths = [d.root / "state" / "runs" / "together" / fingerprint / f"checkpoint-{EPOCHS:09d}.pt"
+             for d in daemons]
+    models = [torch.load(path, weights_only=False)["model"] for path in paths]
     for name, tensor in models[0].items():
         for other in models[1:]:
             torch.testing.assert_close(other[name], tensor, rtol=0, atol=0)

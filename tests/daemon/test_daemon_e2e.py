@@ -26,7 +26,8 @@ async def test_discover_lists_every_method_with_schemas(daemon) -> None:  # type
     methods = {m["name"]: m for m in doc["methods"]}
     assert set(methods) == CONTROL_METHODS
     start_params = {p["name"]: p for p in methods["run.start"]["params"]}
-    assert start_params["workload"]["required"] is True
+    assert start_params["workload"]["required"] is False  # null: join a run by its name
+    assert start_params["role"]["schema"]["anyOf"][0]["enum"] == ["trainer", "aux"]
     assert start_params["target_batch_size"]["schema"]["minimum"] == 1
     for method in methods.values():
         assert method["summary"], method["name"]
@@ -62,7 +63,8 @@ async def test_train_tiny_then_sigterm(daemon) -> None:  # type: ignore[no-untyp
     assert not pid_alive(worker_pid)
     events = [e["event"] for e in daemon.events()]
     assert "dedlocd_stopping" in events and "dedlocd_stopped" in events
-    assert (daemon.root / "state" / "runs" / "tiny" / "checkpoint.pt").exists()
+    run_dir = daemon.root / "state" / "runs" / "tiny" / status["fingerprint"]
+    assert (run_dir / "run.json").exists() and list(run_dir.glob("checkpoint-*.pt"))
 
 
 async def test_restart_of_the_daemon_resumes_the_run(daemon_factory) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,170 @@
+"""A run's manifest: what every peer of a collaborative run must agree on, and how peers find it.
+
+The manifest names the workload and its full config, the target batch size, the optimizer-step
+schedule (`epochs`), when parameters and optimizer state are averaged, the gradient compression
+and the initialisation seed. Its hash (the fingerprint) is part of the run's key in the DHT: peers
+whose manifests differ in anything never meet, even under the same run name.
+
+Every trainer of a run publishes the manifest under `collab/<name>/manifests`, its own peer id as
+the sub-key (only it can write that), so that `run.start` with just a name (or an aux peer, which
+has no worker to ask) can find the run and join it. Local choices (device, checkpoint interval,
+this peer's data seed) are not part of the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import structlog
+
+from ..net import TransportError
+from .errors import ManifestError
+
+if TYPE_CHECKING:
+    from ..dht import DHTNode
+
+log = structlog.get_logger(__name__)
+
+COMPRESSIONS = ("none", "fp16", "uint8", "quantile8")
+MANIFEST_TTL = 600.0  # seconds a published manifest stays in the DHT without a refresh
+REFRESH_EVERY = 120.0
+MAX_MANIFEST_BYTES = 16 << 10
+
+
+def manifests_key(name: str) -> str:
+    return f"collab/{name}/manifests"
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    workload: str
+    config: dict[str, Any] = field(default_factory=dict)
+    target_batch_size: int = 256
+    epochs: int | None = None  # the schedule's length; None: open-ended
+    min_peers: int = 1  # no step is taken before this many trainers are present
+    average_state_every: int = 5  # parameters and optimizer state are averaged every K epochs (0: never)
+    compression: str = "none"  # of the gradients in averaging rounds
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workload, str) or not self.workload:
+            raise ManifestError("workload must be a non-empty string")
+        if not isinstance(self.config, dict):
+            raise ManifestError("config must be an object")
+        for name, low in (("target_batch_size", 1), ("min_peers", 1), ("average_state_every", 0),
+                          ("init_seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ManifestError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.epochs is not None and (isinstance(self.epochs, bool) or not isinstance(self.epochs, int)
+                                        or self.epochs < 1):
+            raise ManifestError(f"epochs must be null or an integer >= 1, got {self.epochs!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ManifestError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
+                                f"got {self.compression!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> RunManifest:
+        if not isinstance(data, dict):
+            raise ManifestError("a manifest must be an object")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ManifestError(f"unknown manifest fields: {', '.join(sorted(unknown))} (a newer "
+                                "dedloc made this run; upgrade to join it)")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ManifestError(f"malformed manifest: {exc}") from None
+
+    def fingerprint(self) -> str:
+        """The manifest's identity: peers (and checkpoints) of another manifest never mix."""
+        canonical = orjson.dumps(self.to_json(), option=orjson.OPT_SORT_KEYS)
+        return hashlib.sha256(canonical).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PublishedManifest:
+    """A manifest as found in the DHT, with how many live peers publish it."""
+
+    manifest: RunManifest
+    fingerprint: str
+    parameters: int  # float32 elements of the gradient vector: what an aux peer averages
+    publishers: tuple[str, ...]
+    published_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"manifest": self.manifest.to_json(), "fingerprint": self.fingerprint,
+                "parameters": self.parameters, "publishers": len(self.publishers),
+                "published_at": self.published_at}
+
+
+async def publish_manifest(dht: DHTNode, name: str, manifest: RunManifest, parameters: int,
+                           peer_id: str) -> None:
+    """Announce that this peer trains `manifest` under `name` (refresh every REFRESH_EVERY s)."""
+    now = time.time()
+    value = orjson.dumps({"manifest": manifest.to_json(), "fingerprint": manifest.fingerprint(),
+                          "parameters": parameters, "published_at": now})
+    try:
+        await dht.store(manifests_key(name), value, now + MANIFEST_TTL, sub_key=peer_id, timeout=5.0)
+    except (TransportError, TimeoutError) as exc:
+        log.info("manifest_publish_failed", run=name, error=str(exc))
+
+
+async def find_manifests(dht: DHTNode, name: str) -> list[PublishedManifest]:
+    """The manifests published under `name`, the most widely published first. Malformed entries
+    (or ones whose fingerprint does not match their manifest) are skipped."""
+    try:
+        record = await dht.get(manifests_key(name), timeout=5.0)
+    except (TransportError, TimeoutError) as exc:
+        log.info("manifest_lookup_failed", run=name, error=str(exc))
+        return []
+    if record is None or not record.has_sub_keys:
+        return []
+    found: dict[str, PublishedManifest] = {}
+    for publisher, entry in record.sub_keys.items():
+        try:
+            if len(entry.value) > MAX_MANIFEST_BYTES:
+                raise ManifestError("too large")
+            data = orjson.loads(entry.value)
+            manifest = RunManifest.from_json(data.get("manifest"))
+            parameters = data.get("parameters")
+            published_at = float(data.get("published_at", 0.0))
+        except (orjson.JSONDecodeError, ManifestError, AttributeError, TypeError, ValueError) as exc:
+            log.debug("manifest_entry_skipped", run=name, publisher=publisher[:12], error=str(exc))
+            continue
+        fingerprint = manifest.fingerprint()
+        if data.get("fingerprint") != fingerprint or isinstance(parameters, bool) \
+                or not isinstance(parameters, int) or parameters < 1:
+            continue
+        held = found.get(fingerprint)
+        if held is None:
+            found[fingerprint] = PublishedManifest(manifest, fingerprint, parameters, (publisher,),
+                                                   published_at)
+        else:
+            found[fingerprint] = PublishedManifest(manifest, fingerprint, held.parameters,
+                                                   (*held.publishers, publisher),
+                                                   max(held.published_at, published_at))
+    return sorted(found.values(), key=lambda p: (-len(p.publishers), -p.published_at))
+
+
+def choose_manifest(name: str, candidates: list[PublishedManifest]) -> PublishedManifest:
+    """The run to join by name: the manifest most peers publish. ManifestError if there is none,
+    or if two manifests are equally popular (the caller must then give the manifest itself)."""
+    if not candidates:
+        raise ManifestError(f"no peer publishes a run named {name!r}; start it with a workload "
+                            "(run.start workload=...) or check the name and the bootstrap peers")
+    if len(candidates) > 1 and len(candidates[0].publishers) == len(candidates[1].publishers):
+        described = "; ".join(f"{c.fingerprint}: {c.manifest.workload}, batch "
+                              f"{c.manifest.target_batch_size}, {len(c.publishers)} peer(s)"
+                              for c in candidates[:4])
+        raise ManifestError(f"several runs named {name!r} differ in their manifests ({described}); "
+                            "give the workload and config to say which one to join")
+    return candidates[0]

@@ -1,0 +1,103 @@
+"""`run.status`: one run as the control API shows it (trainer or aux, local or collaborative)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .aux import AuxRun
+    from .run import Run
+
+RECENT_EPOCHS = 20
+
+
+def _run_level(sync: Any) -> dict[str, Any]:
+    """The run as this peer estimates it from its peers' reports (collaborative runs only)."""
+    gp = None if sync is None else sync.global_progress
+    return {
+        "run_key": None if sync is None else sync.collab.key,
+        "run_epoch": None if gp is None else gp.epoch,
+        "run_peers": None if gp is None else gp.live_trainers,
+        "run_aux_peers": None if gp is None else gp.live_aux,
+        "run_samples_accumulated": None if gp is None else gp.samples_accumulated,
+        "run_samples_per_second": None if gp is None else gp.samples_per_second,
+        "run_eta_seconds": None if gp is None else gp.eta_seconds,
+        "run_epoch_overhead_seconds": None if gp is None else gp.step_overhead,
+        "contributions": {} if gp is None else gp.contributions,
+        "last_round": None if sync is None else sync.last_round,
+    }
+
+
+def run_status(run: Run) -> dict[str, Any]:
+    p = run.progress
+    history = list(run.epoch_history)
+    sync = run.sync
+    return {
+        "name": run.spec.name,
+        "role": "trainer",
+        "workload": run.spec.manifest.workload,
+        "config": run.description.get("config", run.spec.manifest.config),
+        "manifest": run.spec.manifest.to_json(),
+        "fingerprint": run.spec.fingerprint(),
+        "state": run.state,
+        "phase": run.phase,
+        "epoch": p.epoch,
+        "epochs": run.spec.epochs,
+        "samples": p.samples,
+        "accumulated": p.accumulated,
+        "target_batch_size": run.spec.target_batch_size,
+        "loss_first": p.loss_first,
+        "loss": p.loss_last,
+        "epoch_losses": list(p.epoch_losses),
+        "samples_per_second": p.samples_per_second,
+        "skipped_steps": p.skipped_steps,
+        "failed_rounds": p.failed_rounds,
+        "state_rounds": p.state_rounds,
+        "failed_state_rounds": p.failed_state_rounds,
+        "state_downloads": p.state_downloads,
+        "failed_state_downloads": p.failed_state_downloads,
+        "collaborative": run.collaborative,
+        **_run_level(sync),
+        "last_state_round": None if sync is None else sync.last_state_round,
+        "epoch_overhead_seconds": history[-1]["overhead_seconds"] if history else None,
+        "epoch_history": history[-RECENT_EPOCHS:],
+        "restarts": p.restarts,
+        "resumed_from": run.resumed_from,
+        "checkpoints_rejected": 0 if run.store is None else run.store.rejected,
+        "device": run.description.get("device"),
+        "parameters": run.description.get("total_numel"),
+        "started_at": run.started_at,
+        "error": run.error,
+        "worker": run.worker_status(),
+    }
+
+
+def aux_status(run: AuxRun) -> dict[str, Any]:
+    return {
+        "name": run.name,
+        "role": "aux",
+        "workload": run.manifest.workload,
+        "config": run.manifest.config,
+        "manifest": run.manifest.to_json(),
+        "fingerprint": run.manifest.fingerprint(),
+        "state": run.state,
+        "phase": run.phase,
+        "epoch": run.epoch,
+        "epochs": run.manifest.epochs,
+        "samples": 0,
+        "accumulated": 0,
+        "target_batch_size": run.manifest.target_batch_size,
+        "loss_first": None,
+        "loss": None,
+        "epoch_losses": [],
+        "samples_per_second": None,
+        "rounds": run.rounds,
+        "failed_rounds": run.failed_rounds,
+        "collaborative": True,
+        **_run_level(run),
+        "epoch_overhead_seconds": None,
+        "parameters": run.parameters,
+        "started_at": run.started_at,
+        "error": run.error,
+        "worker": {"state": "none", "pid": None, "exit_code": None, "last_log_lines": []},
+    }
