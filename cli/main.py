@@ -19,6 +19,8 @@ from .render import render_info, render_peers, render_status, render_workloads
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 SYSTEMD_SOCKET = Path("/run/dedlocd/dedlocd.sock")
+ACTIVE_STATES = ("starting", "running", "stopping")
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, then erase the whole screen
 
 
 def default_socket() -> Path:
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
     status = commands.add_parser("status", help="progress of the runs")
     status.add_argument("name", nargs="?")
-    status.add_argument("--watch", action="store_true", help="keep showing live progress")
+    status.add_argument("--watch", action="store_true",
+                        help="keep showing live progress (until Ctrl-C, or until no run is active)")
     status.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
     for verb, text in (("stop", "stop a run (checkpointed)"),
                        ("restart", "restart a stopped or crashed run")):
@@ -169,7 +172,7 @@ def _render(command: str, result: Any) -> str:
     if command == "connect":
         return f"connected to {result['address']}\n"
     if command == "status":
-        return "".join(render_status(run) for run in result) or "no runs\n"
+        return _render_runs(result)
     if command in ("start", "stop", "restart"):
         return render_status(result)
     if command == "shutdown":
@@ -177,23 +180,29 @@ def _render(command: str, result: Any) -> str:
     return orjson.dumps(result).decode() + "\n"
 
 
+def _render_runs(runs: list[dict[str, Any]]) -> str:
+    return "".join(render_status(run) for run in runs) or "no runs\n"
+
+
 async def _watch(client: JsonRpcClient, args: argparse.Namespace) -> int:
-    """Redraw the runs' progress until they are all inactive (or Ctrl-C)."""
+    """Redraw the runs' progress every --interval seconds until Ctrl-C (which exits 0, see main) or
+    until no run is active any more. On a terminal the screen is redrawn; otherwise (a pipe, a log)
+    each update is printed as its own block, the blocks separated by a blank line."""
     params = {"name": args.name} if args.name else None
     tty = sys.stdout.isatty() and not args.json
-    drawn = 0
+    first = True
     while True:
         runs = await client.call("run.status", params)
         if args.json:
             sys.stdout.write(orjson.dumps({"time": time.time(), "runs": runs}).decode() + "\n")
+        elif tty:
+            sys.stdout.write(f"{CLEAR_SCREEN}dedloc status · {time.strftime('%H:%M:%S')} · every "
+                             f"{args.interval:g} s · Ctrl-C to quit\n\n{_render_runs(runs)}")
         else:
-            text = "".join(render_status(run) for run in runs) or "no runs\n"
-            if tty and drawn:
-                sys.stdout.write(f"\x1b[{drawn}F\x1b[J")
-            sys.stdout.write(text)
-            drawn = text.count("\n")
+            sys.stdout.write(("" if first else "\n") + _render_runs(runs))
+        first = False
         sys.stdout.flush()
-        if not any(run["state"] in ("starting", "running", "stopping") for run in runs):
+        if not any(run.get("state") in ACTIVE_STATES for run in runs):
             return EXIT_OK
         await asyncio.sleep(args.interval)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
@@ -50,3 +51,26 @@ async def test_cli_drives_a_daemon(daemon) -> None:  # type: ignore[no-untyped-d
     code, out, _ = await dedloc(socket, "shutdown")
     assert code == 0
     assert await daemon.wait_exit() == 0
+
+
+async def test_status_watch_redraws_until_ctrl_c(daemon) -> None:  # type: ignore[no-untyped-def]
+    socket = daemon.socket_path
+    code, _, _ = await dedloc(socket, "start", "tiny", "--target-batch-size", "32", "--epochs", "100000")
+    assert code == 0
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dedloc.cli", "--socket", str(socket), "status", "--watch",
+        "--interval", "0.1", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    out = b""
+    async with asyncio.timeout(120):
+        while out.count(b"tiny [tiny]") < 3:  # three updates, each its own block (not a terminal)
+            out += await process.stdout.read(4096)
+        process.send_signal(signal.SIGINT)
+        rest, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+    assert b"Traceback" not in err
+    blocks = (out + rest).decode().split("\n\n")
+    assert len(blocks) >= 3 and all(block.startswith("tiny [tiny]  ") for block in blocks)
+    assert "\x1b[" not in blocks[1] and "next step" in blocks[1] and "epoch " in blocks[1]
+    code, _, _ = await dedloc(socket, "stop")
+    assert code == 0

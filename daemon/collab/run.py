@@ -88,6 +88,7 @@ class RunProgress:
     state_downloads: int = 0
     failed_state_downloads: int = 0
     restarts: int = 0
+    lr: float | None = None  # the learning rate of the last step
 
 
 class Run:
@@ -296,9 +297,10 @@ class Run:
         else:
             self.phase = "stepping"
             async with self.model_lock:  # the step and the epoch count move together
-                await self._worker.call("worker.apply", {
+                applied = await self._worker.call("worker.apply", {
                     "what": "gradients", "buffer": buffer.name, "numel": buffer.numel,
                     "meta": {"step": epoch}})  # the schedule follows the run's epoch
+                self.progress.lr = applied.get("lr")
                 self.progress.epoch = epoch + 1
         applied_at = time.time()
         self.progress.accumulated = 0

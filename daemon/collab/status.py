@@ -16,6 +16,7 @@ def _run_level(sync: Any) -> dict[str, Any]:
     gp = None if sync is None else sync.global_progress
     return {
         "run_key": None if sync is None else sync.collab.key,
+        "peer_id": None if sync is None else sync.collab.peer_id,
         "run_epoch": None if gp is None else gp.epoch,
         "run_peers": None if gp is None else gp.live_trainers,
         "run_aux_peers": None if gp is None else gp.live_aux,
@@ -50,6 +51,8 @@ def run_status(run: Run) -> dict[str, Any]:
         "loss": p.loss_last,
         "epoch_losses": list(p.epoch_losses),
         "samples_per_second": p.samples_per_second,
+        "lr": p.lr,
+        "data_seed": run.spec.seed,
         "skipped_steps": p.skipped_steps,
         "failed_rounds": p.failed_rounds,
         "state_rounds": p.state_rounds,

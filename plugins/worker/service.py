@@ -248,16 +248,19 @@ class WorkerService:
                                         ErrorCode.WORKLOAD_ERROR))
     async def apply(
         self, what: What, buffer: BufferName, numel: Numel,
-        meta: Annotated[dict[str, Any] | None, "The meta of the export (needed for state; "
-                        "for parameters an optional `step`)."] = None,
+        meta: Annotated[dict[str, Any] | None, "The meta of the export (needed for state); for "
+                        "gradients an optional `step`, the run's global step this optimizer step "
+                        "is; for parameters an optional `step` that sets the counter."] = None,
     ) -> ApplyResult:
         """Take a flat float32 vector from the shared-memory buffer.
 
         gradients: set them as the gradients, step the optimizer and scheduler, clear the
-        accumulated gradients; answers the new step and learning rate. parameters: copy them in
-        (and the step from meta.step if given). state: restore parameters, optimizer and
-        scheduler state and step, checked against meta's layout. A wrong numel or a NaN/Inf value
-        fails with BUFFER_ERROR and changes nothing.
+        accumulated gradients; answers the new step and the learning rate this step used. With
+        meta.step the worker first moves to that step, LR schedule included, so the learning rate
+        is the schedule's at meta.step. parameters: copy them in (and the step from meta.step if
+        given). state: restore parameters, optimizer and scheduler state and step, checked against
+        meta's layout. A wrong numel, a bad meta.step or a NaN/Inf value fails with BUFFER_ERROR
+        and changes nothing.
         """
         session = self._loaded()
         return await self._exclusive(  # type: ignore[return-value]

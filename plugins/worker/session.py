@@ -8,15 +8,18 @@ times its batch size), so that `export("gradients")` can hand out the mean gradi
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import structlog
 import torch
+from torch.optim import lr_scheduler
 
 from ..catalog import CatalogEntry
 from ..errors import CheckpointError, PluginError, SharedBufferError, WorkloadError
@@ -55,6 +58,8 @@ class Session:
                                 f"{type(self.model).__name__}, not a torch.nn.Module")
         with self._guard("build_optimizer"):
             self.optimizer, self.scheduler = self.workload.build_optimizer(self.model, config)
+        # The schedule's start, to rewind a scheduler without a closed form (see position_scheduler).
+        self._scheduler_start = scheduler_start(self.optimizer, self.scheduler)
         torch.manual_seed(seed)  # dropout and the like differ per peer; the weights do not
         with self._guard("build_data"):
             self._train_data: Iterator[Any] = iter(self.workload.build_data(config, seed, "train"))
@@ -256,9 +261,13 @@ class Session:
             raise SharedBufferError(f"applying {what} needs exactly {self.total_numel} float32 "
                                     f"elements (worker.describe total_numel), got numel={numel}",
                                     {"buffer": buffer, "needed": self.total_numel, "given": numel})
-        new_step = meta.get("step", self.step) if what == "parameters" else self.step
+        # Gradients: meta.step, if given, is the run's global step this optimizer step is (the
+        # learning-rate schedule follows it); parameters: meta.step, if given, sets the counter.
+        global_step = "step" in meta
+        new_step = meta["step"] if global_step else self.step
         if not isinstance(new_step, int) or isinstance(new_step, bool) or new_step < 0:
-            raise SharedBufferError(f"meta.step must be a non-negative integer, not {new_step!r}")
+            raise SharedBufferError(f"meta.step must be a non-negative integer, not {new_step!r}",
+                                    {"key": "meta.step", "value": repr(new_step)})
         with buffers.attach(buffer, numel) as view:
             _check_finite(view, buffer, what)
             incoming = [v.to(self.device, dtype=p.dtype, copy=True)
@@ -270,6 +279,11 @@ class Session:
                     param.copy_(value)
             self.step = new_step
             return {"step": self.step}
+        if global_step and self.scheduler is not None:
+            with self._guard("scheduler"):
+                position_scheduler(self.scheduler, new_step, self._scheduler_start)
+        self.step = new_step
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the learning rate of this step
         for param, grad in zip(self.params, incoming, strict=True):
             param.grad = grad
         with self._guard("optimizer.step"):
@@ -281,7 +295,7 @@ class Session:
         self.step += 1
         self.zero_grad()
         self.state_numel = self._count_state_numel()
-        return {"step": self.step, "lr": float(self.optimizer.param_groups[0]["lr"])}
+        return {"step": self.step, "lr": lr}
 
     def _apply_state(self, buffer: str, numel: int, meta: dict[str, Any]) -> dict[str, Any]:
         layout = meta.get("layout")
@@ -389,3 +403,130 @@ def _check_finite(view: torch.Tensor, buffer: str, what: str) -> None:
         bad = int((~torch.isfinite(view)).sum())
         raise SharedBufferError(f"buffer {buffer!r} holds {bad} NaN or Inf values; the {what} were "
                                 "not applied and nothing changed", {"buffer": buffer, "non_finite": bad})
+
+
+# --- learning-rate schedule at a global step ------------------------------------------------------
+
+SchedulerStart = tuple[dict[str, Any], list[Any]]
+
+
+def scheduler_start(optimizer: torch.optim.Optimizer,
+                    scheduler: lr_scheduler.LRScheduler | None) -> SchedulerStart | None:
+    """A copy of a fresh scheduler's state and its optimizer's learning rates (None if not copyable)."""
+    if scheduler is None:
+        return None
+    try:
+        state = copy.deepcopy(scheduler.state_dict())
+    except Exception:  # a custom scheduler whose state cannot be copied: no rewinding by replay
+        log.warning("scheduler_state_not_copyable", scheduler=type(scheduler).__name__)
+        return None
+    return state, [_copy_lr(group["lr"]) for group in optimizer.param_groups]
+
+
+def position_scheduler(scheduler: lr_scheduler.LRScheduler, step: int,
+                       start: SchedulerStart | None = None) -> None:
+    """Set `scheduler` (and its optimizer's learning rates) as if it had been stepped `step` times.
+
+    The next optimizer step then uses the schedule's learning rate at `step`, and the scheduler's
+    next `step()` moves on to `step + 1`. Schedulers with a closed form are set directly:
+    LambdaLR (base_lr * lambda(step)), MultiplicativeLR (base_lr * the product of lambda(1..step)),
+    those with `_get_closed_form_lr` (StepLR, MultiStepLR, ConstantLR, LinearLR, ExponentialLR,
+    PolynomialLR, CosineAnnealingLR) and those whose get_lr only reads `last_epoch` (OneCycleLR,
+    CyclicLR, which also set the momentum). Any other (SequentialLR, ChainedScheduler, whose count
+    is its first scheduler's, CosineAnnealingWarmRestarts, a custom one) is stepped forward to
+    `step`, after rewinding to `start` (see scheduler_start) when it is past `step`.
+    ReduceLROnPlateau follows a metric, not a step count, and is left alone.
+    """
+    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+        return
+    epoch = _scheduler_epoch(scheduler)
+    if epoch is None:
+        log.warning("scheduler_not_positioned", scheduler=type(scheduler).__name__, step=step,
+                    reason="it does not count its steps (no last_epoch)")
+        return
+    if epoch == step:
+        return
+    optimizer = scheduler.optimizer
+    lrs = _closed_form_lrs(scheduler, step)
+    if lrs is None:
+        _replay(scheduler, step, start)
+        return
+    scheduler.last_epoch = step
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        _set_lr(group, lr)
+    scheduler._last_lr = [_copy_lr(group["lr"]) for group in optimizer.param_groups]
+
+
+def _closed_form_lrs(scheduler: lr_scheduler.LRScheduler, step: int) -> list[Any] | None:
+    kind = type(scheduler)
+    if isinstance(scheduler, lr_scheduler.LambdaLR) and kind.get_lr is lr_scheduler.LambdaLR.get_lr:
+        return [base_lr * lmbda(step)
+                for lmbda, base_lr in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+    multiplicative = lr_scheduler.MultiplicativeLR
+    if isinstance(scheduler, multiplicative) and kind.get_lr is multiplicative.get_lr:
+        lrs = []
+        for lmbda, base_lr in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True):
+            lr = base_lr
+            for epoch in range(1, step + 1):  # the initial step keeps base_lr; step k multiplies
+                lr = lr * lmbda(epoch)
+            lrs.append(lr)
+        return lrs
+    closed_form = getattr(scheduler, "_get_closed_form_lr", None)
+    # Their get_lr reads only last_epoch and the base and max learning rates.
+    closed_get_lr = kind.get_lr in (lr_scheduler.OneCycleLR.get_lr, lr_scheduler.CyclicLR.get_lr)
+    if closed_form is None and not closed_get_lr:
+        return None
+    previous = scheduler.last_epoch
+    scheduler.last_epoch = step
+    try:
+        if closed_form is not None:
+            return list(closed_form())
+        with warnings.catch_warnings():  # "use get_last_lr()": we do want the lr at last_epoch
+            warnings.simplefilter("ignore", UserWarning)
+            return list(scheduler.get_lr())
+    finally:
+        scheduler.last_epoch = previous
+
+
+def _scheduler_epoch(scheduler: Any) -> int | None:
+    """How many times `scheduler` was stepped: its last_epoch, or its first chained scheduler's."""
+    epoch = getattr(scheduler, "last_epoch", None)
+    if isinstance(epoch, int) and not isinstance(epoch, bool):
+        return epoch
+    children = getattr(scheduler, "_schedulers", None)
+    return _scheduler_epoch(children[0]) if children else None
+
+
+def _replay(scheduler: lr_scheduler.LRScheduler, step: int, start: SchedulerStart | None) -> None:
+    epoch = _scheduler_epoch(scheduler)
+    if epoch is not None and step < epoch:
+        if start is None:
+            log.warning("scheduler_not_positioned", scheduler=type(scheduler).__name__, step=step,
+                        reason=f"it is at step {epoch} and cannot be rewound")
+            return
+        state, start_lrs = start
+        scheduler.load_state_dict(copy.deepcopy(state))
+        for group, lr in zip(scheduler.optimizer.param_groups, start_lrs, strict=True):
+            _set_lr(group, lr)
+        epoch = _scheduler_epoch(scheduler)
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()" and the like
+        warnings.simplefilter("ignore", UserWarning)
+        while epoch is not None and epoch < step:
+            scheduler.step()
+            after = _scheduler_epoch(scheduler)
+            if after is None or after <= epoch:  # a custom scheduler that does not count its steps
+                log.warning("scheduler_not_positioned", scheduler=type(scheduler).__name__, step=step,
+                            reason="its step() does not advance last_epoch")
+                return
+            epoch = after
+
+
+def _copy_lr(lr: Any) -> Any:
+    return lr.clone() if isinstance(lr, torch.Tensor) else lr
+
+
+def _set_lr(group: dict[str, Any], lr: Any) -> None:
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(float(lr))
+    else:
+        group["lr"] = float(lr) if isinstance(lr, torch.Tensor) else lr
