@@ -89,7 +89,8 @@ async def test_an_aux_peer_reduces_and_changes_nothing(daemon_factory: Any) -> N
     # The aux daemon has no worker: it finds the run's manifest by name in the DHT.
     joined = await wait_until(lambda: _aux_start(aux, "helped"), timeout=60)
     assert joined["role"] == "aux" and joined["worker"]["state"] == "none"
-    assert joined["fingerprint"] == (await trainers[0].call("run.status", {"name": "helped"}))[0]["fingerprint"]
+    (trainer_status,) = await trainers[0].call("run.status", {"name": "helped"})
+    assert joined["fingerprint"] == trainer_status["fingerprint"]
     statuses = await _finish(trainers, "helped")
     (aux_status,) = await aux.call("run.status", {"name": "helped"})
     assert aux_status["rounds"] >= 1, aux_status
