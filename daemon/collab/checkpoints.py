@@ -46,7 +46,7 @@ class CheckpointEntry:
             raise ValueError("a checkpoint entry must be an object")
         entry = cls(str(data["file"]), int(data["epoch"]), int(data["size"]), str(data["sha256"]),
                     dict(data.get("progress") or {}))
-        if "/" in entry.file or entry.file.startswith("."):
+        if not entry.file or "/" in entry.file or "\0" in entry.file or entry.file.startswith("."):
             raise ValueError(f"checkpoint file name {entry.file!r} is not a plain name")
         return entry
 
@@ -98,7 +98,8 @@ class CheckpointStore:
         if record is None or record.get("version") != RECORD_VERSION:
             return []
         entries = []
-        for item in record.get("checkpoints") or []:
+        items = record.get("checkpoints")
+        for item in items if isinstance(items, list) else []:
             try:
                 entries.append(CheckpointEntry.from_json(item))
             except (KeyError, TypeError, ValueError) as exc:

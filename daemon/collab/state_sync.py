@@ -150,7 +150,10 @@ class DonorChoice:
         """Seconds to wait after the current run of failures."""
         if self._failures_in_a_row == 0:
             return 0.0
-        return min(self.max_backoff, self.backoff * 2 ** (self._failures_in_a_row - 1))
+        # the exponent is bounded: 2 ** 1024 no longer converts to a float (OverflowError after
+        # 1024 failures in a row), and the cap is reached long before
+        doublings = min(self._failures_in_a_row - 1, 1000)
+        return min(self.max_backoff, self.backoff * 2.0 ** doublings)
 
     def succeeded(self) -> None:
         self._failures_in_a_row = 0

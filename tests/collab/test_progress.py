@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from dedloc.daemon.collab.progress import (
     MAX_EPOCH,
+    MAX_OVERHEAD,
     MAX_SAMPLES,
     MAX_SAMPLES_PER_SECOND,
     GlobalProgress,
@@ -27,10 +28,11 @@ STALE = 30.0
 
 
 def report(peer_id: str = "peer-a", *, epoch: int = 5, samples: int = 0, sps: float = 0.0,
-           age: float = 0.0, ttl: float = 60.0, role: str = "trainer", total: int = 0) -> PeerProgress:
+           age: float = 0.0, ttl: float = 60.0, role: str = "trainer", total: int = 0,
+           overhead: float | None = None) -> PeerProgress:
     return PeerProgress(peer_id=peer_id, epoch=epoch, samples_accumulated=samples,
                         samples_per_second=sps, time=NOW - age, expiration=NOW - age + ttl,
-                        role=role, total_samples=total)  # type: ignore[arg-type]
+                        role=role, total_samples=total, step_overhead=overhead)  # type: ignore[arg-type]
 
 
 def estimate(reports: list[PeerProgress], target: int = 1000, own: PeerProgress | None = None,
@@ -131,6 +133,118 @@ def test_reports_from_sub_keys_keeps_the_good_ones() -> None:
     assert reports == [good]
     assert set(rejected) == {"b", "c"}
     assert "peer_id" in rejected["b"]
+
+
+# --- step overhead (optional field) --------------------------------------------------------------
+
+@given(progress_reports, st.one_of(st.none(), st.floats(0, MAX_OVERHEAD)))
+def test_round_trip_with_step_overhead(progress: PeerProgress, overhead: float | None) -> None:
+    progress = dataclasses.replace(progress, step_overhead=overhead)
+    decoded = PeerProgress.from_bytes(progress.to_bytes(), progress.peer_id)
+    assert decoded == progress
+    assert decoded.step_overhead == overhead
+
+
+def test_step_overhead_is_encoded_and_normalised() -> None:
+    progress = report(overhead=2)
+    assert isinstance(progress.step_overhead, float)
+    assert orjson.loads(progress.to_bytes())["step_overhead"] == 2.0
+    assert orjson.loads(report().to_bytes())["step_overhead"] is None
+    assert PeerProgress.from_bytes(report(overhead=0.25).to_bytes(), "peer-a").step_overhead == 0.25
+    assert report(overhead=0.0).step_overhead == 0.0
+    assert report(overhead=MAX_OVERHEAD).step_overhead == MAX_OVERHEAD
+
+
+def test_a_report_of_an_older_peer_without_step_overhead_decodes() -> None:
+    payload = orjson.loads(report().to_bytes())
+    del payload["step_overhead"]
+    decoded = PeerProgress.from_bytes(orjson.dumps(payload), "peer-a")
+    assert decoded.step_overhead is None
+    assert decoded == report()
+
+
+@pytest.mark.parametrize("value", [-0.001, -1, float("nan"), float("inf"), MAX_OVERHEAD * 1.001,
+                                   1e300, True, "1.5", [1.0], {}])
+def test_bad_step_overhead_refused(value: object) -> None:
+    with pytest.raises(InvalidProgress) as info:
+        dataclasses.replace(report(), step_overhead=value)
+    assert info.value.field == "step_overhead"
+    assert "step_overhead" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [-1, MAX_OVERHEAD + 1, "slow", True, [1]])
+def test_bad_step_overhead_refused_when_decoding(value: object) -> None:
+    with pytest.raises(InvalidProgress) as info:
+        PeerProgress.from_bytes(_payload(step_overhead=value), "peer-a")
+    assert info.value.field == "step_overhead"
+    rejected = reports_from_sub_keys({"peer-a": _payload(step_overhead=value)})[1]
+    assert "step_overhead" in rejected["peer-a"]
+
+
+def test_trainers_at_epoch_counts_only_live_trainers_at_the_runs_epoch() -> None:
+    progress = estimate([
+        report("a", epoch=5),
+        report("b", epoch=5),
+        report("c", epoch=5),
+        report("behind", epoch=4),
+        report("ahead", epoch=6),
+        report("aux", epoch=5, role="aux"),
+        report("stale", epoch=5, age=STALE + 1, ttl=1000),
+        report("expired", epoch=5, age=2, ttl=1),
+    ])
+    assert progress.epoch == 5
+    assert progress.live_trainers == 5
+    assert progress.trainers_at_epoch == 3
+
+
+def test_trainers_at_epoch_counts_own_and_each_peer_once() -> None:
+    own = report("me", epoch=5, age=STALE * 2, ttl=1)
+    progress = estimate([report("a", epoch=5, age=3), report("a", epoch=5, age=1),
+                         report("me", epoch=4)], own=own)
+    assert progress.trainers_at_epoch == 2
+
+
+def test_trainers_at_epoch_without_trainers() -> None:
+    assert estimate([]).trainers_at_epoch == 0
+    assert estimate([report("x", role="aux", epoch=3)]).trainers_at_epoch == 0  # aux never count
+
+
+def test_step_overhead_is_the_worst_at_the_runs_epoch() -> None:
+    progress = estimate([
+        report("a", epoch=5, overhead=0.5),
+        report("b", epoch=5, overhead=2.5),
+        report("c", epoch=5),  # an older peer: no overhead reported
+        report("behind", epoch=4, overhead=100.0),
+        report("ahead", epoch=6, overhead=200.0),
+        report("aux", epoch=5, role="aux", overhead=300.0),
+        report("stale", epoch=5, age=STALE + 1, ttl=1000, overhead=400.0),
+    ])
+    assert progress.epoch == 5
+    assert progress.step_overhead == 2.5
+
+
+def test_step_overhead_none_when_nobody_at_the_epoch_reports_one() -> None:
+    assert estimate([]).step_overhead is None
+    assert estimate([report("a"), report("b")]).step_overhead is None
+    progress = estimate([report("a", epoch=5), report("b", epoch=5), report("c", epoch=4, overhead=1.0)])
+    assert progress.step_overhead is None
+    assert estimate([report("a", overhead=0.0)]).step_overhead == 0.0  # zero is a report
+
+
+def test_own_step_overhead_counts() -> None:
+    own = report("me", epoch=5, overhead=7.0)
+    progress = estimate([report("a", epoch=5, overhead=1.0), report("me", epoch=5, overhead=99.0)],
+                        own=own)
+    assert progress.step_overhead == 7.0
+    assert progress.trainers_at_epoch == 2
+
+
+def test_global_progress_defaults_for_the_new_fields() -> None:
+    progress = GlobalProgress(epoch=0, samples_accumulated=0, target_batch_size=1, live_trainers=0,
+                              live_aux=0, samples_per_second=0.0, eta_seconds=None, ready=False,
+                              now=NOW)
+    assert progress.trainers_at_epoch == 0
+    assert progress.step_overhead is None
 
 
 # --- liveness ------------------------------------------------------------------------------------

@@ -1,0 +1,379 @@
+"""Collaborative-run benchmark: N real dedlocd daemons train the built-in `tiny` workload together.
+
+    python benchmarks/collab.py --peers 4 --json [--epochs 15] [--target-batch-size 512]
+                                [--batch-size 64] [--profile [--profile-dir DIR]]
+
+Starts N daemons on 127.0.0.1 (temporary state directories), waits until every one has joined the
+DHT, starts the same collaborative run on all of them at once (min_peers N, no checkpoints, no
+state averaging), waits until every run is "finished" and reads each daemon's `run.status`.
+
+From each peer's `epoch_history` (the last 20 epochs; keep --epochs <= 20) it computes, for every
+epoch that all peers stepped: the epoch overhead = max over peers of applied_at - min over peers of
+target_reached_at (from the run reaching its target to every trainer having applied the step; one
+machine, one clock). Epoch 0 (workers warming up) is reported apart as
+`first_epoch_overhead_seconds` and left out of the statistics (p50, p90, max, mean) of
+`epoch_overhead_seconds`, `peer_overhead_seconds` (each peer's own overhead_seconds),
+`round_seconds` and `matchmaking_seconds`. `epochs_with_full_group` counts the epochs (0 included)
+in which every peer's round had all N peers; `epochs_without_full_group` lists the others.
+`seconds` is the wall time from the run.start calls to the last run finished;
+`run_samples_per_second` is every peer's samples over that time, and
+`steady_samples_per_second` the samples of epochs 1.. over the time from epoch 0 applied to the
+last epoch applied.
+
+Prints one JSON object (with --json, only that; without it a short per-epoch table first).
+--profile runs each daemon under `python -m cProfile -o DIR/dN.prof` (written when the daemon
+stops) and prints daemon 0's 15 most expensive functions by cumulative time to stderr; the files
+are kept in DIR (default: a new /tmp/dedloc-collab-prof-* directory). The workers (the processes
+that train) are not profiled. Every daemon started is stopped (run.stop, node.shutdown, then
+killed after a timeout), also on errors and Ctrl-C, and the temporary directories are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import os
+import pstats
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import orjson
+
+from dedloc.rpc import JsonRpcClient, RpcConnectionError, RpcError
+
+RUN = "bench"
+HOST = "127.0.0.1"
+HISTORY = 20  # run.status keeps the last 20 epochs of epoch_history
+STATUS_FIELDS = ("state", "epoch", "samples", "state_downloads", "failed_rounds", "epoch_history")
+EPOCH_FIELDS = ("epoch", "samples", "stepped", "target_reached_at", "applied_at", "overhead_seconds",
+                "group_size", "trainers", "round_seconds", "matchmaking_seconds")
+
+
+class BenchmarkError(RuntimeError):
+    pass
+
+
+class Daemon:
+    """One dedlocd process on loopback with its own state directory."""
+
+    def __init__(self, index: int, root: Path, process: asyncio.subprocess.Process, log: IO[bytes],
+                 profile: Path | None) -> None:
+        self.index = index
+        self.root = root
+        self.process = process
+        self.log = log
+        self.profile = profile
+        self.socket = root / "dedlocd.sock"
+
+    @classmethod
+    async def start(cls, index: int, root: Path, bootstrap: str | None, log_level: str,
+                    profile_dir: Path | None) -> Daemon:
+        root.mkdir(parents=True)
+        profile = profile_dir / f"d{index}.prof" if profile_dir else None
+        argv = [sys.executable]
+        if profile:
+            argv += ["-m", "cProfile", "-o", str(profile)]
+        argv += ["-m", "dedloc.daemon", "--node.state_dir", str(root), "--log.format", "json",
+                 "--log.level", log_level, "--net.listen", f"/ip4/{HOST}/tcp/0"]
+        if bootstrap:
+            argv += ["--net.bootstrap", bootstrap]
+        log = (root / "dedlocd.log").open("wb")
+        try:
+            # A session of its own: a Ctrl-C in the terminal reaches only this script, which then
+            # stops the daemons in order; a daemon that will not stop is killed with its workers.
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        except BaseException:
+            log.close()
+            raise
+        return cls(index, root, process, log, profile)
+
+    async def call(self, method: str, params: Any = None, timeout: float = 300.0) -> Any:
+        async with await JsonRpcClient.connect(self.socket, default_timeout=timeout) as client:
+            return await client.call(method, params)
+
+    async def wait_serving(self, timeout: float = 60.0) -> dict[str, Any]:
+        """node.info once the control socket answers and the DHT has started."""
+        async with asyncio.timeout(timeout):
+            while True:
+                self.check_alive()
+                with contextlib.suppress(RpcConnectionError):
+                    info = await self.call("node.info")
+                    if info["dht"]["mode"] != "starting":
+                        return info
+                await asyncio.sleep(0.1)
+
+    def check_alive(self) -> None:
+        if self.process.returncode is not None:
+            raise BenchmarkError(f"daemon {self.index} exited with code {self.process.returncode}; "
+                                 f"log:\n{self.log_tail()}")
+
+    def p2p_address(self, info: dict[str, Any]) -> str:
+        addresses = [a for a in info["addresses"]["p2p"] if f"/ip4/{HOST}/" in a]
+        if not addresses:
+            raise BenchmarkError(f"daemon {self.index} has no {HOST} address: {info['addresses']['p2p']}")
+        return addresses[0]
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = (self.root / "dedlocd.log").read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def stop(self, timeout: float) -> int:
+        """run.stop, node.shutdown, wait; kill the daemon's process group after the timeout."""
+        if self.process.returncode is None:
+            with contextlib.suppress(RpcError, OSError, TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self.call("run.stop", {"name": RUN}, timeout=timeout)
+            with contextlib.suppress(RpcError, OSError, TimeoutError):
+                async with asyncio.timeout(10):
+                    await self.call("node.shutdown", timeout=10)
+            try:
+                async with asyncio.timeout(timeout):
+                    await self.process.wait()
+            except TimeoutError:
+                sys.stderr.write(f"daemon {self.index} did not stop within {timeout} s: killed\n")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                await self.process.wait()
+        self.log.close()
+        assert self.process.returncode is not None
+        return self.process.returncode
+
+
+def stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "max": None, "mean": None}
+    array = np.asarray(values, dtype=float)
+    return {"p50": round(float(np.percentile(array, 50)), 4),
+            "p90": round(float(np.percentile(array, 90)), 4),
+            "max": round(float(array.max()), 4), "mean": round(float(array.mean()), 4)}
+
+
+def check_fields(index: int, status: dict[str, Any]) -> None:
+    for field in STATUS_FIELDS:
+        if field not in status:
+            raise BenchmarkError(f"daemon {index}: run.status has no field {field!r} "
+                                 "(this benchmark needs a daemon that reports it)")
+    for entry in status["epoch_history"]:
+        for field in EPOCH_FIELDS:
+            if field not in entry:
+                raise BenchmarkError(f"daemon {index}: run.status epoch_history entry for epoch "
+                                     f"{entry.get('epoch')} has no field {field!r}")
+
+
+def summarize(statuses: list[dict[str, Any]], peers: int,
+              target: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The result's numbers, and one row per epoch (for the table)."""
+    for index, status in enumerate(statuses):
+        check_fields(index, status)
+    by_peer = [{e["epoch"]: e for e in s["epoch_history"]} for s in statuses]
+    common = sorted(set.intersection(*(set(h) for h in by_peer)))
+    if not common:
+        raise BenchmarkError("no epoch is in every peer's epoch_history")
+    rows = []
+    for epoch in common:
+        entries = [h[epoch] for h in by_peer]
+        rows.append({
+            "epoch": epoch,
+            "overhead": max(e["applied_at"] for e in entries) - min(e["target_reached_at"] for e in entries),
+            "target_spread": (max(e["target_reached_at"] for e in entries)
+                              - min(e["target_reached_at"] for e in entries)),
+            "peer_overheads": [e["overhead_seconds"] for e in entries],
+            "rounds": [e["round_seconds"] for e in entries],
+            "matchmaking": [e["matchmaking_seconds"] for e in entries],
+            "allreduce": [e["round_seconds"] - e["matchmaking_seconds"] for e in entries],
+            "local": [e["overhead_seconds"] - e["round_seconds"] for e in entries],
+            "groups": [e["group_size"] for e in entries],
+            "trainers": [e["trainers"] for e in entries],
+            "stepped": all(e["stepped"] for e in entries),
+            "samples": sum(e["samples"] for e in entries),
+            "applied_last": max(e["applied_at"] for e in entries),
+        })
+    steady = [r for r in rows if r["epoch"] != 0]
+    first = next((r for r in rows if r["epoch"] == 0), None)
+    full = [r["epoch"] for r in rows if all(g == peers for g in r["groups"])]
+    steady_seconds = (steady[-1]["applied_last"] - first["applied_last"]) if first and steady else None
+    result = {
+        "epoch_overhead_seconds": stats([r["overhead"] for r in steady]),
+        "peer_overhead_seconds": stats([v for r in steady for v in r["peer_overheads"]]),
+        "round_seconds": stats([v for r in steady for v in r["rounds"]]),
+        "matchmaking_seconds": stats([v for r in steady for v in r["matchmaking"]]),
+        "allreduce_seconds": stats([v for r in steady for v in r["allreduce"]]),
+        "local_step_seconds": stats([v for r in steady for v in r["local"]]),
+        "target_reached_spread_seconds": stats([r["target_spread"] for r in steady]),
+        "peer_overhead_mean_by_peer": [
+            round(float(np.mean([h[e]["overhead_seconds"] for e in common if e != 0])), 4)
+            if steady else None for h in by_peer],
+        "epoch_samples_over_target": (round(float(np.mean([r["samples"] for r in steady])) / target, 3)
+                                      if steady else None),
+        "epochs_compared": len(rows),
+        "epochs_with_full_group": len(full),
+        "epochs_without_full_group": [r["epoch"] for r in rows if r["epoch"] not in full],
+        "epochs_not_stepped": [r["epoch"] for r in rows if not r["stepped"]],
+        "state_downloads": sum(s["state_downloads"] for s in statuses),
+        "failed_rounds": sum(s["failed_rounds"] for s in statuses),
+        "steady_samples_per_second": (round(sum(r["samples"] for r in steady) / steady_seconds, 1)
+                                      if steady_seconds else None),
+        "first_epoch_overhead_seconds": round(first["overhead"], 4) if first else None,
+        "first_epoch_round_seconds": round(max(first["rounds"]), 4) if first else None,
+    }
+    return result, rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'epoch':>5} {'overhead':>9} {'spread':>7} {'peer max':>9} {'round max':>10} "
+             f"{'mm max':>7} {'samples':>7}  groups"]
+    for r in rows:
+        lines.append(f"{r['epoch']:>5} {r['overhead']:>9.3f} {r['target_spread']:>7.3f} "
+                     f"{max(r['peer_overheads']):>9.3f} {max(r['rounds']):>10.3f} "
+                     f"{max(r['matchmaking']):>7.3f} {r['samples']:>7}  "
+                     f"{','.join(str(g) for g in r['groups'])}")
+    return "\n".join(lines) + "\n"
+
+
+async def wait_finished(daemons: list[Daemon], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for daemon in daemons:
+            daemon.check_alive()
+            (status,) = await daemon.call("run.status", {"name": RUN})
+            if status.get("state") in ("crashed", "failed", "stopped"):
+                raise BenchmarkError(f"daemon {daemon.index}: the run is {status['state']}: "
+                                     f"{status.get('error')}\nlog:\n{daemon.log_tail()}")
+            states.append((status.get("state"), status.get("epoch")))
+        if all(state == "finished" for state, _ in states):
+            return
+        if time.monotonic() > deadline:
+            raise BenchmarkError(f"the runs did not finish within {timeout} s: (state, epoch) {states}")
+        await asyncio.sleep(0.25)
+
+
+async def benchmark(args: argparse.Namespace, workdir: Path, profile_dir: Path | None) -> dict[str, Any]:
+    daemons: list[Daemon] = []
+    codes: list[int] = []
+    try:
+        daemons.append(await Daemon.start(0, workdir / "d0", None, args.log_level, profile_dir))
+        bootstrap = daemons[0].p2p_address(await daemons[0].wait_serving())
+        daemons += await asyncio.gather(*(
+            Daemon.start(i, workdir / f"d{i}", bootstrap, args.log_level, profile_dir)
+            for i in range(1, args.peers)))
+        await asyncio.gather(*(d.wait_serving() for d in daemons[1:]))
+        infos: list[dict[str, Any]] = []
+        try:
+            async with asyncio.timeout(60):
+                while True:
+                    infos = await asyncio.gather(*(d.call("node.info") for d in daemons))
+                    if all(info["dht"]["joined"] for info in infos):
+                        break
+                    for d in daemons:
+                        d.check_alive()
+                    await asyncio.sleep(0.1)
+        except TimeoutError:
+            raise BenchmarkError(f"not every daemon joined the DHT within 60 s: "
+                                 f"{[info['dht'] for info in infos]}") from None
+        params = {"workload": "tiny", "name": RUN, "collaborative": True, "min_peers": args.peers,
+                  "epochs": args.epochs, "target_batch_size": args.target_batch_size,
+                  "config": {"batch_size": args.batch_size}, "checkpoint_every": 0,
+                  "average_state_every": 0}
+        started = time.time()
+        await asyncio.gather(*(d.call("run.start", params) for d in daemons))
+        start_seconds = time.time() - started
+        await wait_finished(daemons, args.max_seconds)
+        seconds = time.time() - started
+        statuses = [(await d.call("run.status", {"name": RUN}))[0] for d in daemons]
+        result, rows = summarize(statuses, args.peers, args.target_batch_size)
+        samples = sum(s["samples"] for s in statuses)
+    finally:
+        codes = list(await asyncio.shield(asyncio.gather(*(d.stop(args.stop_timeout) for d in daemons))))
+    if not args.json:
+        sys.stdout.write(table(rows))
+    return {**result, "samples": samples, "seconds": round(seconds, 2),
+            "run_start_seconds": round(start_seconds, 2),
+            "run_samples_per_second": round(samples / seconds, 1), "daemon_exit_codes": codes}
+
+
+def print_profile(path: Path, top: int = 15) -> None:
+    if not path.exists():
+        sys.stderr.write(f"no profile was written at {path}\n")
+        return
+    out = io.StringIO()
+    pstats.Stats(str(path), stream=out).sort_stats("cumulative").print_stats(top)
+    sys.stderr.write(f"daemon 0's profile ({path}), top {top} by cumulative time:\n{out.getvalue()}")
+
+
+async def main_async(args: argparse.Namespace, workdir: Path, profile_dir: Path | None) -> dict[str, Any]:
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)  # stop the daemons as on Ctrl-C
+    try:
+        return await benchmark(args, workdir, profile_dir)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=15,
+                        help=f"run.status keeps the last {HISTORY} epochs: more leave out the first")
+    parser.add_argument("--target-batch-size", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=64, help="the tiny workload's batch_size")
+    parser.add_argument("--max-seconds", type=float, default=600.0, help="give up after this long")
+    parser.add_argument("--stop-timeout", type=float, default=60.0,
+                        help="seconds to wait for a daemon to stop before killing it")
+    parser.add_argument("--log-level", default="warning", help="the daemons' log level")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the daemons under cProfile; print daemon 0's top 15 to stderr")
+    parser.add_argument("--profile-dir", type=Path, help="where dN.prof go (kept)")
+    parser.add_argument("--keep", action="store_true", help="keep the daemons' state dirs and logs")
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    args = parser.parse_args()
+    if args.peers < 1 or args.epochs < 1:
+        parser.error("--peers and --epochs must be at least 1")
+    if args.epochs > HISTORY:
+        sys.stderr.write(f"note: run.status keeps the last {HISTORY} epochs; epoch 0 and the first "
+                         f"{args.epochs - HISTORY} will be missing\n")
+    profile_dir = None
+    if args.profile:
+        profile_dir = args.profile_dir or Path(tempfile.mkdtemp(prefix="dedloc-collab-prof-", dir="/tmp"))
+        profile_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="dl-collab-", dir="/tmp"))
+    try:
+        result = asyncio.run(main_async(args, workdir, profile_dir))
+    except (BenchmarkError, RpcError, OSError, TimeoutError) as exc:
+        sys.stderr.write(f"collab benchmark failed: {exc}\n")
+        return 1
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        sys.stderr.write("collab benchmark interrupted; the daemons were stopped\n")
+        return 130
+    finally:
+        if args.keep:
+            sys.stderr.write(f"the daemons' state and logs are in {workdir}\n")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    summary = {"benchmark": "collab", "peers": args.peers, "epochs": args.epochs,
+               "target_batch_size": args.target_batch_size, "batch_size": args.batch_size,
+               "cpus": os.cpu_count(), "profiled": args.profile, **result}
+    if profile_dir is not None:
+        print_profile(profile_dir / "d0.prof")
+        sys.stderr.write(f"profiles of every daemon: {profile_dir}\n")
+    sys.stdout.write(orjson.dumps(summary).decode() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

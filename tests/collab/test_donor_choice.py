@@ -1,0 +1,123 @@
+"""Pure tests of `DonorChoice`: which peer a trainer that is behind downloads the state from."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from dedloc.daemon.collab.state_sync import DonorChoice
+
+DONORS = ["donor-a", "donor-b", "donor-c"]
+
+
+def choice(seed: int = 1, **kwargs: float) -> DonorChoice:
+    return DonorChoice(rng=random.Random(seed), **kwargs)
+
+
+def test_empty_list_gives_none() -> None:
+    assert choice().pick([], now=0.0) is None
+
+
+def test_a_single_donor_is_picked() -> None:
+    assert choice().pick(["only"], now=0.0) == "only"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 12345])
+def test_picks_spread_over_the_donors(seed: int) -> None:
+    donors = choice(seed)
+    counts = Counter(donors.pick(DONORS, now=float(i)) for i in range(300))
+    assert set(counts) == set(DONORS)
+    for donor in DONORS:
+        assert 70 <= counts[donor] <= 130, counts  # a fair share of 100 each
+
+
+def test_pick_does_not_depend_on_the_order_of_the_list() -> None:
+    one, other = choice(7), choice(7)
+    for i in range(50):
+        assert one.pick(DONORS, float(i)) == other.pick(list(reversed(DONORS)), float(i))
+
+
+def test_a_donor_that_failed_recently_is_skipped() -> None:
+    donors = choice(avoid_seconds=60.0, backoff=0.5)
+    donors.failed("donor-a", now=100.0)
+    picks = {donors.pick(DONORS, now=101.0 + i * 0.1) for i in range(200)}
+    assert picks == {"donor-b", "donor-c"}
+
+
+def test_a_failed_donor_is_tried_again_after_avoid_seconds() -> None:
+    donors = choice(avoid_seconds=60.0, backoff=0.5)
+    donors.failed("donor-a", now=100.0)
+    assert donors.pick(["donor-a", "donor-b"], now=159.9) == "donor-b"
+    picks = Counter(donors.pick(["donor-a", "donor-b"], now=160.0) for _ in range(200))
+    assert picks["donor-a"] > 0 and picks["donor-b"] > 0
+
+
+def test_waits_the_backoff_after_a_failure() -> None:
+    donors = choice(backoff=2.0, max_backoff=30.0)
+    donors.failed("donor-a", now=100.0)
+    assert donors.wait(100.0) == 2.0
+    assert donors.pick(DONORS, now=100.0) is None
+    assert donors.pick(DONORS, now=101.99) is None
+    assert donors.pick(DONORS, now=102.0) in {"donor-b", "donor-c"}
+
+
+def test_backoff_doubles_and_is_capped() -> None:
+    donors = choice(backoff=0.5, max_backoff=30.0)
+    assert donors.wait(0.0) == 0.0  # no failure yet: no wait
+    waits = []
+    now = 0.0
+    for _ in range(10):
+        donors.failed("donor-a", now)
+        waits.append(donors.wait(now))
+        assert donors.pick(DONORS, now) is None
+        now += waits[-1]
+        assert donors.pick(DONORS, now) is not None
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0, 30.0]
+
+
+def test_backoff_survives_very_many_failures_in_a_row() -> None:
+    # A peer that cannot download for hours must keep retrying at the cap, not crash
+    # (2 ** 1024 does not convert to a float).
+    donors = choice(backoff=0.5, max_backoff=30.0)
+    for i in range(3000):
+        donors.failed(DONORS[i % 3], now=float(i))
+    assert donors.wait(3000.0) == 30.0
+    assert donors.pick(DONORS, now=2999.0 + 30.0) is not None
+
+
+def test_succeeded_resets_the_backoff() -> None:
+    donors = choice(backoff=1.0, max_backoff=30.0)
+    for i in range(5):
+        donors.failed("donor-a", now=float(i))
+    assert donors.pick(DONORS, now=5.0) is None
+    donors.succeeded()
+    assert donors.wait(5.0) == 0.0
+    assert donors.pick(DONORS, now=5.0) is not None
+    donors.failed("donor-b", now=6.0)
+    assert donors.wait(6.0) == 1.0  # the doubling starts over
+
+
+def test_when_every_donor_failed_recently_the_oldest_failure_is_picked() -> None:
+    donors = choice(avoid_seconds=60.0, backoff=0.1, max_backoff=0.1)
+    donors.failed("donor-b", now=100.0)
+    donors.failed("donor-c", now=101.0)
+    donors.failed("donor-a", now=102.0)
+    for i in range(20):
+        assert donors.pick(DONORS, now=103.0 + i) == "donor-b"
+    # only among the donors offered
+    assert donors.pick(["donor-a", "donor-c"], now=110.0) == "donor-c"
+
+
+def test_a_donor_not_failed_is_preferred_over_failed_ones() -> None:
+    donors = choice(avoid_seconds=60.0, backoff=0.1, max_backoff=0.1)
+    donors.failed("donor-a", now=100.0)
+    donors.failed("donor-b", now=100.0)
+    assert {donors.pick([*DONORS, "new"], now=101.0 + i) for i in range(30)} == {"donor-c", "new"}
+
+
+def test_failures_of_donors_no_longer_listed_do_not_matter() -> None:
+    donors = choice(avoid_seconds=60.0, backoff=0.1, max_backoff=0.1)
+    donors.failed("gone", now=100.0)
+    assert donors.pick(["donor-a"], now=101.0) == "donor-a"
