@@ -3,29 +3,41 @@
     python benchmarks/collab.py --peers 4 --json [--epochs 15] [--target-batch-size 512]
                                 [--batch-size 64] [--profile [--profile-dir DIR]]
 
-Starts N daemons on 127.0.0.1 (temporary state directories), waits until every one has joined the
-DHT, starts the same collaborative run on all of them at once (min_peers N, no checkpoints, no
+Starts N daemons on 127.0.0.1 only (temporary state directories), waits until every one has joined
+the DHT, starts the same collaborative run on all of them at once (min_peers N, no checkpoints, no
 state averaging), waits until every run is "finished" and reads each daemon's `run.status`.
 
 From each peer's `epoch_history` (the last 20 epochs; keep --epochs <= 20) it computes, for every
-epoch that all peers stepped: the epoch overhead = max over peers of applied_at - min over peers of
+epoch that all peers stepped, the epoch overhead: max over peers of applied_at - min over peers of
 target_reached_at (from the run reaching its target to every trainer having applied the step; one
-machine, one clock). Epoch 0 (workers warming up) is reported apart as
-`first_epoch_overhead_seconds` and left out of the statistics (p50, p90, max, mean) of
-`epoch_overhead_seconds`, `peer_overhead_seconds` (each peer's own overhead_seconds),
-`round_seconds` and `matchmaking_seconds`. `epochs_with_full_group` counts the epochs (0 included)
-in which every peer's round had all N peers; `epochs_without_full_group` lists the others.
-`seconds` is the wall time from the run.start calls to the last run finished;
-`run_samples_per_second` is every peer's samples over that time, and
+machine, one clock). Epoch 0 (workers warming up) is reported apart (`first_epoch_*`) and left out
+of the statistics ({p50, p90, max, mean}) of:
+  epoch_overhead_seconds         the epoch overhead above
+  peer_overhead_seconds          each peer's own overhead_seconds (applied_at - its target_reached_at)
+  round_seconds                  each peer's averaging round, matchmaking included
+  matchmaking_seconds            ... of which matchmaking (includes waiting for the last peer)
+  allreduce_seconds              round_seconds - matchmaking_seconds
+  local_step_seconds             overhead_seconds - round_seconds (gradient export, check, apply)
+  target_reached_spread_seconds  max - min over peers of target_reached_at
+`epochs_with_full_group` counts the epochs (0 included) in which every peer's round had all N
+peers; `epochs_without_full_group` lists the others. `epoch_samples_over_target` is the mean of an
+epoch's samples (all peers) over the target batch size (overshoot). `seconds` is the wall time from
+the run.start calls to the last run finished (`run_start_seconds` of it until every run.start
+answered: worker start-up); `run_samples_per_second` is every peer's samples over `seconds`, and
 `steady_samples_per_second` the samples of epochs 1.. over the time from epoch 0 applied to the
-last epoch applied.
+last epoch applied. If a daemon's run.status lacks a field this needs, it fails naming the field.
 
-Prints one JSON object (with --json, only that; without it a short per-epoch table first).
---profile runs each daemon under `python -m cProfile -o DIR/dN.prof` (written when the daemon
-stops) and prints daemon 0's 15 most expensive functions by cumulative time to stderr; the files
-are kept in DIR (default: a new /tmp/dedloc-collab-prof-* directory). The workers (the processes
-that train) are not profiled. Every daemon started is stopped (run.stop, node.shutdown, then
-killed after a timeout), also on errors and Ctrl-C, and the temporary directories are removed.
+Prints one JSON object (with --json, only that; without it a per-epoch table first).
+
+--profile runs each daemon as `python -m cProfile -o DIR/dN.prof -m dedloc.daemon ...` (cProfile
+writes the file when the daemon returns from main, after node.shutdown or SIGTERM; it profiles the
+daemon's main thread only, not the worker processes that train, and it makes every exit code 0)
+and prints daemon 0's top 15 functions by cumulative and by own time to stderr. The files are kept
+in DIR (default: a new /tmp/dedloc-collab-prof-* directory); read them with `python -m pstats`.
+
+Every daemon started is stopped (run.stop, node.shutdown, then its process group killed after
+--stop-timeout), also on errors, Ctrl-C and SIGTERM, and the temporary directories are removed
+(--keep keeps the daemons' state and logs).
 """
 
 from __future__ import annotations
@@ -309,8 +321,11 @@ def print_profile(path: Path, top: int = 15) -> None:
         sys.stderr.write(f"no profile was written at {path}\n")
         return
     out = io.StringIO()
-    pstats.Stats(str(path), stream=out).sort_stats("cumulative").print_stats(top)
-    sys.stderr.write(f"daemon 0's profile ({path}), top {top} by cumulative time:\n{out.getvalue()}")
+    profile = pstats.Stats(str(path), stream=out)
+    profile.sort_stats("cumulative").print_stats(top)
+    profile.sort_stats("tottime").print_stats(top)
+    sys.stderr.write(f"daemon 0's profile ({path}), top {top} by cumulative and by own time:\n"
+                     f"{out.getvalue()}")
 
 
 async def main_async(args: argparse.Namespace, workdir: Path, profile_dir: Path | None) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """`make demo`: a real local collaboration on the built-in defaults, end to end.
 
-Starts three dedlocd daemons on loopback (temporary state directories), each trains the built-in
-`tiny` workload in one collaborative run: they average gradients at the run's target batch and
-step together. Midway a fourth daemon joins, downloads the run's state from a peer and takes part.
-The demo shows the run's progress, stops everything it started, and prints a one-line JSON summary
-as its last line. Exit code 0 only if the loss went down and the newcomer took part.
+Starts three trainer daemons and one aux daemon on loopback (temporary state directories). The
+trainers train the built-in `tiny` workload in one collaborative run: they average gradients at the
+run's target batch and step together; the aux daemon has no worker, finds the run by its name in
+the DHT and lends its bandwidth to every round as a reducer. Midway a fourth trainer joins by the
+run's name only, downloads the run's state from a peer and takes part. The demo shows the run's
+progress, stops everything it started, and prints a one-line JSON summary as its last line. Exit
+code 0 only if the loss went down and the newcomer took part.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import IO, Any
 
 import orjson
 
-from dedloc.rpc import JsonRpcClient, RpcConnectionError, RpcError
+from dedloc.rpc import JsonRpcClient, RpcCallError, RpcConnectionError, RpcError
 
 from .render import render_status
 
@@ -35,10 +37,10 @@ class DemoPeer:
         self.log = log
 
     @classmethod
-    async def start(cls, root: Path, bootstrap: str | None) -> DemoPeer:
+    async def start(cls, root: Path, bootstrap: str | None, role: str = "trainer") -> DemoPeer:
         root.mkdir(parents=True)
         argv = [sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(root),
-                "--log.format", "json", "--net.listen", "/ip4/127.0.0.1/tcp/0"]
+                "--log.format", "json", "--net.listen", "/ip4/127.0.0.1/tcp/0", "--node.role", role]
         if bootstrap:
             argv += ["--net.bootstrap", bootstrap]
         log = (root / "dedlocd.log").open("wb")
@@ -52,13 +54,23 @@ class DemoPeer:
                                        f"see {root / 'dedlocd.log'}")
                 with contextlib.suppress(RpcConnectionError):
                     info = await peer.call("node.info")
-                    if info["dht"]["mode"] != "starting":
+                    if info["dht"]["joined"] or (bootstrap is None and info["dht"]["mode"] != "starting"):
                         return peer
                 await asyncio.sleep(0.1)
 
     async def call(self, method: str, params: Any = None) -> Any:
         async with await JsonRpcClient.connect(self.root / "dedlocd.sock", default_timeout=300) as client:
             return await client.call(method, params)
+
+    async def join(self, deadline: float) -> dict[str, Any]:
+        """run.start with only the run's name: the manifest comes from the peers, via the DHT."""
+        while True:
+            try:
+                return await self.call("run.start", {"name": RUN})
+            except RpcCallError as exc:
+                if "no peer publishes" not in exc.message or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
 
     async def status(self) -> dict[str, Any]:
         (status,) = await self.call("run.status", {"name": RUN})
@@ -79,28 +91,35 @@ class DemoPeer:
 
 async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     started = time.monotonic()
+    deadline = started + args.max_seconds
     peers: list[DemoPeer] = []
+    helpers: list[DemoPeer] = []
+    newcomer: DemoPeer | None = None
     try:
         peers.append(await DemoPeer.start(workdir / "peer0", None))
         info = await peers[0].call("node.info")
         bootstrap = info["addresses"]["p2p"][0]
         peers += await asyncio.gather(*(DemoPeer.start(workdir / f"peer{i}", bootstrap)
                                         for i in range(1, args.peers)))
-        sys.stdout.write(f"{args.peers} daemons up; bootstrap peer {bootstrap}\n")
+        helpers += await asyncio.gather(*(DemoPeer.start(workdir / f"aux{i}", bootstrap, role="aux")
+                                          for i in range(args.aux)))
+        sys.stdout.write(f"{args.peers} trainer daemons and {args.aux} aux daemon(s) up; "
+                         f"bootstrap peer {bootstrap}\n")
         params = {"workload": "tiny", "name": RUN, "target_batch_size": args.target_batch_size,
                   "collaborative": True, "min_peers": args.peers, "checkpoint_every": 0}
         await asyncio.gather(*(peer.call("run.start", params) for peer in peers))
-        newcomer: DemoPeer | None = None
-        deadline = time.monotonic() + args.max_seconds
+        await asyncio.gather(*(helper.join(deadline) for helper in helpers))
         tty = sys.stdout.isatty()
         drawn = 0
         while True:
             status = await peers[0].status()
-            text = render_status(status) + f"  peers in the run: {status.get('run_peers')}\n"
+            text = render_status(status)
             if newcomer is not None:
                 late = await newcomer.status()
-                text += (f"  newcomer: epoch {late['epoch']}, {late['state_downloads']} state download(s), "
-                         f"last round with {(late['last_round'] or {}).get('group_size')} peers\n")
+                text += (f"\n  newcomer: epoch {late['epoch']}, {late['state_downloads']} state "
+                         f"download(s), last round of {(late['last_round'] or {}).get('senders')} "
+                         "trainers")
+            text += "\n"
             sys.stdout.write((f"\x1b[{drawn}F\x1b[J" if tty and drawn else "") + text)
             sys.stdout.flush()
             drawn = text.count("\n")
@@ -108,32 +127,37 @@ async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 raise RuntimeError(f"the run stopped: {status['state']} {status.get('error')}")
             if newcomer is None and status["epoch"] >= args.join_epoch:
                 newcomer = await DemoPeer.start(workdir / "newcomer", bootstrap)
-                await newcomer.call("run.start", params)
-                sys.stdout.write("a fourth daemon joined the run\n")
+                await newcomer.join(deadline)
+                sys.stdout.write("a fourth trainer joined the run by its name\n")
                 drawn = 0
             losses = status["epoch_losses"]
             if newcomer is not None and len(losses) >= args.min_epochs \
                     and losses[-1] <= args.drop * losses[0]:
                 late = await newcomer.status()
-                if late["state_downloads"] and (late["last_round"] or {}).get("group_size") == args.peers + 1:
+                if late["state_downloads"] and (late["last_round"] or {}).get("senders") == args.peers + 1:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no result within {args.max_seconds} s")
             await asyncio.sleep(0.5)
-        everyone = [*peers, newcomer]
-        statuses = [await peer.status() for peer in everyone]
-        for peer in everyone:
-            await peer.call("run.stop", {"name": RUN})
+        trainers = [*peers, newcomer]
+        statuses = [await peer.status() for peer in trainers]
+        aux_statuses = [await helper.status() for helper in helpers]
+        await asyncio.gather(*(peer.call("run.stop", {"name": RUN}) for peer in [*trainers, *helpers]))
     finally:
-        codes = [await peer.stop() for peer in [*peers, *([newcomer] if newcomer else [])]]
+        codes = [await peer.stop() for peer in [*peers, *helpers, *([newcomer] if newcomer else [])]]
     losses = statuses[0]["epoch_losses"]
+    overheads = [e["overhead_seconds"] for s in statuses for e in s["epoch_history"]]
     return {
-        "peers": len(everyone),
+        "peers": len(trainers),
+        "aux": len(helpers),
         "epochs": max(s["epoch"] for s in statuses),
         "samples": sum(s["samples"] for s in statuses),
         "loss_first": round(losses[0], 4),
         "loss_last": round(losses[-1], 4),
         "joined": sum(1 for s in statuses if s["state_downloads"]),
+        "aux_rounds": sum(s["rounds"] for s in aux_statuses),
+        "median_epoch_overhead_seconds": (round(sorted(overheads)[len(overheads) // 2], 3)
+                                          if overheads else None),
         "seconds": round(time.monotonic() - started, 1),
         "daemon_exit_codes": codes,
     }
@@ -142,6 +166,7 @@ async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dedloc-demo", description=__doc__)
     parser.add_argument("--peers", type=int, default=3, help="trainers at the start")
+    parser.add_argument("--aux", type=int, default=1, help="aux daemons (no worker; they reduce)")
     parser.add_argument("--target-batch-size", type=int, default=512)
     parser.add_argument("--join-epoch", type=int, default=4, help="when the fourth trainer joins")
     parser.add_argument("--min-epochs", type=int, default=8)

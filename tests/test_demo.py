@@ -1,4 +1,5 @@
-"""`make demo` (shortened): four real daemons, one joining midway; the loss goes down."""
+"""`make demo` (shortened): four trainer daemons, one joining midway, and an aux daemon; the loss
+goes down."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def test_demo_collaboration() -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = orjson.loads(result.stdout.strip().splitlines()[-1])
     assert summary["peers"] == 4 and summary["joined"] == 1
+    assert summary["aux"] == 1 and summary["aux_rounds"] >= 1
     assert summary["loss_last"] < summary["loss_first"]
     assert summary["epochs"] >= 5
-    assert summary["daemon_exit_codes"] == [0, 0, 0, 0]
+    assert summary["daemon_exit_codes"] == [0, 0, 0, 0, 0]

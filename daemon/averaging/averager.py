@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,11 @@ class Averager:
         cost more than they overlap). Depends only on the size and the config, so peers agree."""
         wanted = max(MIN_CHUNK_BYTES, size * 4 // CHUNKS_PER_VECTOR)
         return max(1, min(self.config.chunk_bytes, wanted) // 4)
+
+    async def prepare(self) -> None:
+        """Load the load balancer (scipy: ~1 s) in a thread, before the first round needs it,
+        so that a run's first epoch does not wait for it. Idle daemons never load it."""
+        await asyncio.to_thread(importlib.import_module, f"{__package__}.balancing")
 
     def _plan(self, members: tuple[Member, ...], size: int, chunk: int) -> tuple[tuple[int, int], ...]:
         from .balancing import solve_shares, to_part_bounds, uniform_shares  # scipy: loaded on first use

@@ -156,8 +156,8 @@ class Matchmaker:
             if not options:
                 break
             leader = options[0]
-            if leader == self.peer_id:
-                return await self._lead(gathering, candidates, give_up)
+            if leader == self.peer_id:  # those that refused us have closed their round: not them
+                return await self._lead(gathering, candidates, give_up, gone=tried)
             gathering.leader = leader
             tried.add(leader)
             outcome = await self._join(gathering, leader, give_up)
@@ -192,11 +192,12 @@ class Matchmaker:
             log.info("matchmaking_leader_never_sent_group", leader=leader[:12])
             return None
 
-    async def _lead(self, gathering: _Gathering, candidates: dict[str, Member], give_up: float) -> Group:
+    async def _lead(self, gathering: _Gathering, candidates: dict[str, Member], give_up: float,
+                    gone: set[str] | frozenset[str] = frozenset()) -> Group:
         """Wait for the others to join (until the window closes or all candidates are in)."""
         request = gathering.request
         gathering.leader = self.peer_id
-        others = set(candidates) - {self.peer_id}
+        others = set(candidates) - {self.peer_id} - set(gone)
         while time.time() < give_up and not others <= set(gathering.joiners):
             if len(gathering.joiners) + 1 >= request.max_group_size:
                 break

@@ -69,6 +69,7 @@ class AuxRun:
         self.error = None
         # What the trainers average; an aux peer sends none of it (weight 0), it only reduces.
         self._vector = np.zeros(self.parameters, dtype=np.float32)
+        await self.collab.prepare()
         self.state = "running"
         self._task = asyncio.create_task(self._loop(), name=f"aux-{self.name}")
         self._log.info("aux_run_started", fingerprint=self.manifest.fingerprint(),

@@ -54,6 +54,12 @@ class Collaboration:
         return PeerProgress(self.peer_id, epoch, accumulated, float(samples_per_second or 0.0), now,
                             now + STALE_AFTER, self.role, total, step_overhead)
 
+    async def prepare(self) -> None:
+        """Get averaging ready before the run's first round (if the node has joined already)."""
+        averager = self.network.averager
+        if averager is not None:
+            await averager.prepare()
+
     async def publish(self, progress: PeerProgress) -> None:
         dht = self.network.dht
         if dht is None:
@@ -68,14 +74,15 @@ class Collaboration:
             await publish_manifest(dht, self.name, self.manifest, self.parameters, self.peer_id)
 
     async def leave(self, progress: PeerProgress) -> None:
-        """Tell the run this peer is gone (a report that expires at once), so that its rounds stop
-        expecting it now rather than when its last report goes stale."""
+        """Tell the run this peer is gone (a farewell report), so that its rounds stop expecting
+        it now rather than when its last report goes stale. The farewell expires no sooner than
+        the report it replaces (the DHT keeps the later-expiring record of a sub-key)."""
         dht = self.network.dht
         if dht is None:
             return
         now = time.time()
-        gone = PeerProgress(progress.peer_id, progress.epoch, 0, 0.0, now, now + 1.0, progress.role,
-                            progress.total_samples)
+        gone = PeerProgress(progress.peer_id, progress.epoch, 0, 0.0, now, now + STALE_AFTER + 1.0,
+                            progress.role, progress.total_samples, left=True)
         try:
             await dht.store(self.key + "/progress", gone.to_bytes(), gone.expiration,
                             sub_key=self.peer_id, timeout=2.0)

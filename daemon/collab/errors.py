@@ -13,5 +13,9 @@ class StateSyncError(CollaborationError):
     """A state download failed (the donor vanished or sent something malformed)."""
 
 
+class DonorBusy(StateSyncError):
+    """The donor is mid-round or serving others: not a failure, ask again shortly."""
+
+
 class ManifestError(CollaborationError):
     """A run manifest is invalid, or no single run of a name could be found to join."""

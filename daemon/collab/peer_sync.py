@@ -28,7 +28,7 @@ import structlog
 from dedloc.rpc import RpcCallError
 
 from .collaboration import STALE_AFTER, Collaboration
-from .errors import StateSyncError
+from .errors import DonorBusy, StateSyncError
 from .progress import GlobalProgress, next_report_delay, should_average
 from .state_sync import DonorChoice, download_state
 
@@ -173,6 +173,10 @@ class PeerSync:
         run.phase = "downloading_state"
         try:
             state = await download_state(transport, donor, self.key)
+        except DonorBusy as exc:  # mid-round: its state is about to move on; ask again soon
+            self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
+            self._next_sync = 0.0
+            return
         except StateSyncError as exc:
             run.progress.failed_state_downloads += 1
             self.donors.failed(donor, now)

@@ -10,7 +10,8 @@ Rules of `estimate_global`:
   seconds, or dated more than `stale_after` seconds in the future (a skewed or lying clock would
   otherwise stay fresh forever). Per peer the latest report wins (by `time`, then `expiration`).
   `own`, the local peer's freshest state, replaces whatever the DHT holds for that peer and is
-  never dropped as stale (it is not hearsay).
+  never dropped as stale (it is not hearsay). A peer whose latest report is its farewell
+  (`left`) is not live.
 - The run's epoch is the highest epoch that at least `min(2, live trainers)` live trainers have
   reached: the second-highest trainer epoch when two or more trainers are live, the only one's
   otherwise. One lying or buggy peer therefore cannot move the run ahead (a real step moves every
@@ -102,6 +103,7 @@ class PeerProgress:
     role: Role = "trainer"
     total_samples: int = 0
     step_overhead: float | None = None  # seconds from the run's target to this peer's last step
+    left: bool = False  # the peer's farewell: it stopped (its earlier reports no longer count)
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not self.peer_id:
@@ -123,6 +125,8 @@ class PeerProgress:
                                                 f"{self.time}")
         if self.role not in ROLES:
             raise InvalidProgress("role", f"{self.role!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(self.left, bool):
+            raise InvalidProgress("left", f"expected a boolean, got {type(self.left).__name__}")
         if self.step_overhead is not None:
             object.__setattr__(self, "step_overhead",
                                _check_float("step_overhead", self.step_overhead, MAX_OVERHEAD))
@@ -138,6 +142,7 @@ class PeerProgress:
             "role": self.role,
             "total_samples": self.total_samples,
             "step_overhead": self.step_overhead,
+            "left": self.left,
         })
 
     @classmethod
@@ -161,8 +166,9 @@ class PeerProgress:
         if payload["peer_id"] != peer_id:
             raise InvalidProgress("peer_id", f"report names {payload['peer_id']!r} but was stored "
                                              f"under {peer_id!r}")
-        return cls(**{name: payload[name] for name in names},
-                   step_overhead=payload.get("step_overhead"))  # optional: older peers omit it
+        return cls(**{name: payload[name] for name in names},  # the optional fields: older peers
+                   step_overhead=payload.get("step_overhead"),  # omit them
+                   left=payload.get("left", False))
 
 
 def reports_from_sub_keys(values: Mapping[str, bytes]) -> tuple[list[PeerProgress], dict[str, str]]:
@@ -235,6 +241,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
             latest[report.peer_id] = report
     if own is not None:
         latest[own.peer_id] = own
+    latest = {peer_id: r for peer_id, r in latest.items() if not r.left}
 
     trainers = [r for r in latest.values() if r.role == "trainer"]
     aux = [r for r in latest.values() if r.role == "aux"]

@@ -160,6 +160,7 @@ class Run:
             self._buffer = SharedBuffer(int(self.description["total_numel"]))
             if self._network is not None:
                 self.sync = PeerSync(self._network, self.spec, self, int(self.description["total_numel"]))
+                await self.sync.collab.prepare()
         except BaseException:
             await self._release(state="failed")
             raise
@@ -208,6 +209,11 @@ class Run:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def in_round(self) -> bool:
+        """In an epoch's averaging or step: the state is about to change (donors wait)."""
+        return self.phase in ("averaging", "stepping", "averaging_state")
 
     @property
     def stop_requested(self) -> bool:

@@ -19,7 +19,7 @@ import structlog
 
 from ..net import Message, PeerTransport, RequestContext, Stream, TransportError
 from ..workers.buffers import SharedBuffer
-from .errors import StateSyncError
+from .errors import DonorBusy, StateSyncError
 
 if TYPE_CHECKING:
     from .run import Run
@@ -30,6 +30,7 @@ METHOD = "collab.state"
 CHUNK_BYTES = 4 << 20
 MAX_STATE_BYTES = 64 << 30
 MAX_CONCURRENT_SERVES = 2  # a donor streams its state to at most this many peers at once
+BUSY_RETRY_SECONDS = 0.2
 
 
 @dataclass
@@ -56,9 +57,15 @@ class StateSharing:
         if run is None or not run.active:
             await stream.abort("this peer has no active run of that key")
             return
+        busy = None
         if self._serving >= MAX_CONCURRENT_SERVES:
+            busy = "already sending its state to others"
+        elif run.in_round:  # its state is about to change with the round's step: not yet
+            busy = "in an averaging round"
+        if busy is not None:
             self.refused_busy += 1
-            await stream.abort("busy: this peer is already sending its state to others; ask another")
+            await stream.send(Message({"busy": busy, "retry_after": BUSY_RETRY_SECONDS}), timeout=10)
+            await stream.close()
             return
         self._serving += 1
         try:
@@ -92,6 +99,9 @@ async def download_state(transport: PeerTransport, donor: str, key: str) -> Stat
         first = await stream.receive(timeout=60)
     except (TransportError, TimeoutError) as exc:
         raise StateSyncError(f"state download from {donor[:12]} failed: {exc}") from exc
+    if first is not None and "busy" in first.header:
+        await stream.abort("busy")
+        raise DonorBusy(f"{donor[:12]} is busy ({first.header['busy']}); ask again shortly")
     if first is None or not isinstance(first.header.get("numel"), int):
         raise StateSyncError(f"{donor[:12]} sent no state header")
     numel, epoch, meta = first.header["numel"], first.header.get("epoch"), first.header.get("meta")
