@@ -71,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--collaborative", action="store_true",
                        help="train together with the peers running the same run")
     start.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
+    start.add_argument("--average-state-every", type=int,
+                       help="average parameters and optimizer state every K epochs (0: never)")
+    start.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8"),
+                       help="compression of the gradients in averaging rounds")
+    join = commands.add_parser("join", help="join the collaborative run of that name (its manifest "
+                                            "comes from the peers)")
+    join.add_argument("name")
+    join.add_argument("--aux", action="store_true",
+                      help="as an aux peer: no worker, it reduces in the run's rounds")
+    join.add_argument("--device", help='"auto", "cpu", "cuda" or "cuda:N"')
+    join.add_argument("--checkpoint-every", type=int, help="checkpoint every N epochs")
     status = commands.add_parser("status", help="progress of the runs")
     status.add_argument("name", nargs="?")
     status.add_argument("--watch", action="store_true",
@@ -140,11 +151,20 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] 
         return "node.connect", {"address": args.address}
     if args.command == "start":
         params: dict[str, Any] = {"workload": args.workload, "config": dict(args.config)}
-        for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device", "min_peers"):
+        for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device", "min_peers",
+                       "average_state_every", "compression"):
             if getattr(args, option) is not None:
                 params[option] = getattr(args, option)
         if args.collaborative:
             params["collaborative"] = True
+        return "run.start", params
+    if args.command == "join":
+        params = {"name": args.name, "collaborative": True}
+        for option in ("device", "checkpoint_every"):
+            if getattr(args, option) is not None:
+                params[option] = getattr(args, option)
+        if args.aux:
+            params["role"] = "aux"
         return "run.start", params
     if args.command in ("status", "stop", "restart"):
         return f"run.{args.command}", {"name": args.name} if args.name else None
@@ -173,7 +193,7 @@ def _render(command: str, result: Any) -> str:
         return f"connected to {result['address']}\n"
     if command == "status":
         return _render_runs(result)
-    if command in ("start", "stop", "restart"):
+    if command in ("start", "join", "stop", "restart"):
         return render_status(result)
     if command == "shutdown":
         return "daemon is stopping\n"

@@ -74,3 +74,28 @@ async def test_status_watch_redraws_until_ctrl_c(daemon) -> None:  # type: ignor
     assert "\x1b[" not in blocks[1] and "next step" in blocks[1] and "epoch " in blocks[1]
     code, _, _ = await dedloc(socket, "stop")
     assert code == 0
+
+
+async def test_join_a_run_by_name_as_aux(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    from support import p2p_address, wait_until
+
+    first = await daemon_factory()
+    second = await daemon_factory("--net.bootstrap", await p2p_address(first))
+    code, out, _ = await dedloc(first.socket_path, "--json", "start", "tiny", "--name", "shared",
+                                "--collaborative", "--average-state-every", "3", "--compression", "fp16")
+    assert code == 0
+    started = orjson.loads(out)
+    assert started["manifest"]["average_state_every"] == 3 and started["manifest"]["compression"] == "fp16"
+    code, _, err = await dedloc(second.socket_path, "join", "nobody-runs-this")
+    assert code == 1 and "Traceback" not in err
+    assert "no peer publishes" in err or "not joined the network yet" in err
+
+    async def joined() -> dict | None:
+        code, out, err = await dedloc(second.socket_path, "--json", "join", "shared", "--aux")
+        assert code in (0, 1), err
+        return orjson.loads(out) if code == 0 else None
+
+    status = await wait_until(joined, timeout=60)
+    assert status["role"] == "aux" and status["fingerprint"] == started["fingerprint"]
+    code, out, _ = await dedloc(second.socket_path, "status")
+    assert code == 0 and "aux" in out
