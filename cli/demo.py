@@ -41,6 +41,8 @@ class DemoPeer:
         root.mkdir(parents=True)
         argv = [sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(root),
                 "--log.format", "json", "--net.listen", "/ip4/127.0.0.1/tcp/0", "--node.role", role]
+        if role == "aux":  # its operator states its link's speed (loopback here); see docs/collaboration.md
+            argv += ["--averaging.upload_mbps", "10000", "--averaging.download_mbps", "10000"]
         if bootstrap:
             argv += ["--net.bootstrap", bootstrap]
         log = (root / "dedlocd.log").open("wb")
@@ -154,7 +156,8 @@ async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "samples": sum(s["samples"] for s in statuses),
         "loss_first": round(losses[0], 4),
         "loss_last": round(losses[-1], 4),
-        "joined": sum(1 for s in statuses if s["state_downloads"]),
+        "joined": 1 if statuses[-1]["state_downloads"] else 0,  # the newcomer caught up by download
+        "resyncs": sum(s["state_downloads"] for s in statuses[:-1]),  # others after a failed round
         "aux_rounds": sum(s["rounds"] for s in aux_statuses),
         "median_epoch_overhead_seconds": (round(sorted(overheads)[len(overheads) // 2], 3)
                                           if overheads else None),

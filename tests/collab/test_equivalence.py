@@ -21,7 +21,11 @@ async def _swarm(daemon_factory: Any, trainers: int, aux: int = 0) -> tuple[list
     first = await daemon_factory()
     address = await p2p_address(first)
     rest = await asyncio.gather(*(daemon_factory("--net.bootstrap", address) for _ in range(trainers - 1)))
-    helpers = await asyncio.gather(*(daemon_factory("--net.bootstrap", address, "--node.role", "aux")
+    # The aux operator states its link's speed (10 Gbit/s here, like loopback): a peer that never
+    # got a share would never have measured it, and the balancer gives no share to a slow guess.
+    helpers = await asyncio.gather(*(daemon_factory("--net.bootstrap", address, "--node.role", "aux",
+                                                    "--averaging.upload_mbps", "10000",
+                                                    "--averaging.download_mbps", "10000")
                                      for _ in range(aux)))
     daemons = [first, *rest, *helpers]
 
@@ -112,3 +116,30 @@ async def _aux_start(aux: Any, name: str) -> dict[str, Any] | None:
         if "no peer publishes" in exc.message:
             return None
         raise
+
+
+async def test_a_client_trainer_sends_but_never_reduces(daemon_factory: Any) -> None:
+    """A trainer nobody can dial (it announces an address where nothing listens) is a client: its
+    gradients count, it reduces no part, and the steps are still those of one trainer."""
+    first = await daemon_factory()
+    address = await p2p_address(first)
+    second = await daemon_factory("--net.bootstrap", address)
+    client = await daemon_factory("--net.bootstrap", address, "--net.announce", "/ip4/127.0.0.1/tcp/9")
+    daemons = [first, second, client]
+
+    async def probed() -> bool:  # its peers tried to dial it back
+        return (await client.call("node.info"))["reachable"] is not None
+
+    await wait_until(probed, timeout=60)
+    assert (await client.call("node.info"))["reachable"] is False
+    params = {"workload": "tiny", "name": "client", "config": CONFIG, "target_batch_size": 192,
+              "epochs": EPOCHS, "collaborative": True, "min_peers": 3, "average_state_every": 0,
+              "checkpoint_every": EPOCHS}
+    await asyncio.gather(*(d.call("run.start", params) for d in daemons))
+    statuses = await _finish(daemons, "client")
+    client_id = (await client.call("node.info"))["peer_id"]
+    for status in statuses:
+        last = status["last_round"]
+        assert last["senders"] == 3
+        assert last["shares"][last["members"].index(client_id)] == 0  # it reduced nothing
+    _check_against_one_trainer(daemons, statuses)
