@@ -38,6 +38,30 @@ in DIR (default: a new /tmp/dedloc-collab-prof-* directory); read them with `pyt
 Every daemon started is stopped (run.stop, node.shutdown, then its process group killed after
 --stop-timeout), also on errors, Ctrl-C and SIGTERM, and the temporary directories are removed
 (--keep keeps the daemons' state and logs).
+
+--impl hivemind runs the same problem with hivemind.Optimizer instead (collab_hivemind.py, started
+with the Python of .venv-hivemind: see --hivemind-python; its process group is stopped the same
+way); --impl both runs dedloc, then hivemind, with the same settings and prints one object
+{"benchmark", "peers", ..., "dedloc": {...}, "hivemind": {...}, "ratio_overhead",
+"ratio_epoch_seconds", "ratio_epoch_seconds_p50"} (hivemind / dedloc). --epochs defaults to 15
+for dedloc alone and to 10 otherwise. hivemind's run stops at --hivemind-max-seconds and then
+reports what it recorded, with `timed_out` and `partial` set.
+
+Metrics common to both (from each peer's applied epochs: dedloc's epoch_history, hivemind's
+records), in both outputs:
+  epoch_seconds                  {p50, p90, max, mean} over epochs >= 1 of the median over peers of
+                                 the time between the peer's applications of epochs e-1 and e
+  epoch_seconds_full_rounds      the same over the epochs e where every peer stepped e-1 and e in
+                                 a round of all N trainers (`epochs_full_rounds_timed` of them)
+  samples_per_epoch              mean samples of an epoch (all peers), over the epochs timed
+  accumulate_samples_per_second  the steady throughput while accumulating: the sum over peers of a
+                                 peer's samples in epochs >= 1 over its time spent accumulating
+                                 them (from its step of e-1 to the end of its accumulation for e:
+                                 dedloc's target_reached_at, hivemind's start of the opt.step()
+                                 call that advanced the epoch)
+  accumulate_seconds             samples_per_epoch / accumulate_samples_per_second
+  overhead_seconds               epoch_seconds mean - accumulate_seconds: the part of an epoch not
+                                 spent accumulating
 """
 
 from __future__ import annotations
@@ -67,6 +91,10 @@ HISTORY = 20  # run.status keeps the last 20 epochs of epoch_history
 STATUS_FIELDS = ("state", "epoch", "samples", "state_downloads", "failed_rounds", "epoch_history")
 EPOCH_FIELDS = ("epoch", "samples", "stepped", "target_reached_at", "applied_at", "overhead_seconds",
                 "group_size", "trainers", "round_seconds", "matchmaking_seconds")
+ROOT = Path(__file__).resolve().parent.parent
+HIVEMIND_SCRIPT = Path(__file__).resolve().with_name("collab_hivemind.py")
+HIVEMIND_VENV_HINT = ("python -m venv .venv-hivemind && .venv-hivemind/bin/pip install hivemind==1.1.12 "
+                      "torch==2.14.1 orjson")
 
 
 class BenchmarkError(RuntimeError):
@@ -243,6 +271,45 @@ def summarize(statuses: list[dict[str, Any]], peers: int,
     return result, rows
 
 
+def epoch_metrics(histories: list[list[dict[str, Any]]], peers: int) -> dict[str, Any]:
+    """The metrics common to dedloc and hivemind (see the module docstring). `histories` holds, per
+    peer, one entry per epoch it applied: epoch, applied_at, accumulate_end_at, samples, full (the
+    step used a round of all `peers` trainers)."""
+    by_peer = [{e["epoch"]: e for e in history} for history in histories]
+    epochs = sorted({e for h in by_peer for e in h if e >= 1 and e - 1 in h})
+    seconds, full_seconds, samples = [], [], []
+    for epoch in epochs:
+        timed = [h for h in by_peer if epoch in h and epoch - 1 in h]
+        seconds.append(float(np.median([h[epoch]["applied_at"] - h[epoch - 1]["applied_at"] for h in timed])))
+        samples.append(sum(h[epoch]["samples"] for h in by_peer if epoch in h))
+        if len(timed) == peers and all(h[epoch]["full"] and h[epoch - 1]["full"] for h in timed):
+            full_seconds.append(seconds[-1])
+    rate = 0.0
+    for h in by_peer:
+        spans = [(h[e]["samples"], h[e]["accumulate_end_at"] - h[e - 1]["applied_at"])
+                 for e in epochs if e in h and e - 1 in h]
+        busy = sum(span for _, span in spans)
+        if busy > 0:
+            rate += sum(n for n, _ in spans) / busy
+    epoch_seconds = stats(seconds)
+    per_epoch = float(np.mean(samples)) if samples else None
+    accumulate = per_epoch / rate if per_epoch is not None and rate > 0 else None
+    overhead = (epoch_seconds["mean"] - accumulate
+                if accumulate is not None and epoch_seconds["mean"] is not None else None)
+    return {"epoch_seconds": epoch_seconds, "epochs_timed": len(seconds),
+            "epoch_seconds_full_rounds": stats(full_seconds), "epochs_full_rounds_timed": len(full_seconds),
+            "samples_per_epoch": round(per_epoch, 1) if per_epoch is not None else None,
+            "accumulate_samples_per_second": round(rate, 1) if rate > 0 else None,
+            "accumulate_seconds": round(accumulate, 4) if accumulate is not None else None,
+            "overhead_seconds": round(overhead, 4) if overhead is not None else None}
+
+
+def dedloc_histories(statuses: list[dict[str, Any]], peers: int) -> list[list[dict[str, Any]]]:
+    return [[{"epoch": e["epoch"], "applied_at": e["applied_at"], "accumulate_end_at": e["target_reached_at"],
+              "samples": e["samples"], "full": e["group_size"] == peers} for e in s["epoch_history"]]
+            for s in statuses]
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'epoch':>5} {'overhead':>9} {'spread':>7} {'peer max':>9} {'round max':>10} "
              f"{'mm max':>7} {'samples':>7}  groups"]
@@ -306,6 +373,7 @@ async def benchmark(args: argparse.Namespace, workdir: Path, profile_dir: Path |
         seconds = time.time() - started
         statuses = [(await d.call("run.status", {"name": RUN}))[0] for d in daemons]
         result, rows = summarize(statuses, args.peers, args.target_batch_size)
+        result.update(epoch_metrics(dedloc_histories(statuses, args.peers), args.peers))
         samples = sum(s["samples"] for s in statuses)
     finally:
         codes = list(await asyncio.shield(asyncio.gather(*(d.stop(args.stop_timeout) for d in daemons))))
@@ -314,6 +382,80 @@ async def benchmark(args: argparse.Namespace, workdir: Path, profile_dir: Path |
     return {**result, "samples": samples, "seconds": round(seconds, 2),
             "run_start_seconds": round(start_seconds, 2),
             "run_samples_per_second": round(samples / seconds, 1), "daemon_exit_codes": codes}
+
+
+def hivemind_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'epoch':>5} {'seconds':>8} {'spread':>7} {'step max':>9} {'samples':>7}  "
+             "stepped(group) alone skipped"]
+    for r in rows:
+        stepped = ",".join(f"{i}({g})" for i, g in zip(r["stepped"], r["group_sizes"], strict=True))
+        seconds = f"{r['seconds']:>8.3f}" if r["seconds"] is not None else f"{'-':>8}"
+        spread = f"{r['applied_spread']:>7.3f}" if r["applied_spread"] is not None else f"{'-':>7}"
+        step = f"{r['step_seconds_max']:>9.3f}" if r["step_seconds_max"] is not None else f"{'-':>9}"
+        lines.append(f"{r['epoch']:>5} {seconds} {spread} {step} {r['samples']:>7}  {stepped or '-'} "
+                     f"{','.join(map(str, r['alone'])) or '-'} {','.join(map(str, r['skipped'])) or '-'}")
+    return "\n".join(lines) + "\n"
+
+
+async def stop_driver(process: asyncio.subprocess.Process, timeout: float) -> None:
+    """SIGTERM the hivemind driver (it stops its peers), wait, then kill what is left of its group."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(timeout):
+                await process.wait()
+        except TimeoutError:
+            sys.stderr.write(f"the hivemind driver did not stop within {timeout} s: killed\n")
+    # The driver runs in a session of its own: anything left in its process group is ours.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    await process.wait()
+
+
+async def benchmark_hivemind(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """collab_hivemind.py under .venv-hivemind's Python; its result plus the common metrics."""
+    out, log_path = workdir / "hivemind.json", workdir / "hivemind.log"
+    argv = [str(args.hivemind_python), str(HIVEMIND_SCRIPT), "--peers", str(args.peers),
+            "--epochs", str(args.epochs), "--target-batch-size", str(args.target_batch_size),
+            "--batch-size", str(args.batch_size), "--max-seconds", str(args.hivemind_max_seconds),
+            "--out", str(out)]
+    with log_path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    try:
+        # DHTs and optimizers starting, training, stopping: give the first and the last 5 minutes.
+        async with asyncio.timeout(args.hivemind_max_seconds + 300):
+            code = await process.wait()
+    except TimeoutError:
+        raise BenchmarkError(f"the hivemind run did not end within {args.hivemind_max_seconds + 300} s; "
+                             f"log:\n{tail(log_path)}") from None
+    finally:
+        await asyncio.shield(stop_driver(process, args.stop_timeout))
+    if code != 0 or not out.exists():
+        raise BenchmarkError(f"the hivemind run failed (exit code {code}); log:\n{tail(log_path)}")
+    raw = orjson.loads(out.read_bytes())
+    histories = [[{**e, "full": e["round"] == "full"} for e in h] for h in raw.pop("histories")]
+    raw.pop("downloads")
+    rows = raw.pop("rows")
+    if not args.json:
+        sys.stdout.write("hivemind:\n" + hivemind_table(rows))
+    per_epoch = [{k: r[k] for k in ("epoch", "seconds", "stepped", "group_sizes", "rounds", "alone",
+                                    "skipped", "samples")} for r in rows]
+    return {**raw, **epoch_metrics(histories, args.peers), "per_epoch": per_epoch}
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return round(numerator / denominator, 2)
 
 
 def print_profile(path: Path, top: int = 15) -> None:
@@ -328,13 +470,19 @@ def print_profile(path: Path, top: int = 15) -> None:
                      f"{out.getvalue()}")
 
 
-async def main_async(args: argparse.Namespace, workdir: Path, profile_dir: Path | None) -> dict[str, Any]:
+async def main_async(args: argparse.Namespace, workdir: Path,
+                     profile_dir: Path | None) -> dict[str, dict[str, Any]]:
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, task.cancel)  # stop the daemons as on Ctrl-C
+    results: dict[str, dict[str, Any]] = {}
     try:
-        return await benchmark(args, workdir, profile_dir)
+        if args.impl in ("dedloc", "both"):
+            results["dedloc"] = await benchmark(args, workdir, profile_dir)
+        if args.impl in ("hivemind", "both"):
+            results["hivemind"] = await benchmark_hivemind(args, workdir)
+        return results
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
 
@@ -342,12 +490,20 @@ async def main_async(args: argparse.Namespace, workdir: Path, profile_dir: Path 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impl", choices=["dedloc", "hivemind", "both"], default="dedloc",
+                        help="dedloc daemons, hivemind.Optimizer (collab_hivemind.py), or both in turn")
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=15,
-                        help=f"run.status keeps the last {HISTORY} epochs: more leave out the first")
+    parser.add_argument("--epochs", type=int,
+                        help=f"default 15 (dedloc), 10 (hivemind, both); run.status keeps the last "
+                             f"{HISTORY} epochs: more leave out the first")
     parser.add_argument("--target-batch-size", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=64, help="the tiny workload's batch_size")
-    parser.add_argument("--max-seconds", type=float, default=600.0, help="give up after this long")
+    parser.add_argument("--max-seconds", type=float, default=600.0,
+                        help="give up on the dedloc run after this long")
+    parser.add_argument("--hivemind-max-seconds", type=float, default=300.0,
+                        help="stop the hivemind run after this long and report what it recorded")
+    parser.add_argument("--hivemind-python", type=Path, default=ROOT / ".venv-hivemind" / "bin" / "python",
+                        help="a Python with hivemind 1.1.12 (default: .venv-hivemind's)")
     parser.add_argument("--stop-timeout", type=float, default=60.0,
                         help="seconds to wait for a daemon to stop before killing it")
     parser.add_argument("--log-level", default="warning", help="the daemons' log level")
@@ -357,9 +513,18 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the daemons' state dirs and logs")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args()
+    if args.epochs is None:
+        args.epochs = 15 if args.impl == "dedloc" else 10
     if args.peers < 1 or args.epochs < 1:
         parser.error("--peers and --epochs must be at least 1")
-    if args.epochs > HISTORY:
+    if args.impl == "hivemind" and args.profile:
+        parser.error("--profile profiles dedloc's daemons: not with --impl hivemind")
+    if args.impl != "dedloc" and not args.hivemind_python.exists():
+        sys.stderr.write(f"collab benchmark: no Python for hivemind at {args.hivemind_python}; create "
+                         f"the environment (in {ROOT}) with\n  {HIVEMIND_VENV_HINT}\n"
+                         "or pass --hivemind-python\n")
+        return 2
+    if args.epochs > HISTORY and args.impl != "hivemind":
         sys.stderr.write(f"note: run.status keeps the last {HISTORY} epochs; epoch 0 and the first "
                          f"{args.epochs - HISTORY} will be missing\n")
     profile_dir = None
@@ -368,7 +533,7 @@ def main() -> int:
         profile_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="dl-collab-", dir="/tmp"))
     try:
-        result = asyncio.run(main_async(args, workdir, profile_dir))
+        results = asyncio.run(main_async(args, workdir, profile_dir))
     except (BenchmarkError, RpcError, OSError, TimeoutError) as exc:
         sys.stderr.write(f"collab benchmark failed: {exc}\n")
         return 1
@@ -380,9 +545,22 @@ def main() -> int:
             sys.stderr.write(f"the daemons' state and logs are in {workdir}\n")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    summary = {"benchmark": "collab", "peers": args.peers, "epochs": args.epochs,
-               "target_batch_size": args.target_batch_size, "batch_size": args.batch_size,
-               "cpus": os.cpu_count(), "profiled": args.profile, **result}
+    common = {"benchmark": "collab", "peers": args.peers, "epochs": args.epochs,
+              "target_batch_size": args.target_batch_size, "batch_size": args.batch_size,
+              "cpus": os.cpu_count()}
+    if args.impl == "both":
+        dedloc, hivemind = results["dedloc"], results["hivemind"]
+        summary = {**common, "profiled": args.profile, "dedloc": dedloc, "hivemind": hivemind,
+                   "hivemind_partial": hivemind["partial"],
+                   "ratio_overhead": ratio(hivemind["overhead_seconds"], dedloc["overhead_seconds"]),
+                   "ratio_epoch_seconds": ratio(hivemind["epoch_seconds"]["mean"],
+                                                dedloc["epoch_seconds"]["mean"]),
+                   "ratio_epoch_seconds_p50": ratio(hivemind["epoch_seconds"]["p50"],
+                                                    dedloc["epoch_seconds"]["p50"])}
+    elif args.impl == "hivemind":
+        summary = {**common, "impl": "hivemind", **results["hivemind"]}
+    else:
+        summary = {**common, "impl": "dedloc", "profiled": args.profile, **results["dedloc"]}
     if profile_dir is not None:
         print_profile(profile_dir / "d0.prof")
         sys.stderr.write(f"profiles of every daemon: {profile_dir}\n")
