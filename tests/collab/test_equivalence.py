@@ -89,18 +89,26 @@ async def test_an_aux_peer_reduces_and_changes_nothing(daemon_factory: Any) -> N
     params = {"workload": "tiny", "name": "helped", "config": CONFIG, "target_batch_size": 128,
               "epochs": EPOCHS, "collaborative": True, "min_peers": 2, "average_state_every": 0,
               "checkpoint_every": EPOCHS}
-    await asyncio.gather(*(d.call("run.start", params) for d in trainers))
+    # One trainer first: it cannot step alone (min_peers 2), but it publishes the manifest.
+    await trainers[0].call("run.start", params)
     # The aux daemon has no worker: it finds the run's manifest by name in the DHT.
     joined = await wait_until(lambda: _aux_start(aux, "helped"), timeout=60)
     assert joined["role"] == "aux" and joined["worker"]["state"] == "none"
     (trainer_status,) = await trainers[0].call("run.status", {"name": "helped"})
     assert joined["fingerprint"] == trainer_status["fingerprint"]
+
+    async def aux_seen() -> bool:  # the aux's progress report has reached the first trainer
+        (status,) = await trainers[0].call("run.status", {"name": "helped"})
+        return status["run_aux_peers"] == 1
+
+    await wait_until(aux_seen, timeout=60)
+    await trainers[1].call("run.start", params)
     statuses = await _finish(trainers, "helped")
+    for status in statuses:  # the aux was in every round
+        assert {e["group_size"] for e in status["epoch_history"]} == {3}, status["epoch_history"]
     (aux_status,) = await aux.call("run.status", {"name": "helped"})
     assert aux_status["rounds"] >= 1, aux_status
     aux_id = (await aux.call("node.info"))["peer_id"]
-    rounds_with_aux = [e for s in statuses for e in s["epoch_history"] if e["group_size"] == 3]
-    assert rounds_with_aux, "the aux peer never took part"
     last = aux_status["last_round"]
     assert last["group_size"] == 3 and last["senders"] == 2
     assert last["shares"][last["members"].index(aux_id)] > 0  # it reduced a part
