@@ -20,9 +20,18 @@ $(STAMP): pyproject.toml tests/example_plugin/pyproject.toml
 
 venv: $(STAMP)
 
-# What the tests need from the system: systemd-analyze to check the service unit.
+# What the tests need from the system: systemd-analyze to check the service unit; for the NAT lab
+# (tests/natlab.py, network namespaces): ip and tc, nft, conntrack, iptables and coturn's turnserver.
+NATLAB_TOOLS := ip:iproute2 tc:iproute2 nft:nftables iptables:iptables conntrack:conntrack \
+	turnserver:coturn sysctl:procps
 system-deps:
 	@command -v systemd-analyze >/dev/null || { apt-get update -q && apt-get install -y -q systemd; }
+	@missing=$$(for pair in $(NATLAB_TOOLS); do PATH=$$PATH:/usr/sbin:/sbin command -v $${pair%%:*} >/dev/null || \
+		echo $${pair#*:}; done | sort -u); \
+	if [ -n "$$missing" ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			--no-install-recommends $$missing; \
+	fi
 
 demo: venv
 	$(PY) -m dedloc.cli.demo

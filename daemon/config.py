@@ -99,6 +99,12 @@ class NetSection:
     max_streams_per_peer: int = _doc("Most concurrent calls and streams one peer may open.",
                                      default=256)
     idle_timeout: float = _doc("Seconds an unused link to a peer stays open.", default=600.0)
+    stun: bool = _doc(
+        "Answer STUN binding requests on a UDP port so that peers behind NATs learn their public "
+        "address from this daemon (no outside STUN server is ever used).", default=True)
+    stun_port: int = _doc(
+        "UDP port for STUN; 0: the same number as the TCP listen port if free, else any free port.",
+        default=0)
 
 
 @dataclass(frozen=True)

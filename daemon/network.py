@@ -21,6 +21,7 @@ from .identity import Identity
 from .net import PeerAddress, TransportError
 from .net.link import LinkLimits
 from .net.reachability import DialBackService, check_reachability
+from .net.stun import StunResponder, stun_address
 from .net.transport import TlsTransport, TransportLimits
 
 log = structlog.get_logger(__name__)
@@ -45,6 +46,7 @@ class PeerNetwork:
         self.dht: DHTNode | None = None
         self.averager: Averager | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stun: list[StunResponder] = []
         self._bootstrap = [PeerAddress.parse(a) for a in config.net.bootstrap]
 
     async def start(self) -> None:
@@ -57,9 +59,41 @@ class PeerNetwork:
             self.identity, [PeerAddress.parse(a) for a in net.listen], limits=limits)
         if net.announce:
             self.transport.set_announced([PeerAddress.parse(a) for a in net.announce])
+        if net.stun:
+            await self._start_stun()
         DialBackService(self.transport, self.transport.probe)
         self._task = asyncio.create_task(self._join(), name="join-network")
         log.info("network_listening", addresses=[str(a) for a in self.transport.listen_addresses()])
+
+    async def _start_stun(self) -> None:
+        """One STUN responder per IPv4 listen host (one on 0.0.0.0 covers them all), on
+        net.stun_port, or else on the TCP listen port's number if that is free for UDP."""
+        assert self.transport is not None
+        listen = [a for a in map(PeerAddress.parse, self.config.net.listen) if a.host_kind == "ip4"]
+        if any(a.host == "0.0.0.0" for a in listen):
+            listen = [a for a in listen if a.host == "0.0.0.0"][:1]
+        bound = [a for a in self.transport.bound_addresses() if a.host_kind == "ip4"]
+        for address in dict.fromkeys(a.host for a in listen):
+            tcp_port = next((a.port for a in bound if address in ("0.0.0.0", a.host)), 0)
+            responder = await StunResponder.start(address, self.config.net.stun_port,
+                                                  prefer_port=tcp_port)
+            self._stun.append(responder)
+        if self._stun:
+            log.info("stun_listening", addresses=[str(a) for a in self.stun_addresses()])
+
+    def stun_addresses(self) -> list[PeerAddress]:
+        """Where this node answers STUN: /ip4/<host>/udp/<port>/p2p/<peer-id>."""
+        if self.transport is None:
+            return []
+        local = list(dict.fromkeys(a.host for a in self.transport.bound_addresses()
+                                   if a.host_kind == "ip4"))
+        addresses = []
+        for responder in self._stun:
+            if responder.closed:
+                continue
+            hosts = local if responder.bound_host == "0.0.0.0" else [responder.bound_host]
+            addresses += [stun_address(h, responder.bound_port, self.identity.peer_id) for h in hosts]
+        return addresses
 
     async def _join(self) -> None:
         assert self.transport is not None
@@ -135,9 +169,14 @@ class PeerNetwork:
             counters.update({f"dht.{k}": v for k, v in self.dht.stats.items()})
         if self.averager is not None:
             counters.update({f"averaging.{k}": v for k, v in self.averager.counters.items()})
+        for responder in self._stun:
+            for k, v in responder.counters().items():
+                counters[f"stun.{k}"] = counters.get(f"stun.{k}", 0) + v
         return counters
 
     async def close(self) -> None:
+        for responder in self._stun:
+            responder.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task])

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from hypothesis import settings
+from natlab import NatLab, unavailable_reason
 from support import DaemonProcess
 
 # In CI the property tests draw the same examples every run (a submission must not pass or fail
@@ -51,3 +52,22 @@ async def daemon_factory(short_tmp: Path) -> AsyncIterator[Any]:
 @pytest.fixture
 async def daemon(daemon_factory: Any) -> DaemonProcess:
     return await daemon_factory()
+
+
+@pytest.fixture
+async def natlab() -> AsyncIterator[NatLab]:
+    """A small internet in network namespaces (tests/natlab.py), removed after the test.
+
+    Needs root and working `ip netns` (`make system-deps` installs the tools): elsewhere the test
+    is skipped, except in CI, where a missing capability is a failure.
+    """
+    reason = unavailable_reason()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"natlab: {reason}", pytrace=False)
+        pytest.skip(f"natlab: {reason}")
+    lab = NatLab()
+    try:
+        yield lab
+    finally:
+        await lab.aclose()
