@@ -1,7 +1,9 @@
 """Peer addresses in multiaddr style: `/ip4/127.0.0.1/tcp/4100/p2p/<peer-id>`.
 
 An address says how to reach a peer (protocol, host, port) and, usually, which peer must answer
-there. Parsing is strict: anything else is a ValueError that says what is wrong.
+there. A circuit address, `/ip4/.../tcp/4100/p2p/<relay-id>/p2p-circuit/p2p/<peer-id>`, reaches
+`<peer-id>` through the relay at that address (a peer nobody can dial announces such addresses).
+Parsing is strict: anything else is a ValueError that says what is wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ class PeerAddress:
     port: int
     transport: str = "tcp"
     peer_id: str | None = None
+    circuit: str | None = None  # the peer reached through the relay `peer_id`
+
+    @property
+    def target(self) -> str | None:
+        """The peer this address reaches: the circuit's end, else `peer_id`."""
+        return self.circuit or self.peer_id
+
+    @property
+    def relay(self) -> PeerAddress:
+        """The relay's own address (for a circuit address)."""
+        return PeerAddress(self.host_kind, self.host, self.port, self.transport, self.peer_id)
+
+    def via(self, target: str) -> PeerAddress:
+        """The circuit address that reaches `target` through this (relay) address."""
+        if self.peer_id is None:
+            raise ValueError(f"{self} names no relay peer id")
+        return PeerAddress(self.host_kind, self.host, self.port, self.transport, self.peer_id, target)
 
     @classmethod
     def parse(cls, text: str) -> PeerAddress:
@@ -48,14 +67,22 @@ class PeerAddress:
             raise ValueError(f"{text!r}: port {port_text!r} is not a number") from None
         if not 0 <= port <= 65535:
             raise ValueError(f"{text!r}: port {port} is out of range")
-        peer_id = None
+        peer_id = circuit = None
         if rest:
-            if len(rest) != 2 or rest[0] != "p2p" or not rest[1]:
+            if len(rest) not in (2, 5) or rest[0] != "p2p" or not rest[1]:
                 raise ValueError(f"{text!r}: only /p2p/<peer-id> may follow the port")
             peer_id = rest[1]
-        return cls(host_kind, host, port, transport, peer_id)
+            if len(rest) == 5:
+                if rest[2] != "p2p-circuit" or rest[3] != "p2p" or not rest[4] or transport != "tcp":
+                    raise ValueError(f"{text!r}: a relay's address may only be followed by "
+                                     "/p2p-circuit/p2p/<peer-id>")
+                circuit = rest[4]
+        return cls(host_kind, host, port, transport, peer_id, circuit)
 
     def with_peer(self, peer_id: str) -> PeerAddress:
+        if self.circuit is not None:  # the relay stays; the end of the circuit is `peer_id`
+            return PeerAddress(self.host_kind, self.host, self.port, self.transport, self.peer_id,
+                               peer_id)
         return PeerAddress(self.host_kind, self.host, self.port, self.transport, peer_id)
 
     def without_peer(self) -> PeerAddress:
@@ -68,7 +95,8 @@ class PeerAddress:
 
     def __str__(self) -> str:
         text = f"/{self.host_kind}/{self.host}/{self.transport}/{self.port}"
-        return text + (f"/p2p/{self.peer_id}" if self.peer_id else "")
+        text += f"/p2p/{self.peer_id}" if self.peer_id else ""
+        return text + (f"/p2p-circuit/p2p/{self.circuit}" if self.circuit else "")
 
 
 @functools.lru_cache(maxsize=8192)

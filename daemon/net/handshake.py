@@ -17,6 +17,7 @@ from ..identity import Identity
 from .addresses import PeerAddress
 from .errors import HandshakeError, ProtocolViolation, TransportClosed
 from .frames import FrameDecoder, FrameType, encode_head
+from .pipes import BioTlsIO, Pipe
 from .sockio import PlainIO, SocketIO, TlsIO
 from .tls import (
     PLAIN_CERT_HASH,
@@ -34,11 +35,11 @@ HELLO_MAX_HEADER = 16 * 1024
 
 @dataclass
 class Handshaken:
-    io: SocketIO
+    io: SocketIO | Pipe
     peer: PeerHello
 
 
-async def _read_hello(io: SocketIO) -> dict[str, Any]:
+async def _read_hello(io: SocketIO | Pipe) -> dict[str, Any]:
     decoder = FrameDecoder(max_header=HELLO_MAX_HEADER, max_payload=0)
     while True:
         target = decoder.next_target()
@@ -56,7 +57,7 @@ async def _read_hello(io: SocketIO) -> dict[str, Any]:
         return frame.header
 
 
-async def _send_hello(io: SocketIO, hello: dict[str, Any]) -> None:
+async def _send_hello(io: SocketIO | Pipe, hello: dict[str, Any]) -> None:
     await io.send_all([encode_head(FrameType.HELLO, 0, hello, 0)])
 
 
@@ -74,7 +75,7 @@ async def _start_tls(sock: socket.socket, context: ssl.SSLContext, *, server_sid
     return tls
 
 
-async def _exchange(io: SocketIO, hellos: Callable[[], Awaitable[PeerHello]]) -> Handshaken:
+async def _exchange(io: SocketIO | Pipe, hellos: Callable[[], Awaitable[PeerHello]]) -> Handshaken:
     """Run the hello exchange; on any failure the connection is closed."""
     try:
         peer = await hellos()
@@ -87,14 +88,10 @@ async def _exchange(io: SocketIO, hellos: Callable[[], Awaitable[PeerHello]]) ->
     return Handshaken(io, peer)
 
 
-async def server_handshake(sock: socket.socket, identity: Identity, context: ssl.SSLContext | None,
-                           own_cert_der: bytes | None, addresses: list[PeerAddress]) -> Handshaken:
-    """Run on an accepted socket (non-blocking); the caller owns the deadline and the socket."""
-    io: SocketIO
-    if context is None:
-        io, own_hash = PlainIO(sock), PLAIN_CERT_HASH
-    else:
-        io, own_hash = await _start_tls(sock, context, server_side=True), cert_hash(own_cert_der)
+async def hello_as_server(io: Pipe, identity: Identity, own_hash: bytes,
+                          addresses: list[PeerAddress]) -> Handshaken:
+    """The hellos on a secured pipe where this side holds the certificate whose hash is
+    `own_hash` (TLS server, or the WebRTC side whose DTLS fingerprint is hashed)."""
 
     async def hellos() -> PeerHello:
         nonce = new_nonce()
@@ -104,19 +101,9 @@ async def server_handshake(sock: socket.socket, identity: Identity, context: ssl
     return await _exchange(io, hellos)
 
 
-async def client_handshake(sock: socket.socket, identity: Identity, context: ssl.SSLContext | None,
-                           expected_peer_id: str | None, addresses: list[PeerAddress]) -> Handshaken:
-    """Run on a connected socket (non-blocking); the caller owns the deadline."""
-    io: SocketIO
-    if context is None:
-        io, server_hash = PlainIO(sock), PLAIN_CERT_HASH
-    else:
-        tls = await _start_tls(sock, context, server_side=False)
-        der = tls.peer_certificate()
-        if der is None:
-            tls.close()
-            raise HandshakeError("the peer presented no TLS certificate")
-        io, server_hash = tls, cert_hash(der)
+async def hello_as_client(io: Pipe, identity: Identity, server_hash: bytes,
+                          expected_peer_id: str | None, addresses: list[PeerAddress]) -> Handshaken:
+    """The hellos on a secured pipe whose other end holds the certificate hashed `server_hash`."""
 
     async def hellos() -> PeerHello:
         peer, nonce = verify_server_hello(await _read_hello(io), server_hash, expected_peer_id)
@@ -124,3 +111,58 @@ async def client_handshake(sock: socket.socket, identity: Identity, context: ssl
         return peer
 
     return await _exchange(io, hellos)
+
+
+async def server_handshake(sock: socket.socket, identity: Identity, context: ssl.SSLContext | None,
+                           own_cert_der: bytes | None, addresses: list[PeerAddress]) -> Handshaken:
+    """Run on an accepted socket (non-blocking); the caller owns the deadline and the socket."""
+    if context is None:
+        return await hello_as_server(PlainIO(sock), identity, PLAIN_CERT_HASH, addresses)
+    tls = await _start_tls(sock, context, server_side=True)
+    return await hello_as_server(tls, identity, cert_hash(own_cert_der), addresses)
+
+
+async def client_handshake(sock: socket.socket, identity: Identity, context: ssl.SSLContext | None,
+                           expected_peer_id: str | None, addresses: list[PeerAddress]) -> Handshaken:
+    """Run on a connected socket (non-blocking); the caller owns the deadline."""
+    if context is None:
+        return await hello_as_client(PlainIO(sock), identity, PLAIN_CERT_HASH, expected_peer_id,
+                                     addresses)
+    tls = await _start_tls(sock, context, server_side=False)
+    der = tls.peer_certificate()
+    if der is None:
+        tls.close()
+        raise HandshakeError("the peer presented no TLS certificate")
+    return await hello_as_client(tls, identity, cert_hash(der), expected_peer_id, addresses)
+
+
+async def _pipe_tls(pipe: Pipe, context: ssl.SSLContext, *, server_side: bool) -> BioTlsIO:
+    tls = BioTlsIO(pipe, context, server_side=server_side)
+    try:
+        await tls.handshake()
+    except TransportClosed as exc:
+        tls.close()
+        raise HandshakeError(str(exc)) from exc
+    except BaseException:
+        tls.close()
+        raise
+    return tls
+
+
+async def pipe_server_handshake(pipe: Pipe, identity: Identity, context: ssl.SSLContext,
+                                own_cert_der: bytes, addresses: list[PeerAddress]) -> Handshaken:
+    """TLS (server side) and the hellos over a pipe that is not our socket (a relayed stream)."""
+    tls = await _pipe_tls(pipe, context, server_side=True)
+    return await hello_as_server(tls, identity, cert_hash(own_cert_der), addresses)
+
+
+async def pipe_client_handshake(pipe: Pipe, identity: Identity, context: ssl.SSLContext,
+                                expected_peer_id: str | None, addresses: list[PeerAddress]) -> Handshaken:
+    """TLS (client side) and the hellos over a pipe; the far end is checked to be `expected_peer_id`
+    end to end, whatever carries the bytes."""
+    tls = await _pipe_tls(pipe, context, server_side=False)
+    der = tls.peer_certificate()
+    if der is None:
+        tls.close()
+        raise HandshakeError("the peer presented no TLS certificate")
+    return await hello_as_client(tls, identity, cert_hash(der), expected_peer_id, addresses)

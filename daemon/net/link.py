@@ -43,6 +43,7 @@ from .errors import (
 )
 from .frames import F_CONT, F_MORE, Frame, FrameDecoder, FrameType, encode_head
 from .interface import LinkInfo, Message, RequestContext, StreamHandler, UnaryHandler
+from .pipes import Pipe
 from .sockio import SocketIO
 
 log = structlog.get_logger(__name__)
@@ -404,7 +405,7 @@ def _total(header: dict[str, Any], length: int, flags: int, limit: int) -> int:
 class Link:
     """One link. The transport creates it after the handshake and calls `start()`."""
 
-    def __init__(self, io: SocketIO, *, peer_id: str, peer_addresses: tuple[PeerAddress, ...],
+    def __init__(self, io: SocketIO | Pipe, *, peer_id: str, peer_addresses: tuple[PeerAddress, ...],
                  outbound: bool, address: str | None, limits: LinkLimits, dispatcher: Dispatcher,
                  on_closed: Callable[[Link], None], counters: dict[str, int],
                  local_peer_id: str = "") -> None:
@@ -445,6 +446,7 @@ class Link:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._handler_tasks: set[asyncio.Task[Any]] = set()
         self._closer: asyncio.Task[None] | None = None
+        self._wait_closing = asyncio.Event()
         self.closed = False
         self.close_reason = ""
         self._drain_started = 0.0
@@ -462,6 +464,11 @@ class Link:
     def usable(self) -> bool:
         return not (self.closed or self.draining or self.remote_draining)
 
+    @property
+    def kind(self) -> str:
+        """The path: tcp (direct), holepunch, webrtc or relay."""
+        return str(self.io.kind)
+
     def info(self) -> LinkInfo:
         return LinkInfo(self.peer_id, self.address, self.io.kind, self.outbound, self.rtt_ms,
                         self.bytes_in, self.bytes_out,
@@ -475,10 +482,17 @@ class Link:
             self.closed = True
             self.close_reason = reason
             self._closer = self.loop.create_task(self._do_close(reason), name="link-close")
+            self._wait_closing.set()
         return self._closer
 
     async def close(self, reason: str = "closed") -> None:
         await asyncio.shield(self.begin_close(reason))
+
+    async def wait_closed(self) -> None:
+        """Return once the link has closed (for whoever keeps its pipe alive, e.g. a relay stream)."""
+        while self._closer is None:
+            await self._wait_closing.wait()
+        await asyncio.shield(self._closer)
 
     async def _do_close(self, reason: str) -> None:
         error = TransportClosed(f"link to {self.peer_id} closed: {reason}")

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -50,6 +50,7 @@ class TransportLimits:
 
     handshake_timeout: float = 10.0
     dial_timeout: float = 15.0
+    direct_attempt_timeout: float = 3.0  # per direct address, when a relayed path is known too
     max_handshakes: int = 64
     max_links: int = 1024
     listen_backlog: int = 128
@@ -64,6 +65,9 @@ class LinkEvent:
 
 
 LinkListener = Callable[[LinkEvent], None]
+CircuitDialer = Callable[[PeerAddress], Awaitable["Link"]]
+#: Links by path, best first: when a peer has several, the best one stays (and the others drain).
+PATH_RANK = {"tcp": 0, "holepunch": 1, "webrtc": 2, "relay": 3}
 
 
 def _local_ipv4_addresses() -> list[str]:
@@ -107,6 +111,8 @@ class TlsTransport:
             "dial_failures": 0, "peer_id_mismatches": 0, "streams_refused": 0, "unknown_methods": 0,
         }
         self._closed = False
+        self._circuit_dialer: CircuitDialer | None = None
+        self._relayed: list[PeerAddress] = []  # our circuit addresses (through relays we reserved)
         self._log = log.bind(peer_id=identity.peer_id)
 
     # --- start / stop -------------------------------------------------------------------------
@@ -170,8 +176,38 @@ class TlsTransport:
         return self._identity.peer_id
 
     def listen_addresses(self) -> list[PeerAddress]:
-        """The announced addresses if set (`set_announced`), else the bound ones; with our id."""
-        return list(self._announced if self._announced is not None else self._bound)
+        """The announced addresses if set (`set_announced`), else the bound ones, with our id;
+        then our circuit addresses through relays, if any."""
+        return [*(self._announced if self._announced is not None else self._bound), *self._relayed]
+
+    # --- other paths (relays, punched holes, WebRTC) plug in here -------------------------------
+    def set_circuit_dialer(self, dialer: CircuitDialer | None) -> None:
+        """Who dials circuit addresses (the relay client): `await dialer(address) -> Link`."""
+        self._circuit_dialer = dialer
+
+    def set_relayed_addresses(self, addresses: list[PeerAddress]) -> None:
+        """Our circuit addresses (told to peers in hellos and `listen_addresses`)."""
+        self._relayed = list(addresses)
+
+    @property
+    def tls_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None, bytes | None]:
+        """(server context, client context, our certificate in DER) for TLS over other pipes."""
+        der = self._certificate.der if self._certificate is not None else None
+        return self._server_ctx, self._client_ctx, der
+
+    @property
+    def identity(self) -> Identity:
+        return self._identity
+
+    def adopt(self, done: Handshaken, *, outbound: bool, address: str | None) -> Link:
+        """Take a link made over another path (its handshake done); the best link per peer stays."""
+        self._check_open()
+        link = self._add_link(done, outbound=outbound, address=address)
+        return self._usable(link.peer_id) or link
+
+    def link_kind(self, peer_id: str) -> str | None:
+        link = self._usable(peer_id)
+        return None if link is None else link.kind
 
     def bound_addresses(self) -> list[PeerAddress]:
         return list(self._bound)
@@ -224,8 +260,10 @@ class TlsTransport:
             return
         book = self._book.setdefault(peer_id, [])
         for address in addresses:
-            if address.peer_id not in (None, peer_id) or address.transport != "tcp":
+            if address.target not in (None, peer_id) or address.transport != "tcp":
                 continue
+            if address.circuit is not None and address.peer_id in (peer_id, self.peer_id):
+                continue  # a circuit through the peer itself, or through us, leads nowhere
             address = address.with_peer(peer_id)
             if address in book:
                 book.remove(address)
@@ -243,11 +281,17 @@ class TlsTransport:
 
     async def connect(self, address: PeerAddress, *, timeout: float) -> str:
         self._check_open()
-        if address.peer_id is not None and self._usable(address.peer_id) is not None:
-            return address.peer_id
+        if address.target is not None and self._usable(address.target) is not None:
+            return address.target
         try:
             async with asyncio.timeout(timeout):
-                link = await self._dial(address)
+                if address.circuit is not None:
+                    if self._circuit_dialer is None:
+                        raise PeerUnreachableError(f"{address} is a circuit address and relays "
+                                                   "are off")
+                    link = await self._circuit_dialer(address)
+                else:
+                    link = await self._dial(address)
         except TimeoutError:
             self._counters["dial_failures"] += 1
             raise PeerUnreachableError(f"dialing {address} timed out after {timeout}s") from None
@@ -309,12 +353,28 @@ class TlsTransport:
             task.exception()  # retrieved here: every waiter may have given up
 
     async def _dial_any(self, peer_id: str, addresses: list[PeerAddress]) -> Link:
+        """Direct addresses first, then circuits through relays (best path first; a better one
+        found later replaces the link, see `_dedupe`)."""
         errors: list[str] = []
+        direct = [a for a in addresses if a.circuit is None]
+        circuits = [a for a in addresses if a.circuit is not None and self._circuit_dialer is not None]
+        # With a relay to fall back on, a direct address that does not answer soon is given up
+        # (behind a NAT a SYN is dropped silently: waiting the whole dial timeout helps nobody).
+        each = self.limits.direct_attempt_timeout if circuits else self.limits.dial_timeout
         try:
             async with asyncio.timeout(self.limits.dial_timeout):
-                for address in addresses:
+                for address in direct:
                     try:
-                        return await self._dial(address)
+                        async with asyncio.timeout(each):
+                            return await self._dial(address)
+                    except (PeerUnreachableError, HandshakeError) as exc:
+                        errors.append(str(exc))
+                    except TimeoutError:
+                        errors.append(f"{address}: no answer within {each}s")
+                for address in circuits:
+                    assert self._circuit_dialer is not None
+                    try:
+                        return await self._circuit_dialer(address)
                     except (PeerUnreachableError, HandshakeError) as exc:
                         errors.append(str(exc))
         except TimeoutError:
@@ -436,9 +496,10 @@ class TlsTransport:
         if len(live) < 2:
             return
 
-        def rank(link: Link) -> tuple[int, float]:
+        def rank(link: Link) -> tuple[int, int, float]:
             dialer = self.peer_id if link.outbound else peer_id
-            return (0 if dialer == min(self.peer_id, peer_id) else 1, link.opened_at)
+            return (PATH_RANK.get(link.kind, len(PATH_RANK)),
+                    0 if dialer == min(self.peer_id, peer_id) else 1, link.opened_at)
 
         keep = min(live, key=rank)
         for link in live:

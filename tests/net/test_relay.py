@@ -1,0 +1,151 @@
+"""Relays on 127.0.0.1: a peer that listens nowhere is reached through a relay, TLS end to end,
+within the relay's limits; when its relay dies, another one carries it."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from net.netutil import FAST, wait_until
+
+from dedloc.daemon.identity import Identity
+from dedloc.daemon.net import Message, PeerUnreachableError, RequestContext, TlsTransport
+from dedloc.daemon.net.relay import RelayClient, RelayLimits, RelayService
+
+MIB = 1 << 20
+
+
+async def echo(ctx: RequestContext, message: Message) -> Message:
+    return Message({"from": ctx.peer_id, "kind": ctx.link_kind}, bytes(message.payload))
+
+
+async def sink(ctx: RequestContext, stream: Any) -> None:
+    digest = hashlib.sha256()
+    total = 0
+    while (message := await stream.receive(timeout=30)) is not None:
+        digest.update(message.payload)
+        total += len(message.payload)
+    await stream.send(Message({"sha256": digest.hexdigest(), "bytes": total}), timeout=30)
+
+
+@pytest.fixture
+async def hidden() -> AsyncIterator[Any]:
+    """Transports that listen nowhere: nobody can dial them."""
+    made: list[TlsTransport] = []
+
+    async def make() -> TlsTransport:
+        transport = await TlsTransport.start(Identity.generate(), [], limits=FAST)
+        made.append(transport)
+        return transport
+
+    yield make
+    for transport in made:
+        await transport.close()
+
+
+async def _relay(make_transport: Any, limits: RelayLimits | None = None) -> TlsTransport:
+    relay = await make_transport()
+    relay.service = RelayService(relay, limits)  # type: ignore[attr-defined]
+    RelayClient(relay)
+    return relay
+
+
+async def test_a_hidden_peer_is_reached_through_a_relay(make_transport: Any, hidden: Any) -> None:
+    relay = await _relay(make_transport)
+    a, b = await make_transport(), await hidden()
+    client_a, client_b = RelayClient(a), RelayClient(b)
+    for t in (a, b):
+        t.add_unary_handler("echo", echo)
+        t.add_stream_handler("sink", sink)
+    await client_b.reserve(relay.listen_addresses()[0])
+    (circuit,) = b.listen_addresses()
+    assert circuit.circuit == b.peer_id and circuit.peer_id == relay.peer_id
+    a.learn_addresses(b.peer_id, b.listen_addresses())
+
+    reply = await a.call(b.peer_id, "echo", Message({}, b"over the relay"), timeout=10)
+    assert reply.header == {"from": a.peer_id, "kind": "relay"} and reply.payload == b"over the relay"
+    assert a.link_kind(b.peer_id) == "relay" and b.link_kind(a.peer_id) == "relay"
+    assert {i.kind for i in a.links() if i.peer_id == b.peer_id} == {"relay"}
+    # B calls back over the same link.
+    back = await b.call(a.peer_id, "echo", Message({}, b"back"), timeout=10)
+    assert back.header["kind"] == "relay"
+
+    # A bulk stream, checked end to end; the relay only ever carried ciphertext.
+    data = bytes(range(256)) * (8 * MIB // 256)
+    stream = await a.open_stream(b.peer_id, "sink", {}, timeout=10)
+    for offset in range(0, len(data), MIB):
+        await stream.send(Message({}, data[offset:offset + MIB]), timeout=30)
+    await stream.close()
+    result = await stream.receive(timeout=30)
+    assert result is not None and result.header == {"sha256": hashlib.sha256(data).hexdigest(),
+                                                     "bytes": len(data)}
+    assert relay.service.counters["bytes_relayed"] > len(data)  # type: ignore[attr-defined]
+    assert client_a.counters["circuits_dialed"] == 1 and client_b.counters["circuits_accepted"] == 1
+
+
+async def test_a_relay_refuses_what_it_should(make_transport: Any, hidden: Any) -> None:
+    relay = await _relay(make_transport, RelayLimits(max_circuits_per_peer=1))
+    not_a_relay = await make_transport()
+    RelayService(not_a_relay, RelayLimits(enabled=False))
+    a, b, c = await make_transport(), await hidden(), await hidden()
+    client_a, client_b, client_c = RelayClient(a), RelayClient(b), RelayClient(c)
+    for t in (a, b, c):
+        t.add_unary_handler("echo", echo)
+    with pytest.raises(Exception, match="not a relay"):
+        await client_b.reserve(not_a_relay.listen_addresses()[0])
+    # C has no reservation: the relay will not carry a circuit to it.
+    with pytest.raises(PeerUnreachableError, match="no reservation"):
+        await client_a.dial(relay.listen_addresses()[0].via(c.peer_id))
+    await client_b.reserve(relay.listen_addresses()[0])
+    await client_c.reserve(relay.listen_addresses()[0])
+    await client_a.dial(b.listen_addresses()[0])
+    # A already has one circuit on this relay: a second one is over max_circuits_per_peer.
+    with pytest.raises(PeerUnreachableError, match="max_circuits_per_peer"):
+        await client_a.dial(c.listen_addresses()[0])
+    assert relay.service.counters["circuits_refused"] == 2  # type: ignore[attr-defined]
+    assert relay.service.counters["circuits"] == 1  # type: ignore[attr-defined]
+
+
+async def test_relay_bandwidth_is_bounded_per_peer(make_transport: Any, hidden: Any) -> None:
+    limits = RelayLimits(bytes_per_second_per_peer=2 * MIB, burst_bytes=256 * 1024)
+    relay = await _relay(make_transport, limits)
+    a, b = await make_transport(), await hidden()
+    RelayClient(a)
+    client_b = RelayClient(b)
+    b.add_stream_handler("sink", sink)
+    await client_b.reserve(relay.listen_addresses()[0])
+    a.learn_addresses(b.peer_id, b.listen_addresses())
+    stream = await a.open_stream(b.peer_id, "sink", {}, timeout=10)
+    started = time.monotonic()
+    for _ in range(6):
+        await stream.send(Message({}, bytes(MIB)), timeout=30)
+    await stream.close()
+    result = await stream.receive(timeout=60)
+    assert result is not None and result.header["bytes"] == 6 * MIB
+    # 6 MiB at 2 MiB/s after a 256 KiB burst cannot take less than ~2.8 s.
+    assert time.monotonic() - started > 2.5
+
+
+async def test_when_the_relay_dies_another_one_carries_the_link(make_transport: Any, hidden: Any) -> None:
+    first, second = await _relay(make_transport), await _relay(make_transport)
+    a, b = await make_transport(), await hidden()
+    RelayClient(a)
+    client_b = RelayClient(b)
+    b.add_unary_handler("echo", echo)
+    await client_b.reserve(first.listen_addresses()[0])
+    await client_b.reserve(second.listen_addresses()[0])
+    assert len(b.listen_addresses()) == 2
+    a.learn_addresses(b.peer_id, b.listen_addresses())
+    await a.call(b.peer_id, "echo", Message({}, b"1"), timeout=10)
+    used = next(i.address for i in a.links() if i.peer_id == b.peer_id)
+    dead = first if first.peer_id in str(used) else second
+    await dead.close()
+    await wait_until(lambda: a.link_kind(b.peer_id) is None, timeout=10)
+    client_b.forget(dead.peer_id)  # B notices its relay is gone (the daemon does this on link down)
+    reply = await a.call(b.peer_id, "echo", Message({}, b"2"), timeout=20)
+    assert reply.header["kind"] == "relay" and reply.payload == b"2"
+    now_used = next(i.address for i in a.links() if i.peer_id == b.peer_id)
+    assert dead.peer_id not in str(now_used)
