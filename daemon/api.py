@@ -56,6 +56,7 @@ class NodeInfo(TypedDict):
     addresses: Addresses
     reachable: Annotated[bool | None, "Whether other peers could dial this node back "
                          "(null: not known yet, e.g. no peer to ask)."]
+    relays: Annotated[list[str], "Peers that relay links to this node (when nobody can dial it)."]
     dht: Annotated[dict[str, Any], "mode (server, client or starting), joined, routing_table_size."]
     runs: Annotated[dict[str, int], "Number of runs in each state."]
     counters: Annotated[dict[str, int], "Requests served and errors answered, by kind."]
@@ -107,6 +108,7 @@ class ControlApi:
             "state_dir": str(node.config.state_dir()),
             "addresses": {"control": f"unix:{node.socket_path}", "p2p": node.network.addresses()},
             "reachable": node.network.status.reachable,
+            "relays": node.network.relays(),
             "dht": node.network.dht_status(),
             "runs": node.runs.counts(),
             "counters": node.counters(),

@@ -141,12 +141,27 @@ class AveragingSection:
 
 
 @dataclass(frozen=True)
+class RelaySection:
+    serve: bool = _doc("Relay links for peers that nobody can dial, when this node is reachable "
+                       "(bounded by the limits below).", default=True)
+    reserve: int = _doc("When nobody can dial this node: on how many reachable peers it keeps a "
+                        "relay slot (its circuit addresses).", default=2)
+    max_reservations: int = _doc("Most peers that may hold a slot on this relay.", default=128)
+    max_circuits_per_peer: int = _doc("Most relayed links at once per relayed peer.", default=8)
+    bytes_per_second_per_peer: float = _doc(
+        "Bytes per second this relay carries for one relayed peer (all its circuits together).",
+        default=4 * 1024 * 1024)
+    max_circuit_seconds: float = _doc("Longest life of one relayed link, in seconds.", default=3600.0)
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeSection = field(default_factory=NodeSection)
     log: LogSection = field(default_factory=LogSection)
     rpc: RpcSection = field(default_factory=RpcSection)
     net: NetSection = field(default_factory=NetSection)
     dht: DhtSection = field(default_factory=DhtSection)
+    relay: RelaySection = field(default_factory=RelaySection)
     averaging: AveragingSection = field(default_factory=AveragingSection)
     workers: WorkersSection = field(default_factory=WorkersSection)
 

@@ -21,6 +21,8 @@ from .identity import Identity
 from .net import PeerAddress, TransportError
 from .net.link import LinkLimits
 from .net.reachability import DialBackService, check_reachability
+from .net.relay import RelayClient, RelayLimits, RelayService
+from .net.reservations import RelayReservations
 from .net.stun import StunResponder, stun_address
 from .net.transport import TlsTransport, TransportLimits
 
@@ -47,6 +49,9 @@ class PeerNetwork:
         self.averager: Averager | None = None
         self._task: asyncio.Task[None] | None = None
         self._stun: list[StunResponder] = []
+        self.relay_service: RelayService | None = None
+        self.relay_client: RelayClient | None = None
+        self._reservations: RelayReservations | None = None
         self._bootstrap = [PeerAddress.parse(a) for a in config.net.bootstrap]
 
     async def start(self) -> None:
@@ -62,6 +67,15 @@ class PeerNetwork:
         if net.stun:
             await self._start_stun()
         DialBackService(self.transport, self.transport.probe)
+        relay = self.config.relay
+        self.relay_service = RelayService(self.transport, RelayLimits(
+            enabled=relay.serve, max_reservations=relay.max_reservations,
+            max_circuits_per_peer=relay.max_circuits_per_peer,
+            bytes_per_second_per_peer=relay.bytes_per_second_per_peer,
+            burst_bytes=int(max(relay.bytes_per_second_per_peer * 2, 1 << 20)),
+            max_circuit_seconds=relay.max_circuit_seconds),
+            reachable=lambda: self.status.reachable)
+        self.relay_client = RelayClient(self.transport, handshake_timeout=net.handshake_timeout)
         self._task = asyncio.create_task(self._join(), name="join-network")
         log.info("network_listening", addresses=[str(a) for a in self.transport.listen_addresses()])
 
@@ -108,6 +122,11 @@ class PeerNetwork:
             client_mode = dht.client_mode == "yes"
         self.status.client_mode = client_mode
         log.info("network_reachability", reachable=self.status.reachable, client_mode=client_mode)
+        if self.status.reachable is False and self.config.relay.reserve > 0:
+            assert self.relay_client is not None
+            self._reservations = RelayReservations(self.transport, self.relay_client,
+                                                   self.config.relay.reserve, lambda: self._bootstrap)
+            self._reservations.start()
         self.dht = DHTNode(self.transport, self.identity, DHTConfig(
             k=dht.k, replicas=dht.replicas, alpha=dht.alpha, lookup_timeout=dht.lookup_timeout,
             refresh_interval=dht.refresh_interval, republish_interval=dht.republish_interval,
@@ -172,9 +191,21 @@ class PeerNetwork:
         for responder in self._stun:
             for k, v in responder.counters().items():
                 counters[f"stun.{k}"] = counters.get(f"stun.{k}", 0) + v
+        if self.relay_service is not None:
+            counters.update({f"relay.{k}": v for k, v in self.relay_service.counters.items()})
+        if self.relay_client is not None:
+            counters.update({f"relay.{k}": v for k, v in self.relay_client.counters.items()})
         return counters
 
+    def relays(self) -> list[str]:
+        """The relays this node holds a slot on (when nobody can dial it)."""
+        return [] if self.relay_client is None else sorted(self.relay_client.relays)
+
     async def close(self) -> None:
+        if self._reservations is not None:
+            await self._reservations.close()
+        if self.relay_client is not None:
+            await self.relay_client.close()
         for responder in self._stun:
             responder.close()
         if self._task is not None:

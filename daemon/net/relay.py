@@ -40,6 +40,8 @@ log = structlog.get_logger(__name__)
 RESERVE = "relay.reserve"
 CONNECT = "relay.connect"
 INCOMING = "relay.incoming"
+ADDRESSES = "net.addresses"  # a peer's addresses changed (e.g. it reserved a relay slot)
+MAX_ANNOUNCED = 32
 _PUMP_IDLE = 3600.0
 
 
@@ -208,7 +210,9 @@ class RelayClient:
         self.relays: dict[str, PeerAddress] = {}  # relay peer id -> its address, while reserved
         self.counters: dict[str, int] = {"circuits_dialed": 0, "circuits_accepted": 0,
                                          "circuit_failures": 0}
+        self._tasks: set[asyncio.Task[None]] = set()
         transport.add_stream_handler(INCOMING, self._on_incoming)
+        transport.add_unary_handler(ADDRESSES, self._on_addresses)
         transport.set_circuit_dialer(self.dial)
 
     async def dial(self, address: PeerAddress) -> Link:
@@ -277,5 +281,33 @@ class RelayClient:
             self._announce()
 
     def _announce(self) -> None:
-        own = self._transport.peer_id
-        self._transport.set_relayed_addresses([a.via(own) for a in self.relays.values()])
+        """Our circuit addresses changed: use them in hellos, and tell the peers we are linked to
+        (they may need to dial us back later, through a relay)."""
+        transport = self._transport
+        own = transport.peer_id
+        transport.set_relayed_addresses([a.via(own) for a in self.relays.values()])
+        addresses = [str(a) for a in transport.listen_addresses()]
+        for peer_id in {info.peer_id for info in transport.links()}:
+            task = asyncio.create_task(self._tell(peer_id, addresses), name="announce-addresses")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _tell(self, peer_id: str, addresses: list[str]) -> None:
+        with contextlib.suppress(TransportError, TimeoutError):
+            await self._transport.call(peer_id, ADDRESSES, Message({"addrs": addresses}), timeout=10)
+
+    async def _on_addresses(self, ctx: RequestContext, message: Message) -> Message:
+        raw = message.header.get("addrs")
+        if not isinstance(raw, list) or len(raw) > MAX_ANNOUNCED:
+            raise RelayRefused(f"'addrs' must be a list of at most {MAX_ANNOUNCED} addresses")
+        addresses = []
+        for text in raw:
+            with contextlib.suppress(ValueError, TypeError):
+                addresses.append(PeerAddress.parse(text))
+        self._transport.learn_addresses(ctx.peer_id, addresses)
+        return Message({})
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
