@@ -102,6 +102,13 @@ class NetSection:
     stun: bool = _doc(
         "Answer STUN binding requests on a UDP port so that peers behind NATs learn their public "
         "address from this daemon (no outside STUN server is ever used).", default=True)
+    ice_servers: list[str] = _doc(
+        "Extra STUN/TURN servers for WebRTC, e.g. stun:host:3478 or "
+        "turn:user:password@host:3478?transport=udp (a coturn the run's owner operates). The "
+        "daemon never uses a server that is not listed here or a peer of the run.",
+        default_factory=list)
+    webrtc: bool = _doc("Try WebRTC (ICE hole punching) when a peer is only reachable through a "
+                        "relay.", default=True)
     stun_port: int = _doc(
         "UDP port for STUN; 0: the same number as the TCP listen port if free, else any free port.",
         default=0)

@@ -25,6 +25,7 @@ from .net.relay import RelayClient, RelayLimits, RelayService
 from .net.reservations import RelayReservations
 from .net.stun import StunResponder, stun_address
 from .net.transport import TlsTransport, TransportLimits
+from .net.upgrade import PathUpgrader
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +53,7 @@ class PeerNetwork:
         self.relay_service: RelayService | None = None
         self.relay_client: RelayClient | None = None
         self._reservations: RelayReservations | None = None
+        self.upgrader: PathUpgrader | None = None
         self._bootstrap = [PeerAddress.parse(a) for a in config.net.bootstrap]
 
     async def start(self) -> None:
@@ -76,6 +78,7 @@ class PeerNetwork:
             max_circuit_seconds=relay.max_circuit_seconds),
             reachable=lambda: self.status.reachable)
         self.relay_client = RelayClient(self.transport, handshake_timeout=net.handshake_timeout)
+        self.upgrader = PathUpgrader(self.transport, self.ice_servers, webrtc=net.webrtc)
         self._task = asyncio.create_task(self._join(), name="join-network")
         log.info("network_listening", addresses=[str(a) for a in self.transport.listen_addresses()])
 
@@ -195,13 +198,26 @@ class PeerNetwork:
             counters.update({f"relay.{k}": v for k, v in self.relay_service.counters.items()})
         if self.relay_client is not None:
             counters.update({f"relay.{k}": v for k, v in self.relay_client.counters.items()})
+        if self.upgrader is not None:
+            counters.update({f"net.{k}": v for k, v in self.upgrader.counters.items()})
         return counters
+
+    def ice_servers(self) -> list[str]:
+        """STUN on our relays and bootstrap peers (every reachable daemon answers STUN on the
+        same port number as its TCP port unless told otherwise), then the configured servers."""
+        peers: list[PeerAddress] = list(self._bootstrap)
+        if self.relay_client is not None:
+            peers += list(self.relay_client.relays.values())
+        found = [f"stun:{a.host}:{a.port}" for a in peers if a.host_kind == "ip4" and a.circuit is None]
+        return list(dict.fromkeys([*found[:4], *self.config.net.ice_servers]))
 
     def relays(self) -> list[str]:
         """The relays this node holds a slot on (when nobody can dial it)."""
         return [] if self.relay_client is None else sorted(self.relay_client.relays)
 
     async def close(self) -> None:
+        if self.upgrader is not None:
+            await self.upgrader.close()
         if self._reservations is not None:
             await self._reservations.close()
         if self.relay_client is not None:

@@ -348,9 +348,20 @@ def _max_message_bytes(parsed: SessionDescription) -> int:
 
 
 # --- connecting ---------------------------------------------------------------------------------
+def ice_server(url: str) -> RTCIceServer:
+    """`stun:host:port`, or `turn:user:password@host:port[?transport=udp]` (credentials in the
+    URL, as config gives them) as aiortc's RTCIceServer."""
+    scheme, _, rest = url.partition(":")
+    if scheme in ("turn", "turns") and "@" in rest:
+        credentials, _, location = rest.rpartition("@")
+        username, _, password = credentials.partition(":")
+        return RTCIceServer(f"{scheme}:{location}", username=username, credential=password)
+    return RTCIceServer(url)
+
+
 def _new_peer_connection(ice_servers: list[str]) -> tuple[RTCPeerConnection, RTCDataChannel]:
     # Always our list, even empty: without one aiortc would contact a public STUN server.
-    config = RTCConfiguration(iceServers=[RTCIceServer(url) for url in ice_servers])
+    config = RTCConfiguration(iceServers=[ice_server(url) for url in ice_servers])
     pc = RTCPeerConnection(config)
     channel = pc.createDataChannel(CHANNEL_LABEL, ordered=True, negotiated=True, id=CHANNEL_ID)
     return pc, channel

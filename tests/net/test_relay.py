@@ -149,3 +149,34 @@ async def test_when_the_relay_dies_another_one_carries_the_link(make_transport: 
     assert reply.header["kind"] == "relay" and reply.payload == b"2"
     now_used = next(i.address for i in a.links() if i.peer_id == b.peer_id)
     assert dead.peer_id not in str(now_used)
+
+
+async def test_a_relayed_link_is_upgraded_to_webrtc(make_transport: Any, hidden: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """ICE runs on 127.0.0.1 here (aioice never offers loopback on its own); the NAT lab tests run
+    the same upgrade between network namespaces."""
+    import aioice.ice
+
+    from dedloc.daemon.net.upgrade import PathUpgrader
+
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4, use_ipv6: ["127.0.0.1"])
+    relay = await _relay(make_transport)
+    a, b = await make_transport(), await hidden()
+    RelayClient(a)
+    client_b = RelayClient(b)
+    upgraders = [PathUpgrader(t, list) for t in (a, b)]
+    for t in (a, b):
+        t.add_unary_handler("echo", echo)
+    await client_b.reserve(relay.listen_addresses()[0])
+    a.learn_addresses(b.peer_id, b.listen_addresses())
+    first = await a.call(b.peer_id, "echo", Message({}, b"1"), timeout=10)
+    assert first.header["kind"] == "relay"
+    await wait_until(lambda: a.link_kind(b.peer_id) == "webrtc" and b.link_kind(a.peer_id) == "webrtc",
+                     timeout=20)
+    reply = await a.call(b.peer_id, "echo", Message({}, b"2"), timeout=10)
+    assert reply.header["kind"] == "webrtc"
+    # The relayed link drains away: the relay carries nothing for them any more.
+    await wait_until(lambda: {i.kind for i in a.links() if i.peer_id == b.peer_id} == {"webrtc"}, timeout=20)
+    assert sum(u.counters["upgrades_webrtc"] for u in upgraders) == 1
+    for upgrader in upgraders:
+        await upgrader.close()
