@@ -64,13 +64,15 @@ class DaemonProcess:
         self._stderr_task = asyncio.create_task(self._collect_stderr())
 
     @classmethod
-    async def start(cls, root: Path, *args: str, env: dict[str, str] | None = None) -> DaemonProcess:
+    async def start(cls, root: Path, *args: str, env: dict[str, str] | None = None,
+                    prefix: tuple[str, ...] = (), listen: str = "/ip4/127.0.0.1/tcp/0") -> DaemonProcess:
+        """`prefix` runs it inside something (e.g. `ip netns exec NS` for the NAT lab)."""
         notify = NotifyListener(root / "notify.sock")
         full_env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), **(env or {})}
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(root / "state"),
+            *prefix, sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(root / "state"),
             "--node.runtime_dir", str(root), "--log.format", "json", "--log.level", "debug",
-            "--net.listen", "/ip4/127.0.0.1/tcp/0", *args,
+            "--net.listen", listen, *args,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, env=full_env)
         daemon = cls(root, process, notify)

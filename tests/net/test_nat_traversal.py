@@ -1,0 +1,124 @@
+"""Real daemons in the NAT lab: two peers behind home NATs and one public peer.
+
+Behind port-restricted NATs the two NATed peers first reach each other through the public peer's
+relay, then their link is upgraded to a punched path (WebRTC here, with the public peer's own STUN
+responder; no outside server); behind symmetric NATs punching cannot work and they stay on the
+relay. In both cases an averaging round among the three succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from natlab import Host, NatKind, NatLab
+from support import DaemonProcess, wait_until
+
+PORT = 4100
+LENGTH = 300_000
+
+
+@pytest.fixture
+async def lab_daemons(natlab: NatLab) -> AsyncIterator[Any]:
+    started: list[DaemonProcess] = []
+    root = Path(tempfile.mkdtemp(prefix="dl-nat-", dir="/tmp"))
+    names = itertools.count()
+
+    async def start(host: Host, *args: str) -> DaemonProcess:
+        directory = root / f"{host.namespace[-6:]}{next(names)}"
+        directory.mkdir()
+        daemon = await DaemonProcess.start(directory, *args, prefix=("ip", "netns", "exec", host.namespace),
+                                           listen=f"/ip4/{host.address}/tcp/{PORT}")
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        await daemon.kill()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+async def _swarm(natlab: NatLab, lab_daemons: Any, kind: NatKind) -> tuple[Any, Any, Any, dict[str, str]]:
+    public = natlab.add_public_host("pub")
+    homes = [natlab.add_nat(f"nat{i}", kind) for i in (1, 2)]
+    hosts = [natlab.add_host_behind(router, f"peer{i}") for i, router in enumerate(homes, 1)]
+    p = await lab_daemons(public)
+    info = await p.call("node.info")
+    bootstrap = next(a for a in info["addresses"]["p2p"] if a.startswith(f"/ip4/{public.address}/"))
+    a, b = [await lab_daemons(h, "--net.bootstrap", bootstrap) for h in hosts]
+
+    async def relayed(daemon: Any) -> dict[str, Any] | None:
+        node = await daemon.call("node.info")
+        return node if node["relays"] and node["dht"]["joined"] else None
+
+    infos = [await wait_until(lambda d=d: relayed(d), timeout=60) for d in (a, b)]
+    for node in infos:
+        assert node["reachable"] is False and node["relays"] == [info["peer_id"]]
+    ids = {"p": info["peer_id"], "a": infos[0]["peer_id"], "b": infos[1]["peer_id"]}
+    circuit = next(x for x in infos[1]["addresses"]["p2p"] if "/p2p-circuit/" in x)
+    assert (await a.call("node.connect", {"address": circuit, "timeout": 20}))["peer_id"] == ids["b"]
+    return p, a, b, ids
+
+
+async def _kind(daemon: Any, peer_id: str) -> str | None:
+    kinds = {p["kind"] for p in await daemon.call("node.peers") if p["peer_id"] == peer_id}
+    best = [k for k in ("tcp", "holepunch", "webrtc", "relay") if k in kinds]
+    return best[0] if best else None
+
+
+async def _average_three(daemons: list[Any], key: str) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(7)
+    vectors = [rng.standard_normal(LENGTH, dtype=np.float32) for _ in daemons]
+    shms = [shared_memory.SharedMemory(create=True, size=v.nbytes) for v in vectors]
+    try:
+        for shm, vector in zip(shms, vectors, strict=True):
+            np.ndarray(LENGTH, np.float32, shm.buf)[:] = vector
+        reports = await asyncio.gather(*(d.call("averaging.average", {
+            "key": key, "buffer": shm.name, "length": LENGTH, "expected_peers": len(daemons),
+            "timeout": 60}, timeout=90) for d, shm in zip(daemons, shms, strict=True)))
+        expected = np.mean(vectors, axis=0)
+        for shm in shms:
+            np.testing.assert_allclose(np.ndarray(LENGTH, np.float32, shm.buf), expected, rtol=1e-5,
+                                       atol=1e-5)
+        return list(reports)
+    finally:
+        for shm in shms:
+            shm.close()
+            shm.unlink()
+
+
+async def test_port_restricted_nats_punch_through(natlab: NatLab, lab_daemons: Any) -> None:
+    p, a, b, ids = await _swarm(natlab, lab_daemons, NatKind.PORT_RESTRICTED)
+
+    async def punched() -> bool:
+        return await _kind(a, ids["b"]) in ("holepunch", "webrtc") and \
+            await _kind(b, ids["a"]) in ("holepunch", "webrtc")
+
+    await wait_until(punched, timeout=60)
+    reports = await _average_three([p, a, b], "nat/round-1")
+    assert {r["group_size"] for r in reports} == {3}
+    assert all(not r["failed_parts"] for r in reports)
+
+
+async def test_symmetric_nats_fall_back_to_the_relay(natlab: NatLab, lab_daemons: Any) -> None:
+    p, a, b, ids = await _swarm(natlab, lab_daemons, NatKind.SYMMETRIC)
+    assert await _kind(a, ids["b"]) == "relay"
+
+    async def upgrade_given_up() -> bool:
+        counters = (await a.call("node.info"))["counters"]
+        counters_b = (await b.call("node.info"))["counters"]
+        return counters.get("net.upgrades_failed", 0) + counters_b.get("net.upgrades_failed", 0) >= 1
+
+    await wait_until(upgrade_given_up, timeout=60)
+    assert await _kind(a, ids["b"]) == "relay"  # still carried, by the relay
+    reports = await _average_three([p, a, b], "nat/round-2")
+    assert {r["group_size"] for r in reports} == {3}
+    assert all(not r["failed_parts"] for r in reports)
