@@ -40,17 +40,27 @@ class NetworkApi:
     @rpc_method("node.connect", errors=(ErrorCode.PEER_UNREACHABLE, ErrorCode.PEER_ID_MISMATCH))
     async def node_connect(
         self,
-        address: Annotated[str, "A peer address, like /ip4/1.2.3.4/tcp/4100/p2p/<peer-id>."],
+        address: Annotated[str, "A peer address, like /ip4/1.2.3.4/tcp/4100/p2p/<peer-id> (or a "
+                           "circuit address through a relay), or a bare peer id to reach a known "
+                           "peer by any path."],
         timeout: Annotated[float, "Seconds to wait.", {"exclusiveMinimum": 0}] = 10.0,
     ) -> dict[str, str]:
         """Open a link to a peer (and add it to the DHT's routing table if it serves the DHT)."""
+        transport = self._network.transport
+        if transport is None:
+            raise NotJoinedError("the transport is not started yet")
+        if "/" not in address:  # a bare peer id: any path we know (direct, punched, relayed)
+            try:
+                await transport.connect_peer(address, timeout=timeout)
+            except TimeoutError as exc:
+                raise PeerUnreachableError(f"{address} did not answer within {timeout} s") from exc
+            except TransportError as exc:
+                raise PeerUnreachableError(f"{address}: {exc}") from exc
+            return {"peer_id": address, "address": address}
         try:
             parsed = PeerAddress.parse(address)
         except ValueError as exc:
             raise InvalidParams("address", str(exc)) from None
-        transport = self._network.transport
-        if transport is None:
-            raise NotJoinedError("the transport is not started yet")
         try:
             peer_id = await transport.connect(parsed, timeout=timeout)
         except TimeoutError as exc:

@@ -137,6 +137,12 @@ class TlsTransport:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((address.host, address.port))
+            # SO_REUSEPORT, set after the bind: a port another listener holds stays an error, yet a
+            # hole-punching socket (holepunch.py, same user) may bind this port too, so that its
+            # SYNs leave through the NAT mapping of the port we announce.
+            if hasattr(socket, "SO_REUSEPORT"):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.listen(self.limits.listen_backlog)
             sock.setblocking(False)
         except OSError as exc:
@@ -296,6 +302,11 @@ class TlsTransport:
             self._counters["dial_failures"] += 1
             raise PeerUnreachableError(f"dialing {address} timed out after {timeout}s") from None
         return link.peer_id
+
+    async def connect_peer(self, peer_id: str, *, timeout: float) -> None:
+        """Make sure there is a link to a known peer (any path from its known addresses)."""
+        self._check_open()
+        await self._link_for(peer_id, self._loop.time() + timeout)
 
     async def call(self, peer_id: str, method: str, message: Message, *, timeout: float) -> Message:
         self._check_open()

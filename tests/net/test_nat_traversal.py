@@ -122,3 +122,42 @@ async def test_symmetric_nats_fall_back_to_the_relay(natlab: NatLab, lab_daemons
     reports = await _average_three([p, a, b], "nat/round-2")
     assert {r["group_size"] for r in reports} == {3}
     assert all(not r["failed_parts"] for r in reports)
+
+
+async def test_when_the_relay_dies_the_peers_reconnect_through_another(natlab: NatLab,
+                                                                      lab_daemons: Any) -> None:
+    publics = [natlab.add_public_host(f"pub{i}") for i in (1, 2)]
+    homes = [natlab.add_nat(f"nat{i}", NatKind.SYMMETRIC) for i in (1, 2)]
+    hosts = [natlab.add_host_behind(router, f"peer{i}") for i, router in enumerate(homes, 1)]
+    relays = [await lab_daemons(h) for h in publics]
+    infos = [await r.call("node.info") for r in relays]
+    bootstraps = [next(x for x in i["addresses"]["p2p"] if x.startswith(f"/ip4/{h.address}/"))
+                  for i, h in zip(infos, publics, strict=True)]
+    await relays[1].call("node.connect", {"address": bootstraps[0]})
+    a, b = [await lab_daemons(h, "--net.bootstrap", ",".join(bootstraps)) for h in hosts]
+
+    async def two_relays(daemon: Any) -> dict[str, Any] | None:
+        node = await daemon.call("node.info")
+        return node if len(node["relays"]) == 2 else None
+
+    node_a, node_b = [await wait_until(lambda d=d: two_relays(d), timeout=60) for d in (a, b)]
+    circuits = [x for x in node_b["addresses"]["p2p"] if "/p2p-circuit/" in x]
+    assert len(circuits) == 2
+    await a.call("node.connect", {"address": circuits[0], "timeout": 20})
+    peer = next(p for p in await a.call("node.peers") if p["peer_id"] == node_b["peer_id"])
+    assert peer["kind"] == "relay"
+    used = next(i for i, info in enumerate(infos) if info["peer_id"] in peer["address"])
+
+    # The relay dies (SIGKILL): the relayed link breaks; asked for B by its peer id alone, A
+    # finds the way through the other relay (B's circuit addresses reached A in B's hello).
+    await relays[used].kill()
+
+    async def link_gone() -> bool:
+        return await _kind(a, node_b["peer_id"]) is None
+
+    await wait_until(link_gone, timeout=60)
+    again = await a.call("node.connect", {"address": node_b["peer_id"], "timeout": 30})
+    assert again["peer_id"] == node_b["peer_id"]
+    peer = next(p for p in await a.call("node.peers") if p["peer_id"] == node_b["peer_id"])
+    assert peer["kind"] == "relay" and infos[1 - used]["peer_id"] in peer["address"]
+    assert node_a["reachable"] is False
