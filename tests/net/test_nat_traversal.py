@@ -161,3 +161,45 @@ async def test_when_the_relay_dies_the_peers_reconnect_through_another(natlab: N
     peer = next(p for p in await a.call("node.peers") if p["peer_id"] == node_b["peer_id"])
     assert peer["kind"] == "relay" and infos[1 - used]["peer_id"] in peer["address"]
     assert node_a["reachable"] is False
+
+
+async def test_a_turn_server_carries_webrtc_between_symmetric_nats(natlab: NatLab, lab_daemons: Any,
+                                                                   tmp_path: Path) -> None:
+    """A coturn (Debian's package) that the run's owner operates, given in net.ice_servers: ICE
+    relays through it where punching cannot work, beside our own relay."""
+    turn_host = natlab.add_public_host("turn")
+    config = tmp_path / "turnserver.conf"
+    config.write_text("\\n".join([
+        f"listening-ip={turn_host.address}", f"relay-ip={turn_host.address}", "listening-port=3479",
+        "min-port=49152", "max-port=49400", "realm=lab", "lt-cred-mech", "user=lab:labpass",
+        "fingerprint", "no-tls", "no-dtls", "no-cli", "no-multicast-peers", "log-file=stdout",
+        "simple-log", f"pidfile={tmp_path / 'turn.pid'}"]) + "\\n")
+    turn = turn_host.run("turnserver", "-c", str(config), stdout=asyncio.subprocess.DEVNULL,
+                         stderr=asyncio.subprocess.DEVNULL)
+    try:
+        public = natlab.add_public_host("pub")
+        homes = [natlab.add_nat(f"nat{i}", NatKind.SYMMETRIC) for i in (1, 2)]
+        hosts = [natlab.add_host_behind(router, f"peer{i}") for i, router in enumerate(homes, 1)]
+        p = await lab_daemons(public)
+        info = await p.call("node.info")
+        bootstrap = next(x for x in info["addresses"]["p2p"] if x.startswith(f"/ip4/{public.address}/"))
+        ice = f"turn:lab:labpass@{turn_host.address}:3479?transport=udp"
+        a, b = [await lab_daemons(h, "--net.bootstrap", bootstrap, "--net.ice_servers", ice)
+                for h in hosts]
+
+        async def relayed(daemon: Any) -> dict[str, Any] | None:
+            node = await daemon.call("node.info")
+            return node if node["relays"] else None
+
+        node_b = await wait_until(lambda: relayed(b), timeout=60)
+        await wait_until(lambda: relayed(a), timeout=60)
+        circuit = next(x for x in node_b["addresses"]["p2p"] if "/p2p-circuit/" in x)
+        await a.call("node.connect", {"address": circuit, "timeout": 20})
+
+        async def over_turn() -> bool:
+            return await _kind(a, node_b["peer_id"]) == "webrtc"
+
+        await wait_until(over_turn, timeout=60)
+    finally:
+        turn.kill()
+        turn.wait()
