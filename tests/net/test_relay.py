@@ -3,6 +3,7 @@ within the relay's limits; when its relay dies, another one carries it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -180,3 +181,41 @@ async def test_a_relayed_link_is_upgraded_to_webrtc(make_transport: Any, hidden:
     assert sum(u.counters["upgrades_webrtc"] for u in upgraders) == 1
     for upgrader in upgraders:
         await upgrader.close()
+
+
+async def test_forged_and_malformed_relay_requests_are_refused(make_transport: Any, hidden: Any) -> None:
+    from dedloc.daemon.net import PeerAddress, RemoteError, StreamAborted
+    from dedloc.daemon.net.handshake import pipe_client_handshake
+    from dedloc.daemon.net.pipes import StreamPipe
+
+    relay = await _relay(make_transport)
+    a, b = await make_transport(), await hidden()
+    RelayClient(a)
+    client_b = RelayClient(b)
+    await client_b.reserve(relay.listen_addresses()[0])
+    # relay.connect without a target: refused and counted.
+    await a.connect(relay.listen_addresses()[0], timeout=10)
+    stream = await a.open_stream(relay.peer_id, "relay.connect", {}, timeout=10)
+    with pytest.raises(StreamAborted, match="target"):
+        await stream.receive(timeout=10)
+    assert relay.service.counters["circuits_refused"] == 1  # type: ignore[attr-defined]
+    # A peer that is no relay opens relay.incoming to B claiming to carry someone else: B runs the
+    # inner handshake, sees that the far end is really A, and takes no link.
+    await b.connect(a.listen_addresses()[0], timeout=10)
+    await wait_until(lambda: a.link_kind(b.peer_id) == "tcp")
+    _, client_ctx, _ = a.tls_contexts
+    assert client_ctx is not None
+    liar = await a.open_stream(b.peer_id, "relay.incoming", {"from": "6MkNotThePeerWhoDialed"},
+                               timeout=10)
+    with contextlib.suppress(Exception):  # B hangs up right after the inner handshake
+        await pipe_client_handshake(StreamPipe(liar), a.identity, client_ctx, b.peer_id,
+                                    a.listen_addresses())
+        await liar.receive(timeout=10)
+    await wait_until(lambda: client_b.counters["circuit_failures"] == 1, timeout=10)
+    assert all(i.kind != "relay" for i in b.links())
+    # net.addresses with too many entries is refused; junk entries are skipped.
+    with pytest.raises(RemoteError, match="at most"):
+        await a.call(b.peer_id, "net.addresses", Message({"addrs": ["x"] * 100}), timeout=5)
+    await a.call(b.peer_id, "net.addresses", Message({"addrs": ["junk", "/ip4/10.0.0.1/tcp/1"]}),
+                 timeout=5)
+    assert b.known_addresses(a.peer_id)[0] == PeerAddress.parse("/ip4/10.0.0.1/tcp/1").with_peer(a.peer_id)
