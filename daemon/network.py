@@ -8,9 +8,12 @@ run in the background and are retried there. Until the DHT has joined, DHT calls
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import structlog
 
 from .averaging.averager import Averager
@@ -28,6 +31,8 @@ from .net.transport import TlsTransport, TransportLimits
 from .net.upgrade import PathUpgrader
 
 log = structlog.get_logger(__name__)
+
+ADDRESS_RECORD_SECONDS = 600.0
 
 
 class NotJoinedError(DaemonError):
@@ -54,6 +59,8 @@ class PeerNetwork:
         self.relay_client: RelayClient | None = None
         self._reservations: RelayReservations | None = None
         self.upgrader: PathUpgrader | None = None
+        self._publisher: asyncio.Task[None] | None = None
+        self._pending_addresses: list[str] | None = None
         self._bootstrap = [PeerAddress.parse(a) for a in config.net.bootstrap]
 
     async def start(self) -> None:
@@ -79,6 +86,8 @@ class PeerNetwork:
             reachable=lambda: self.status.reachable)
         self.relay_client = RelayClient(self.transport, handshake_timeout=net.handshake_timeout)
         self.upgrader = PathUpgrader(self.transport, self.ice_servers, webrtc=net.webrtc)
+        self.relay_client.on_addresses = self._publish_addresses
+        self.transport.set_address_resolver(self._resolve)
         self._task = asyncio.create_task(self._join(), name="join-network")
         log.info("network_listening", addresses=[str(a) for a in self.transport.listen_addresses()])
 
@@ -138,6 +147,8 @@ class PeerNetwork:
         self.averager = Averager(self.transport, self.dht, self.config.averaging,
                                  reachable=self.status.reachable is not False)
         await self.dht.start(self._bootstrap, wait=True)
+        if self._pending_addresses is not None:  # reserved relay slots before the DHT was up
+            self._publish_addresses(self._pending_addresses)
 
     async def _connect_bootstrap(self) -> list[str]:
         assert self.transport is not None
@@ -202,6 +213,39 @@ class PeerNetwork:
             counters.update({f"net.{k}": v for k, v in self.upgrader.counters.items()})
         return counters
 
+    def _publish_addresses(self, addresses: list[str]) -> None:
+        """A node nobody can dial publishes its circuit addresses in the DHT (`peer/<id>`, its own
+        sub-key), so that peers that know only its id can reach it through its relays."""
+        if self.dht is None or (self._publisher is not None and not self._publisher.done()):
+            self._pending_addresses = addresses
+            return
+        self._pending_addresses = addresses
+        self._publisher = asyncio.create_task(self._publish_loop(), name="publish-addresses")
+
+    async def _publish_loop(self) -> None:
+        while self._pending_addresses is not None and self.dht is not None:
+            addresses, self._pending_addresses = self._pending_addresses, None
+            try:
+                await self.dht.store(f"peer/{self.identity.peer_id}", orjson.dumps(addresses),
+                                     time.time() + ADDRESS_RECORD_SECONDS,
+                                     sub_key=self.identity.peer_id, timeout=10)
+            except (TransportError, TimeoutError) as exc:
+                log.info("address_record_not_stored", error=str(exc))
+
+    async def _resolve(self, peer_id: str) -> list[PeerAddress]:
+        if self.dht is None:
+            return []
+        record = await self.dht.get(f"peer/{peer_id}", timeout=5)
+        entry = None if record is None else record.sub_keys.get(peer_id)
+        if entry is None:
+            return []
+        addresses = []
+        with contextlib.suppress(orjson.JSONDecodeError, TypeError):
+            for text in orjson.loads(entry.value)[:32]:
+                with contextlib.suppress(ValueError, TypeError):
+                    addresses.append(PeerAddress.parse(text))
+        return addresses
+
     def ice_servers(self) -> list[str]:
         """STUN on our relays and bootstrap peers (every reachable daemon answers STUN on the
         same port number as its TCP port unless told otherwise), then the configured servers."""
@@ -216,6 +260,8 @@ class PeerNetwork:
         return [] if self.relay_client is None else sorted(self.relay_client.relays)
 
     async def close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
         if self.upgrader is not None:
             await self.upgrader.close()
         if self._reservations is not None:

@@ -8,7 +8,7 @@ outgoing SYN opens a mapping in its own NAT; the first SYN to reach the other NA
 (no mapping yet), but once both have sent, the later SYN finds the mapping and passes: the
 receiving socket, itself in SYN_SENT, answers it (simultaneous open, RFC 793) and both connects
 complete. Then TLS and the hellos run as on any link (handshake.py), and the caller hands the
-`Handshaken` to `TlsTransport.adopt` (link kind "holepunch").
+result to the transport (`Punched.adopt`: link kind "holepunch").
 
 The punching socket. `punch` binds ("0.0.0.0", local_port) with SO_REUSEADDR and SO_REUSEPORT
 (the transport's listener sets SO_REUSEPORT too, see TlsTransport._listen). Only one socket can
@@ -48,11 +48,14 @@ import errno
 import socket
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from aioice import stun
 
+from .addresses import PeerAddress
 from .errors import HandshakeError, PeerIdMismatchError, PeerUnreachableError, TransportError
 from .handshake import Handshaken, client_handshake, server_handshake
+from .link import Link
 from .transport import TlsTransport
 
 RETRY_INTERVAL_S = 0.15
@@ -65,6 +68,20 @@ POLL_S = 0.05
 DIRECT_KINDS = frozenset({"tcp", "tcp-plain", "holepunch"})
 """Link kinds that make a punch pointless (the peer is already reached directly)."""
 HOLEPUNCH_KIND = "holepunch"
+
+
+@dataclass
+class Punched(Handshaken):
+    """A punched connection, handshaken. `outbound` is True where we ended up TLS client (the
+    link's stream ids depend on it: the two ends must disagree, so pass it to `adopt` as is);
+    `address` is the remote as a multiaddr string."""
+
+    outbound: bool = False
+    address: str | None = None
+
+    def adopt(self, transport: TlsTransport) -> Link:
+        """Hand the connection to the transport as a link (kind "holepunch")."""
+        return transport.adopt(self, outbound=self.outbound, address=self.address)
 
 
 class AlreadyLinked(TransportError):
@@ -108,13 +125,14 @@ def public_tcp_guess(public_ip: str, listen_port: int) -> tuple[str, int]:
 
 async def punch(transport: TlsTransport, *, local_port: int, remote: tuple[str, int], tls_server: bool,
                 expected_peer_id: str, deadline: float, retry_interval: float = RETRY_INTERVAL_S,
-                role_wait: float = ROLE_WAIT_S) -> Handshaken:
+                role_wait: float = ROLE_WAIT_S) -> Punched:
     """Punch a TCP connection from our `local_port` to `remote` and run TLS + hellos on it.
 
     `deadline` is on the event loop's clock (`loop.time()`). `tls_server` is the agreed role (see
     `tls_role` and the module's docstring for when the designated server acts as client). Returns
-    the Handshaken with `io.kind == "holepunch"`, its peer checked to be `expected_peer_id`; hand it
-    to `transport.adopt(done, outbound=not tls_server, address=...)`. Raises AlreadyLinked when the
+    a Punched (a Handshaken) with `io.kind == "holepunch"`, its peer checked to be
+    `expected_peer_id`; hand it to the transport with `punched.adopt(transport)` (which passes
+    `outbound` = whether we ended up TLS client). Raises AlreadyLinked when the
     transport has (or gets meanwhile) a direct link to the peer, PeerIdMismatchError when another
     peer answers, PeerUnreachableError at the deadline or when the port cannot be bound. Every
     socket it made is closed when it raises (also when cancelled).
@@ -163,7 +181,6 @@ async def punch(transport: TlsTransport, *, local_port: int, remote: tuple[str, 
                         errors[f"handshake failed ({exc})"] += 1
                         continue
                     handed_over = True
-                    done.io.kind = HOLEPUNCH_KIND  # an instance attribute over the class's "tcp"
                     return done
                 finally:
                     if not handed_over:
@@ -225,19 +242,23 @@ async def _connect(loop: asyncio.AbstractEventLoop, sock: socket.socket, remote:
 
 
 async def _secure(loop: asyncio.AbstractEventLoop, transport: TlsTransport, sock: socket.socket, *,
-                  tls_server: bool, expected_peer_id: str, role_wait: float) -> Handshaken:
+                  tls_server: bool, expected_peer_id: str, role_wait: float) -> Punched:
     server_ctx, client_ctx, der = transport.tls_contexts
     addresses = transport.listen_addresses()
+    remote = sock.getpeername()
+    address = str(PeerAddress.from_socket(str(remote[0]), int(remote[1]), expected_peer_id))
     if tls_server:
         # The client speaks first. Silence: we reached the peer's listener, a TLS server too.
         tls_server = await _ready(loop, sock, write=False, check=lambda: None, timeout=role_wait)
-    if not tls_server:
-        return await client_handshake(sock, transport.identity, client_ctx, expected_peer_id, addresses)
-    done = await server_handshake(sock, transport.identity, server_ctx, der, addresses)
-    if done.peer.peer_id != expected_peer_id:
-        done.io.close()
-        raise PeerIdMismatchError(f"punched to {done.peer.peer_id}, expected {expected_peer_id}")
-    return done
+    if tls_server:
+        done = await server_handshake(sock, transport.identity, server_ctx, der, addresses)
+        if done.peer.peer_id != expected_peer_id:
+            done.io.close()
+            raise PeerIdMismatchError(f"punched to {done.peer.peer_id}, expected {expected_peer_id}")
+    else:
+        done = await client_handshake(sock, transport.identity, client_ctx, expected_peer_id, addresses)
+    done.io.kind = HOLEPUNCH_KIND  # an instance attribute over the class's "tcp"
+    return Punched(done.io, done.peer, outbound=not tls_server, address=address)
 
 
 async def _sleep_polling(loop: asyncio.AbstractEventLoop, seconds: float,

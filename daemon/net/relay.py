@@ -211,6 +211,7 @@ class RelayClient:
         self.counters: dict[str, int] = {"circuits_dialed": 0, "circuits_accepted": 0,
                                          "circuit_failures": 0}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.on_addresses: Callable[[list[str]], None] | None = None  # e.g. publish them in the DHT
         transport.add_stream_handler(INCOMING, self._on_incoming)
         transport.add_unary_handler(ADDRESSES, self._on_addresses)
         transport.set_circuit_dialer(self.dial)
@@ -287,6 +288,8 @@ class RelayClient:
         own = transport.peer_id
         transport.set_relayed_addresses([a.via(own) for a in self.relays.values()])
         addresses = [str(a) for a in transport.listen_addresses()]
+        if self.on_addresses is not None:
+            self.on_addresses(addresses)
         for peer_id in {info.peer_id for info in transport.links()}:
             task = asyncio.create_task(self._tell(peer_id, addresses), name="announce-addresses")
             self._tasks.add(task)

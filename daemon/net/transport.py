@@ -66,6 +66,7 @@ class LinkEvent:
 
 LinkListener = Callable[[LinkEvent], None]
 CircuitDialer = Callable[[PeerAddress], Awaitable["Link"]]
+AddressResolver = Callable[[str], Awaitable[list[PeerAddress]]]
 #: Links by path, best first: when a peer has several, the best one stays (and the others drain).
 PATH_RANK = {"tcp": 0, "holepunch": 1, "webrtc": 2, "relay": 3}
 
@@ -112,6 +113,7 @@ class TlsTransport:
         }
         self._closed = False
         self._circuit_dialer: CircuitDialer | None = None
+        self._resolver: AddressResolver | None = None
         self._relayed: list[PeerAddress] = []  # our circuit addresses (through relays we reserved)
         self._log = log.bind(peer_id=identity.peer_id)
 
@@ -190,6 +192,10 @@ class TlsTransport:
     def set_circuit_dialer(self, dialer: CircuitDialer | None) -> None:
         """Who dials circuit addresses (the relay client): `await dialer(address) -> Link`."""
         self._circuit_dialer = dialer
+
+    def set_address_resolver(self, resolver: AddressResolver | None) -> None:
+        """Who finds the addresses of a peer we know only by id (`await resolver(peer_id)`)."""
+        self._resolver = resolver
 
     def set_relayed_addresses(self, addresses: list[PeerAddress]) -> None:
         """Our circuit addresses (told to peers in hellos and `listen_addresses`)."""
@@ -345,6 +351,11 @@ class TlsTransport:
         task = self._dialing.get(peer_id)
         if task is None:
             addresses = self.known_addresses(peer_id)
+            if not addresses and self._resolver is not None:  # e.g. a DHT record of its circuits
+                with contextlib.suppress(TransportError, TimeoutError):
+                    async with asyncio.timeout_at(deadline):
+                        self.learn_addresses(peer_id, await self._resolver(peer_id))
+                addresses = self.known_addresses(peer_id)
             if not addresses:
                 raise PeerUnreachableError(f"no link to {peer_id} and no known address for it")
             # one dial per peer, shared by every call that needs it, owned by the transport

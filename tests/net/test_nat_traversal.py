@@ -203,3 +203,32 @@ async def test_a_turn_server_carries_webrtc_between_symmetric_nats(natlab: NatLa
     finally:
         turn.kill()
         turn.wait()
+
+
+async def test_a_natted_peer_is_found_by_its_id_alone(natlab: NatLab, lab_daemons: Any) -> None:
+    """Its circuit addresses are in the DHT (`peer/<id>`), for peers that know only its id (the
+    transport's resolver reads them: tests/net/test_relay.py)."""
+    public = natlab.add_public_host("pub")
+    home = natlab.add_nat("nat1", NatKind.SYMMETRIC)
+    host = natlab.add_host_behind(home, "peer1")
+    other_public = natlab.add_public_host("pub2")
+    p = await lab_daemons(public)
+    info = await p.call("node.info")
+    bootstrap = next(x for x in info["addresses"]["p2p"] if x.startswith(f"/ip4/{public.address}/"))
+    hidden = await lab_daemons(host, "--net.bootstrap", bootstrap)
+    stranger = await lab_daemons(other_public, "--net.bootstrap", bootstrap)
+
+    async def published() -> dict[str, Any] | None:
+        node = await hidden.call("node.info")
+        if not node["relays"]:
+            return None
+        found = await stranger.call("dht.get", {"key": f"peer/{node['peer_id']}"})
+        return node if found and found.get("sub_keys") else None
+
+    node = await wait_until(published, timeout=60)
+    record = await stranger.call("dht.get", {"key": f"peer/{node['peer_id']}"})
+    (entry,) = record["sub_keys"].values()
+    circuits = [a for a in entry["value"] if "/p2p-circuit/" in a]
+    assert f"{bootstrap}/p2p-circuit/p2p/{node['peer_id']}" in circuits
+    answer = await stranger.call("node.connect", {"address": node["peer_id"], "timeout": 30})
+    assert answer["peer_id"] == node["peer_id"]

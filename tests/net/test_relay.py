@@ -219,3 +219,22 @@ async def test_forged_and_malformed_relay_requests_are_refused(make_transport: A
     await a.call(b.peer_id, "net.addresses", Message({"addrs": ["junk", "/ip4/10.0.0.1/tcp/1"]}),
                  timeout=5)
     assert b.known_addresses(a.peer_id)[0] == PeerAddress.parse("/ip4/10.0.0.1/tcp/1").with_peer(a.peer_id)
+
+
+async def test_a_peer_known_only_by_id_is_found_through_the_resolver(make_transport: Any,
+                                                                    hidden: Any) -> None:
+    relay = await _relay(make_transport)
+    a, b = await make_transport(), await hidden()
+    RelayClient(a)
+    client_b = RelayClient(b)
+    b.add_unary_handler("echo", echo)
+    await client_b.reserve(relay.listen_addresses()[0])
+    asked: list[str] = []
+
+    async def resolve(peer_id: str) -> list[Any]:  # what the daemon reads from the DHT
+        asked.append(peer_id)
+        return b.listen_addresses() if peer_id == b.peer_id else []
+
+    a.set_address_resolver(resolve)
+    reply = await a.call(b.peer_id, "echo", Message({}, b"by id"), timeout=10)
+    assert reply.header["kind"] == "relay" and asked == [b.peer_id]
