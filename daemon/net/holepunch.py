@@ -4,21 +4,28 @@ Where both NATs keep port mappings (endpoint-independent mapping: Linux MASQUERA
 --random/fully-random, most home routers), each peer connects *from its listen port* to the other's
 guessed public address at about the same moment (the two learn of each other over a relay or any
 other link; who is TLS server is agreed there too, e.g. the smaller peer id, see `tls_role`). Each
-outgoing SYN opens a mapping in its own NAT; the first SYN to reach the other NAT is dropped there
-(no mapping yet), but once both have sent, the later SYN finds the mapping and passes: the
-receiving socket, itself in SYN_SENT, answers it (simultaneous open, RFC 793) and both connects
-complete. Then TLS and the hellos run as on any link (handshake.py), and the caller hands the
-result to the transport (`Punched.adopt`: link kind "holepunch").
+outgoing SYN opens a mapping in its own NAT; a SYN that reaches the other NAT before that NAT's
+own host has sent is dropped there, but the SYN sent later always finds the mapping (if A sent at
+a and B at b, A's SYN reaching B's NAT at a + L passes iff a + L > b, B's iff b + L > a: at least
+one does), reaches a socket still in SYN_SENT, which answers it (simultaneous open, RFC 793), and
+both connects complete. So one SYN from each side suffices, however far apart they start, as
+long as the first one's socket still waits. Then TLS and the hellos run as on any link
+(handshake.py), and the caller hands the result to the transport (`Punched.adopt`: link kind
+"holepunch").
 
 The punching socket. `punch` binds ("0.0.0.0", local_port) with SO_REUSEADDR and SO_REUSEPORT
 (the transport's listener sets SO_REUSEPORT too, see TlsTransport._listen). Only one socket can
 exist per 4-tuple (a second connect on the same local port to the same remote fails with
 EADDRNOTAVAIL), so attempts are sequential: one socket stays in SYN_SENT (the kernel retransmits
-its SYN; the peer's SYN is what completes it) and only an attempt that *fails* (RST, ICMP error,
-EADDRNOTAVAIL, a failed handshake) is replaced, `retry_interval` later. Attempts are not renewed on
-a timer: closing a socket in SYN_SENT and opening another would leave a moment in which the peer's
-SYN meets our listener, and a SYN-ACK answering the old socket's SYN would hit the new one and be
-answered with a RST that kills the peer's half-open socket.
+its SYN; the peer's SYN is what completes it) and only an attempt that *fails* (RST or ICMP error,
+as from NATs that reject unsolicited SYNs; EADDRNOTAVAIL; a failed handshake) is replaced,
+`retry_interval` later. Attempts are not renewed on a timer: closing a socket in SYN_SENT and
+opening another leaves a moment in which the peer's SYN meets our listener, and a SYN-ACK
+answering the old socket's SYN would hit the new one and be answered with a RST that kills the
+peer's half-open socket. A 4-tuple left in TIME_WAIT by an earlier link between the same two
+ports does not block a new punch (Linux lets a connect from a bound port take over a TIME_WAIT
+4-tuple when TCP timestamps are on, the default). SO_REUSEPORT lets any process of the same user
+bind the listen port too (never listen on it: the listener was bound first, without it).
 
 The peer's SYN can land on our *listening* socket instead (our NAT already lets it in while we
 have no punching socket: we are not NATed, or behind a full-cone NAT, or between two attempts).
@@ -29,12 +36,16 @@ punching socket simply connected to a listener, which waits for a TLS ClientHell
 designated TLS server does not trust its role blindly: after the connect it waits up to
 `role_wait` for the first bytes; silence means the other end is a listener (a server too), and it
 runs the handshake as TLS client instead. The designated client always starts TLS at once, so a
-real simultaneous open is never mistaken for a listener (the client's ClientHello follows its
-connect within a round trip).
+real simultaneous open is not mistaken for a listener (the client's ClientHello follows its
+connect within a round trip; should it come later than `role_wait`, both sides run TLS as
+clients, the handshake fails, and the next attempt waits twice as long). The two ends of such a
+link differ in kind: "tcp" at the listener's side, "holepunch" at the punching side.
 
-Timing in the NAT lab (tests/net/test_holepunch.py): two port-restricted NATs punch in about one
-round trip plus the TLS handshake. Symmetric NATs (a new random port per destination) cannot be
-punched this way: `punch` gives up at its deadline with PeerUnreachableError.
+Timing in the NAT lab (tests/net/test_holepunch.py): two port-restricted NATs punch in about
+three round trips (TCP, TLS 1.3, the hellos) after the later side starts: 4 ms without delay,
+0.13-0.17 s at 10 ms per router (a 40 ms round trip), 0.6-0.8 s at 50 ms (200 ms). Symmetric NATs
+(a new random port per destination) cannot be punched this way: `punch` gives up at its deadline
+with PeerUnreachableError.
 
 Finding the address to punch to: `public_tcp_guess` (our public IP from STUN, see
 `stun_public_ip`, and our listen port, which such NATs keep).
@@ -135,8 +146,11 @@ async def punch(transport: TlsTransport, *, local_port: int, remote: tuple[str, 
     `outbound` = whether we ended up TLS client). Raises AlreadyLinked when the
     transport has (or gets meanwhile) a direct link to the peer, PeerIdMismatchError when another
     peer answers, PeerUnreachableError at the deadline or when the port cannot be bound. Every
-    socket it made is closed when it raises (also when cancelled).
+    socket it made is closed when it raises (also when cancelled). Needs a TLS transport (in
+    plain TCP mode the server speaks first, and the role check below does not apply).
     """
+    if not transport.tls:
+        raise TransportError("hole punching needs a TLS transport")
     loop = asyncio.get_running_loop()
     started = loop.time()
     errors: Counter[str] = Counter()
@@ -148,10 +162,11 @@ async def punch(transport: TlsTransport, *, local_port: int, remote: tuple[str, 
             raise AlreadyLinked(expected_peer_id, kind)
 
     def failure(reason: str) -> PeerUnreachableError:
-        seen = ", ".join(f"{name} x{count}" for name, count in errors.most_common()) or "no answer"
+        seen = ", ".join(f"{name} x{count}" for name, count in errors.most_common())
         return PeerUnreachableError(
             f"TCP hole punch from port {local_port} to {remote[0]}:{remote[1]} failed: {reason} "
-            f"({attempts} attempts in {loop.time() - started:.1f}s: {seen})")
+            f"({attempts} attempt(s) in {loop.time() - started:.1f}s; "
+            f"{seen or 'our SYNs got no answer'})")
 
     family = socket.AF_INET6 if ":" in remote[0] else socket.AF_INET
     check_linked()
@@ -179,6 +194,7 @@ async def punch(transport: TlsTransport, *, local_port: int, remote: tuple[str, 
                         raise
                     except HandshakeError as exc:
                         errors[f"handshake failed ({exc})"] += 1
+                        role_wait *= 2  # if we took the peer's ClientHello for silence, wait longer
                         continue
                     handed_over = True
                     return done
