@@ -109,6 +109,8 @@ class NetSection:
         default_factory=list)
     webrtc: bool = _doc("Try WebRTC (ICE hole punching) when a peer is only reachable through a "
                         "relay.", default=True)
+    holepunch: bool = _doc("Try TCP hole punching (before WebRTC) when a peer is only reachable "
+                           "through a relay.", default=True)
     stun_port: int = _doc(
         "UDP port for STUN; 0: the same number as the TCP listen port if free, else any free port.",
         default=0)

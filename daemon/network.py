@@ -23,6 +23,7 @@ from .errors import DaemonError
 from .identity import Identity
 from .net import PeerAddress, TransportError
 from .net.link import LinkLimits
+from .net.punch_path import TcpPuncher
 from .net.reachability import DialBackService, check_reachability
 from .net.relay import RelayClient, RelayLimits, RelayService
 from .net.reservations import RelayReservations
@@ -59,6 +60,7 @@ class PeerNetwork:
         self.relay_client: RelayClient | None = None
         self._reservations: RelayReservations | None = None
         self.upgrader: PathUpgrader | None = None
+        self.puncher: TcpPuncher | None = None
         self._publisher: asyncio.Task[None] | None = None
         self._pending_addresses: list[str] | None = None
         self._bootstrap = [PeerAddress.parse(a) for a in config.net.bootstrap]
@@ -86,6 +88,9 @@ class PeerNetwork:
             reachable=lambda: self.status.reachable)
         self.relay_client = RelayClient(self.transport, handshake_timeout=net.handshake_timeout)
         self.upgrader = PathUpgrader(self.transport, self.ice_servers, webrtc=net.webrtc)
+        if net.holepunch:
+            self.puncher = TcpPuncher(self.transport, self._stun_servers)
+            self.upgrader.puncher = self.puncher
         self.relay_client.on_addresses = self._publish_addresses
         self.transport.set_address_resolver(self._resolve)
         self._task = asyncio.create_task(self._join(), name="join-network")
@@ -246,6 +251,13 @@ class PeerNetwork:
                     addresses.append(PeerAddress.parse(text))
         return addresses
 
+    def _stun_servers(self) -> list[tuple[str, int]]:
+        peers: list[PeerAddress] = list(self._bootstrap)
+        if self.relay_client is not None:
+            peers += list(self.relay_client.relays.values())
+        found = [(a.host, a.port) for a in peers if a.host_kind == "ip4" and a.circuit is None]
+        return list(dict.fromkeys(found))
+
     def ice_servers(self) -> list[str]:
         """STUN on our relays and bootstrap peers (every reachable daemon answers STUN on the
         same port number as its TCP port unless told otherwise), then the configured servers."""
@@ -264,6 +276,8 @@ class PeerNetwork:
             self._publisher.cancel()
         if self.upgrader is not None:
             await self.upgrader.close()
+        if self.puncher is not None:
+            await self.puncher.close()
         if self._reservations is not None:
             await self._reservations.close()
         if self.relay_client is not None:

@@ -103,6 +103,8 @@ async def test_port_restricted_nats_punch_through(natlab: NatLab, lab_daemons: A
             await _kind(b, ids["a"]) in ("holepunch", "webrtc")
 
     await wait_until(punched, timeout=60)
+    # TCP hole punching comes first where both NATs keep port mappings (here they do).
+    assert await _kind(a, ids["b"]) == "holepunch" or await _kind(b, ids["a"]) == "holepunch"
     reports = await _average_three([p, a, b], "nat/round-1")
     assert {r["group_size"] for r in reports} == {3}
     assert all(not r["failed_parts"] for r in reports)

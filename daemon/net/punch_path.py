@@ -1,0 +1,113 @@
+"""TCP hole punching as a path upgrade: the coordination over a relayed link (`path.punch`).
+
+The offerer (the smaller peer id, see upgrade.py) asks the STUN responder of a reachable peer for
+its public IP, guesses its public TCP address (port-preserving NATs: the listen port), and sends
+it in a `path.punch` call over the relayed link; the answerer does the same, replies with its own
+guess and starts punching at once; the offerer starts when the reply arrives. Both punch until the
+same deadline (holepunch.py). Behind a NAT that does not keep port mappings (symmetric) the punch
+fails by the deadline and WebRTC is tried next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from .errors import PeerUnreachableError, TransportError
+from .holepunch import AlreadyLinked, listen_port, public_tcp_guess, punch, stun_public_ip, tls_role
+from .interface import Message, RequestContext
+from .transport import TlsTransport
+
+log = structlog.get_logger(__name__)
+
+PUNCH = "path.punch"
+PUNCH_SECONDS = 5.0
+STUN_SECONDS = 2.0
+
+
+class PunchRefused(TransportError):
+    """The peer will not punch (no relayed link, or no public address to offer)."""
+
+
+class TcpPuncher:
+    def __init__(self, transport: TlsTransport, stun_servers: Callable[[], list[tuple[str, int]]],
+                 seconds: float = PUNCH_SECONDS) -> None:
+        self._transport = transport
+        self._stun_servers = stun_servers
+        self._seconds = seconds
+        self._tasks: set[asyncio.Task[None]] = set()
+        transport.add_unary_handler(PUNCH, self._on_punch)
+
+    async def _public(self) -> tuple[str, int] | None:
+        port = listen_port(self._transport)
+        if port is None:
+            return None
+        for server in self._stun_servers()[:3]:
+            seen = await stun_public_ip(server, STUN_SECONDS, local_port=port)
+            if seen is not None:
+                return public_tcp_guess(seen[0], port)
+        return None
+
+    async def __call__(self, peer_id: str) -> bool:
+        """Offer and run a punch to `peer_id`; True if a better link to it now exists."""
+        transport = self._transport
+        mine = await self._public()
+        port = listen_port(transport)
+        if mine is None or port is None:
+            return False
+        loop = asyncio.get_running_loop()
+        reply = await transport.call(peer_id, PUNCH, Message({"ip": mine[0], "port": mine[1]}),
+                                     timeout=STUN_SECONDS * 3 + 2)
+        theirs = _remote(reply.header)
+        try:
+            punched = await punch(transport, local_port=port, remote=theirs,
+                                  tls_server=tls_role(transport.peer_id, peer_id),
+                                  expected_peer_id=peer_id, deadline=loop.time() + self._seconds)
+        except AlreadyLinked:
+            return True
+        except PeerUnreachableError as exc:
+            log.info("tcp_punch_failed", peer=peer_id[:12], error=str(exc))
+            return False
+        punched.adopt(transport)
+        log.info("link_upgraded", peer=peer_id[:12], kind="holepunch")
+        return True
+
+    async def _on_punch(self, ctx: RequestContext, message: Message) -> Message:
+        if ctx.link_kind != "relay":
+            raise PunchRefused("only a relayed link is upgraded by punching")
+        theirs = _remote(message.header)
+        mine = await self._public()
+        port = listen_port(self._transport)
+        if mine is None or port is None:
+            raise PunchRefused("no public address to offer (no STUN answer)")
+        task = asyncio.create_task(self._answer(ctx.peer_id, port, theirs), name="tcp-punch")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return Message({"ip": mine[0], "port": mine[1]})
+
+    async def _answer(self, peer_id: str, port: int, theirs: tuple[str, int]) -> None:
+        transport = self._transport
+        loop = asyncio.get_running_loop()
+        try:
+            punched = await punch(transport, local_port=port, remote=theirs,
+                                  tls_server=tls_role(transport.peer_id, peer_id),
+                                  expected_peer_id=peer_id, deadline=loop.time() + self._seconds)
+        except (AlreadyLinked, PeerUnreachableError, TransportError) as exc:
+            log.info("tcp_punch_answer_ended", peer=peer_id[:12], error=str(exc))
+            return
+        punched.adopt(transport)
+        log.info("link_upgraded", peer=peer_id[:12], kind="holepunch")
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _remote(header: dict[str, object]) -> tuple[str, int]:
+    ip, port = header.get("ip"), header.get("port")
+    if not isinstance(ip, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise PunchRefused("path.punch needs 'ip' (str) and 'port' (1-65535)")
+    return ip, port
