@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import aioice.turn
 from aiortc import (
     RTCConfiguration,
     RTCDataChannel,
@@ -71,6 +72,11 @@ from .handshake import Handshaken, _read_hello, _send_hello
 from .tls import client_hello, new_nonce, server_hello, verify_client_hello, verify_server_hello
 
 Buffer = bytes | bytearray | memoryview
+
+# aioice asks for 256 KiB UDP receive buffers; a receiver that falls behind for a moment then
+# drops packets, and aiortc's SCTP recovers slowly (one packet per round trip). 4 MiB removed
+# every receive-buffer drop in benchmarks/transport.py --kind webrtc (shaped 50 Mbit/s, 40 ms).
+aioice.turn.UDP_SOCKET_BUFFER_SIZE = max(aioice.turn.UDP_SOCKET_BUFFER_SIZE, 4 << 20)
 
 CHANNEL_LABEL = "dedloc/link"
 CHANNEL_ID = 0  # negotiated out of band (both sides create it): no DCEP round trip, no race
