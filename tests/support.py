@@ -157,3 +157,19 @@ async def p2p_address(daemon: DaemonProcess) -> str:
     info = await daemon.call("node.info")
     (address,) = [a for a in info["addresses"]["p2p"] if "/127.0.0.1/" in a]
     return address
+
+
+async def start_swarm(daemon_factory: Any, count: int, *args: str) -> list[DaemonProcess]:
+    """`count` daemons, all bootstrapped from the first, once every one has joined the DHT."""
+    first = await daemon_factory(*args)
+    address = await p2p_address(first)
+    rest = await asyncio.gather(*(daemon_factory("--net.bootstrap", address, *args)
+                                  for _ in range(count - 1)))
+    daemons = [first, *rest]
+
+    async def joined() -> bool:
+        infos = [await d.call("node.info") for d in daemons]
+        return all(info["dht"]["joined"] for info in infos)
+
+    await wait_until(joined, timeout=60)
+    return daemons

@@ -20,6 +20,7 @@ import structlog
 from .collaboration import Collaboration
 from .manifest import PublishedManifest
 from .progress import GlobalProgress, PeerProgress, next_report_delay
+from .run import finish_or_cancel
 from .status import aux_status
 
 if TYPE_CHECKING:
@@ -84,10 +85,7 @@ class AuxRun:
         self.state = "stopping"
         self._stop_requested.set()
         if self._task is not None:
-            done, _ = await asyncio.wait([self._task], timeout=self._stop_timeout)
-            if not done:
-                self._task.cancel()
-                await asyncio.wait([self._task])
+            await finish_or_cancel(self._task, self._stop_timeout)
         self.state = "stopped" if self.state == "stopping" else self.state
         self.phase = "idle"
 

@@ -183,10 +183,7 @@ class Run:
         self.state = "stopping"
         self._stop_requested.set()
         if self._task is not None:
-            done, _ = await asyncio.wait([self._task], timeout=self._stop_timeout)
-            if not done:
-                self._task.cancel()
-                await asyncio.wait([self._task])
+            await finish_or_cancel(self._task, self._stop_timeout)
         if checkpoint and self._worker is not None and self._worker.exit_code is None:
             with contextlib.suppress(WorkerError, RpcCallError):
                 await self.checkpoint()
@@ -411,3 +408,11 @@ class Run:
         if self._last_worker is not None:
             return {"state": "exited", **self._last_worker}
         return {"state": "none", "pid": None, "exit_code": None, "last_log_lines": []}
+
+
+async def finish_or_cancel(task: asyncio.Task[None], timeout: float) -> None:
+    """Let a run's loop finish its current step for up to `timeout` seconds, then cancel it."""
+    done, _ = await asyncio.wait([task], timeout=timeout)
+    if not done:
+        task.cancel()
+        await asyncio.wait([task])

@@ -1,4 +1,5 @@
-"""The handshake's I/O: TLS, then the two HELLO frames of tls.py, on a fresh socket.
+"""The handshake's I/O: TLS, then the two HELLO frames of tls.py, on a fresh socket or on a pipe
+(pipes.py: a relayed stream) or a secured channel of another kind (webrtc.py: DTLS).
 
 The caller bounds the whole exchange with one deadline. Hellos are read with exact-size reads
 (never past the hello), so frames the peer pipelines after its hello stay in the socket for the
@@ -129,11 +130,16 @@ async def client_handshake(sock: socket.socket, identity: Identity, context: ssl
         return await hello_as_client(PlainIO(sock), identity, PLAIN_CERT_HASH, expected_peer_id,
                                      addresses)
     tls = await _start_tls(sock, context, server_side=False)
+    return await hello_as_client(tls, identity, _server_hash(tls), expected_peer_id, addresses)
+
+
+def _server_hash(tls: TlsIO | BioTlsIO) -> bytes:
+    """The hash of the certificate the TLS server presented (closes the connection if none)."""
     der = tls.peer_certificate()
     if der is None:
         tls.close()
         raise HandshakeError("the peer presented no TLS certificate")
-    return await hello_as_client(tls, identity, cert_hash(der), expected_peer_id, addresses)
+    return cert_hash(der)
 
 
 async def _pipe_tls(pipe: Pipe, context: ssl.SSLContext, *, server_side: bool) -> BioTlsIO:
@@ -161,8 +167,4 @@ async def pipe_client_handshake(pipe: Pipe, identity: Identity, context: ssl.SSL
     """TLS (client side) and the hellos over a pipe; the far end is checked to be `expected_peer_id`
     end to end, whatever carries the bytes."""
     tls = await _pipe_tls(pipe, context, server_side=False)
-    der = tls.peer_certificate()
-    if der is None:
-        tls.close()
-        raise HandshakeError("the peer presented no TLS certificate")
-    return await hello_as_client(tls, identity, cert_hash(der), expected_peer_id, addresses)
+    return await hello_as_client(tls, identity, _server_hash(tls), expected_peer_id, addresses)

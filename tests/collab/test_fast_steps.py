@@ -6,23 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from support import p2p_address, wait_until
+from support import start_swarm, wait_until
 
 PEERS = 4
 EPOCHS = 8
 
 
 async def test_four_fast_trainers_are_in_every_round_from_the_first(daemon_factory: Any) -> None:
-    first = await daemon_factory()
-    address = await p2p_address(first)
-    rest = await asyncio.gather(*(daemon_factory("--net.bootstrap", address) for _ in range(PEERS - 1)))
-    daemons = [first, *rest]
-
-    async def joined() -> bool:
-        infos = [await d.call("node.info") for d in daemons]
-        return all(info["dht"]["joined"] for info in infos)
-
-    await wait_until(joined, timeout=60)
+    daemons = await start_swarm(daemon_factory, PEERS)
     # A batch of 8 points through a 16-wide MLP: about a millisecond per step, no sleeping.
     params = {"workload": "tiny", "name": "fast", "config": {"batch_size": 8, "hidden": 16},
               "target_batch_size": 64, "epochs": EPOCHS, "collaborative": True, "min_peers": PEERS,

@@ -9,20 +9,12 @@ import signal
 import time
 from typing import Any
 
-from support import p2p_address, wait_until
+from support import start_swarm, wait_until
 
 
 async def test_a_trainer_killed_during_averaging(daemon_factory: Any) -> None:
-    first = await daemon_factory()
-    address = await p2p_address(first)
-    rest = await asyncio.gather(*(daemon_factory("--net.bootstrap", address) for _ in range(2)))
-    daemons = [first, *rest]
-
-    async def joined() -> bool:
-        infos = [await d.call("node.info") for d in daemons]
-        return all(info["dht"]["joined"] for info in infos)
-
-    await wait_until(joined, timeout=60)
+    daemons = await start_swarm(daemon_factory, 3)
+    first = daemons[0]
     # About 3 MB of gradients: a round takes long enough to be caught in the middle.
     params = {"workload": "tiny", "name": "leave", "collaborative": True, "min_peers": 2,
               "config": {"hidden": 512, "layers": 3, "batch_size": 32}, "target_batch_size": 96,

@@ -7,22 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-from support import p2p_address, wait_until
+from support import p2p_address, start_swarm, wait_until
 
 EPOCHS = 4
 
 
 async def test_three_trainers_step_together(daemon_factory: Any) -> None:
-    first = await daemon_factory()
-    address = await p2p_address(first)
-    others = await asyncio.gather(*(daemon_factory("--net.bootstrap", address) for _ in range(2)))
-    daemons = [first, *others]
-
-    async def joined() -> bool:
-        infos = [await d.call("node.info") for d in daemons]
-        return all(i["dht"]["joined"] for i in infos)
-
-    await wait_until(joined, timeout=60)
+    daemons = await start_swarm(daemon_factory, 3)
     params = {"workload": "tiny", "name": "together", "target_batch_size": 192, "epochs": EPOCHS,
               "collaborative": True, "checkpoint_every": 1, "min_peers": 3}
     await asyncio.gather(*(d.call("run.start", params) for d in daemons))
