@@ -33,8 +33,10 @@ system-deps:
 			--no-install-recommends $$missing; \
 	fi
 
+# `make demo WORKLOAD=albert` trains the tiny preset of another workload instead.
+WORKLOAD ?= tiny
 demo: venv
-	$(PY) -m dedloc.cli.demo
+	$(PY) -m dedloc.cli.demo --workload $(WORKLOAD)
 
 test: venv system-deps
 	$(PIP) install -q --force-reinstall --no-deps ./tests/example_plugin

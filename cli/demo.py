@@ -28,6 +28,12 @@ from dedloc.rpc import JsonRpcClient, RpcCallError, RpcConnectionError, RpcError
 from .render import render_status
 
 RUN = "demo"
+# Per workload: its small preset, a target batch that makes an epoch take about a second on a
+# laptop's CPU, and how far the epoch loss must fall (a fraction of the first epoch's) to finish.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "tiny": {"config": {}, "target_batch_size": 512, "drop": 0.5},
+    "albert": {"config": {"preset": "albert-tiny"}, "target_batch_size": 128, "drop": 0.9},
+}
 
 
 class DemoPeer:
@@ -107,7 +113,9 @@ async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                           for i in range(args.aux)))
         sys.stdout.write(f"{args.peers} trainer daemons and {args.aux} aux daemon(s) up; "
                          f"bootstrap peer {bootstrap}\n")
-        params = {"workload": "tiny", "name": RUN, "target_batch_size": args.target_batch_size,
+        preset = WORKLOADS[args.workload]
+        params = {"workload": args.workload, "config": preset["config"], "name": RUN,
+                  "target_batch_size": args.target_batch_size or preset["target_batch_size"],
                   "collaborative": True, "min_peers": args.peers, "checkpoint_every": 0}
         await asyncio.gather(*(peer.call("run.start", params) for peer in peers))
         await asyncio.gather(*(helper.join(deadline) for helper in helpers))
@@ -134,7 +142,7 @@ async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 drawn = 0
             losses = status["epoch_losses"]
             if newcomer is not None and len(losses) >= args.min_epochs \
-                    and losses[-1] <= args.drop * losses[0]:
+                    and losses[-1] <= (args.drop or preset["drop"]) * losses[0]:
                 late = await newcomer.status()
                 if late["state_downloads"] and (late["last_round"] or {}).get("senders") == args.peers + 1:
                     break
@@ -170,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dedloc-demo", description=__doc__)
     parser.add_argument("--peers", type=int, default=3, help="trainers at the start")
     parser.add_argument("--aux", type=int, default=1, help="aux daemons (no worker; they reduce)")
-    parser.add_argument("--target-batch-size", type=int, default=512)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
+                        help="what to train (the small preset of each)")
+    parser.add_argument("--target-batch-size", type=int, default=0, help="0: the workload's default")
     parser.add_argument("--join-epoch", type=int, default=4, help="when the fourth trainer joins")
     parser.add_argument("--min-epochs", type=int, default=8)
-    parser.add_argument("--drop", type=float, default=0.5,
+    parser.add_argument("--drop", type=float, default=0.0,
                         help="finish once the epoch loss is this fraction of the first epoch's")
     parser.add_argument("--max-seconds", type=float, default=170)
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
