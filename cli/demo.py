@@ -33,6 +33,11 @@ RUN = "demo"
 WORKLOADS: dict[str, dict[str, Any]] = {
     "tiny": {"config": {}, "target_batch_size": 512, "drop": 0.5},
     "albert": {"config": {"preset": "albert-tiny"}, "target_batch_size": 128, "drop": 0.9},
+    "swav": {"config": {"preset": "resnet18", "crops": "2,2", "crop_sizes": "64,32", "batch_size": 8,
+                        "synthetic_size": 80, "prototypes": 64, "feature_dim": 16,
+                        "queue_length": 0, "freeze_prototypes_steps": 0, "warmup_steps": 0,
+                        "total_steps": 2000},
+             "target_batch_size": 32, "drop": 0.9},
 }
 
 
