@@ -129,10 +129,7 @@ async def make_client() -> Any:
     made: list[StunClient] = []
 
     async def make(host: str = HOST) -> StunClient:
-        try:
-            client = await StunClient.open(host)
-        except OSError as exc:
-            pytest.skip(f"cannot bind {host}: {exc}")
+        client = await StunClient.open(host)  # all of 127.0.0.0/8 is local on Linux
         made.append(client)
         return client
 

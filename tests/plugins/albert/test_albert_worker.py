@@ -54,11 +54,9 @@ def _registered() -> bool:
                for point in importlib.metadata.entry_points(group="dedloc.workloads"))
 
 
-@pytest.mark.skipif(not _registered(), reason="the `albert` entry point is not installed yet: add "
-                    'albert = "dedloc.plugins.albert" under [project.entry-points."dedloc.workloads"] '
-                    "in pyproject.toml and reinstall (pip install -e .)")
 async def test_real_worker_trains_albert_tiny(launch: Callable[..., Any], buffers: Any,
                                               albert_cache: Path) -> None:
+    assert _registered(), "the `albert` entry point is missing from pyproject.toml (or not reinstalled)"
     worker = launch()
     client = await worker.connect()
     try:

@@ -69,9 +69,7 @@ def registered() -> bool:
 
 async def test_a_worker_process_trains_swav(launch: Callable[..., Any], buffers: Any,
                                             tiny_config: dict[str, Any]) -> None:
-    if not registered():
-        pytest.skip("swav is not registered under the dedloc.workloads entry points yet: add "
-                    'swav = "dedloc.plugins.swav" to pyproject.toml and reinstall (pip install -e .)')
+    assert registered(), "the `swav` entry point is missing from pyproject.toml (or not reinstalled)"
     worker = launch()
     client = await worker.connect()
     try:
