@@ -122,8 +122,11 @@ async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         params = {"workload": args.workload, "config": preset["config"], "name": RUN,
                   "target_batch_size": args.target_batch_size or preset["target_batch_size"],
                   "collaborative": True, "min_peers": args.peers, "checkpoint_every": 0}
-        await asyncio.gather(*(peer.call("run.start", params) for peer in peers))
+        # The first trainer publishes the run (it cannot step alone: min_peers), the aux daemons
+        # join it by name, then the other trainers start: the aux is in the rounds from the first.
+        await peers[0].call("run.start", params)
         await asyncio.gather(*(helper.join(deadline) for helper in helpers))
+        await asyncio.gather(*(peer.call("run.start", params) for peer in peers[1:]))
         tty = sys.stdout.isatty()
         drawn = 0
         while True:
