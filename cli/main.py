@@ -45,6 +45,9 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+DEVICE_HELP = '"auto", "cpu", "cuda", "cuda:N", a list like "cuda:0,cuda:1", or "cuda:all"'
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dedloc", description="Control a dedloc peer daemon.")
     parser.add_argument("--socket", type=Path, default=None,
@@ -67,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--target-batch-size", type=int, help="samples per optimizer step")
     start.add_argument("--epochs", type=int, help="stop after this many epochs")
     start.add_argument("--checkpoint-every", type=int, help="checkpoint every N epochs")
-    start.add_argument("--device", help='"auto", "cpu", "cuda" or "cuda:N"')
+    start.add_argument("--device", help=DEVICE_HELP)
     start.add_argument("--collaborative", action="store_true",
                        help="train together with the peers running the same run")
     start.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
@@ -80,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("name")
     join.add_argument("--aux", action="store_true",
                       help="as an aux peer: no worker, it reduces in the run's rounds")
-    join.add_argument("--device", help='"auto", "cpu", "cuda" or "cuda:N"')
+    join.add_argument("--device", help=DEVICE_HELP)
     join.add_argument("--checkpoint-every", type=int, help="checkpoint every N epochs")
     status = commands.add_parser("status", help="progress of the runs")
     status.add_argument("name", nargs="?")

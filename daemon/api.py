@@ -144,8 +144,9 @@ class ControlApi:
                           "until run.stop.", {"minimum": 1}] = None,
         checkpoint_every: Annotated[int, "Checkpoint every N epochs (0: only on stop).",
                                     {"minimum": 0}] = 10,
-        device: Annotated[str | None, 'Device for the worker ("auto", "cpu", "cuda:N"); '
-                          "default: workers.device."] = None,
+        device: Annotated[str | None, 'Device for the worker ("auto", "cpu", "cuda:N", several '
+                          'comma-separated like "cuda:0,cuda:1", or "cuda:all"); default: '
+                          "workers.device."] = None,
         collaborative: Annotated[bool, "Train together with the peers running the same run (same "
                                  "name and manifest): progress is shared through the DHT and "
                                  "gradients are averaged at the run's target."] = False,

@@ -73,7 +73,8 @@ class WorkersSection:
     threads: int = _doc("CPU threads a worker may use for compute; 0: the library's default.",
                         default=0)
     device: str = _doc('Device for workers: "auto" (a GPU if there is one), "cpu", "cuda", '
-                       '"cuda:N".', default="auto")
+                       '"cuda:N", several comma-separated ("cuda:0,cuda:1") or "cuda:all": one '
+                       "worker process per device, data-parallel, still one peer.", default="auto")
     log_lines: int = _doc("Lines of each worker's output kept for run.status.", default=50)
     list_cache_seconds: float = _doc("Seconds the list of installed workloads is cached.",
                                      default=60.0)

@@ -52,6 +52,8 @@ def _plain_schema(hint: Any) -> dict[str, Any]:
         return dict(_SCALARS[hint])
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    if origin in (typing.NotRequired, typing.Required):  # a TypedDict key's marker
+        return schema_of(args[0])[0]
     if origin is typing.Literal:
         return {"enum": list(args)}
     if origin in (typing.Union, types.UnionType):

@@ -68,6 +68,7 @@ def run_status(run: Run) -> dict[str, Any]:
         "resumed_from": run.resumed_from,
         "checkpoints_rejected": 0 if run.store is None else run.store.rejected,
         "device": run.description.get("device"),
+        "devices": run.description.get("devices"),
         "parameters": run.description.get("total_numel"),
         "started_at": run.started_at,
         "error": run.error,

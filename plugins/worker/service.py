@@ -13,7 +13,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypedDict, TypeVar
+from typing import Annotated, Any, Literal, NotRequired, TypedDict, TypeVar
 
 import structlog
 import torch
@@ -31,6 +31,7 @@ from ..errors import (
     WorkloadConfigError,
     WorkloadError,
 )
+from .replicas import ReplicatedSession, parse_devices
 from .session import Session
 
 log = structlog.get_logger(__name__)
@@ -73,6 +74,7 @@ class DescribeResult(TypedDict):
     workload: str
     config: dict[str, Any]
     device: str
+    devices: list[str]
     parameters: list[ParameterSlot]
     total_numel: int
     state_numel: int
@@ -82,12 +84,19 @@ class DescribeResult(TypedDict):
     running: str | None
 
 
+class RankResult(TypedDict):
+    device: str
+    samples: int
+    seconds: float
+
+
 class TrainResult(TypedDict):
     samples: int
     loss: float
     seconds: float
     samples_per_second: float | None
     accumulated_samples: int
+    ranks: NotRequired[list[RankResult]]
 
 
 class ExportResult(TypedDict):
@@ -169,6 +178,8 @@ class WorkerService:
                     await asyncio.wait([running])
             if not running.done():
                 log.warning("worker_call_still_running", method=self._busy, waited_s=timeout)
+        if self._session is not None and (running is None or running.done()):
+            await asyncio.to_thread(self._session.close)
 
     # --- methods --------------------------------------------------------------------------------
 
@@ -186,19 +197,35 @@ class WorkerService:
         config: Annotated[dict[str, Any] | None, "Workload config; missing keys take defaults."] = None,
         seed: Annotated[int, "Seed of this peer's data sampling (differs per peer)."] = 0,
         init_seed: Annotated[int, "Seed of the model's initial weights (the same on every peer)."] = 0,
-        device: Annotated[str, "auto (cuda if available, else cpu), cpu, cuda or cuda:N."] = "auto",
+        device: Annotated[str, "auto (cuda if available, else cpu), cpu, cuda or cuda:N; several, "
+                          "comma-separated (cuda:0,cuda:1), or cuda:all: one process per device, "
+                          "data-parallel, still one worker."] = "auto",
     ) -> DescribeResult:
         """Build a workload's model, optimizer and data; replaces any loaded one.
 
         Resets the step counter and the accumulated gradients. Answers as `worker.describe`.
+        With several devices the worker starts a replica process per extra device
+        (docs/worker-protocol.md, "Several devices").
         """
         entry = self.catalog.get(workload)
         resolved = entry.workload.resolve_config(config or {})
-        torch_device = _pick_device(device)
-        session = await self._exclusive(
-            "worker.load", Session, entry, resolved, seed, init_seed, torch_device)
+        try:
+            names = parse_devices(device)
+        except ValueError as exc:
+            raise InvalidParams("device", str(exc)) from None
+        devices = [_pick_device(name) for name in names]
+        previous = self._session
+
+        def build() -> Session:
+            if previous is not None:
+                previous.close()  # a replicated session leaves its process group first
+            if len(devices) > 1:
+                return ReplicatedSession(entry, resolved, seed, init_seed, devices)
+            return Session(entry, resolved, seed, init_seed, devices[0])
+
+        session = await self._exclusive("worker.load", build)
         self._session = session
-        log.info("workload_loaded", workload=workload, device=str(torch_device),
+        log.info("workload_loaded", workload=workload, devices=[str(d) for d in devices],
                  total_numel=session.total_numel, plugin=entry.plugin)
         return self._describe(session)
 

@@ -102,6 +102,7 @@ class Session:
             "workload": self.workload.name,
             "config": self.config,
             "device": str(self.device),
+            "devices": [str(self.device)],
             "parameters": [slot.to_json() for slot in self.slots],
             "total_numel": self.total_numel,
             "state_numel": self.state_numel,
@@ -166,6 +167,9 @@ class Session:
     def zero_grad(self) -> None:
         self._grad_sum.zero_()
         self.accumulated_samples = 0
+
+    def close(self) -> None:
+        """Release what the session holds beyond memory (nothing here; replicas in a subclass)."""
 
     def evaluate(self, samples: int) -> dict[str, Any]:
         """Mean loss and metrics over the first `samples` (whole batches) of the eval split."""
