@@ -19,7 +19,8 @@ store on 127.0.0.1. To the daemon and the collaboration it is still one worker a
 - Evaluation and checkpoints run on rank 0 alone.
 
 A replica that dies or stops answering fails the call with WorkloadError and marks the session
-broken: every later call fails at once, so the daemon restarts the worker.
+broken: every later call fails at once (the run fails with that message; restarting the run starts
+a new worker), rather than hanging in a collective.
 """
 
 from __future__ import annotations
@@ -194,12 +195,14 @@ class ReplicatedSession(Session):
     def _fail(self, reason: str) -> None:
         self._broken = reason
         log.error("replicas_broken", reason=reason)
-        raise WorkloadError(f"multi-device worker: {reason}; restart the worker (the run restarts "
-                            "it) or use one device", {"devices": [str(d) for d in self.devices]})
+        raise WorkloadError(f"multi-device worker: {reason}; restart the run (`dedloc restart NAME` "
+                            "starts a new worker) or use one device",
+                            {"devices": [str(d) for d in self.devices]})
 
     def _check_usable(self) -> None:
         if self._broken is not None:
-            raise WorkloadError(f"multi-device worker is broken ({self._broken}); restart the worker",
+            raise WorkloadError(f"multi-device worker is broken ({self._broken}); restart the run "
+                                "(`dedloc restart NAME`) or load the workload again",
                                 {"devices": [str(d) for d in self.devices]})
 
     @contextlib.contextmanager
