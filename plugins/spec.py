@@ -115,6 +115,9 @@ class Workload:
     batches; `seed` differs per peer). Each step it calls `loss(model, batch, device)`, which must
     return the mean loss over the batch (a scalar tensor) and the batch size. `metrics`, when
     given, returns means over one batch of extra evaluation numbers (e.g. accuracy).
+    `task_fingerprint`, when given, returns a short string naming what the config does not pin but
+    every peer of a run must share (albert: the tokenizer's vocabulary); the daemon puts it in the
+    run's manifest and refuses a peer whose own differs.
     """
 
     name: str
@@ -129,6 +132,7 @@ class Workload:
     build_data: Callable[[dict[str, Any], int, Split], Iterator[Batch]]
     loss: Callable[[torch.nn.Module, Batch, torch.device], tuple[torch.Tensor, int]]
     metrics: Callable[[torch.nn.Module, Batch, torch.device], Mapping[str, float]] | None = None
+    task_fingerprint: Callable[[dict[str, Any]], str] | None = None
     api_version: int = WORKLOAD_API_VERSION
 
     def config_schema(self) -> dict[str, Any]:
@@ -169,6 +173,8 @@ class Workload:
                 found.append(f"{attr} must be callable")
         if self.metrics is not None and not callable(self.metrics):
             found.append("metrics must be callable or None")
+        if self.task_fingerprint is not None and not callable(self.task_fingerprint):
+            found.append("task_fingerprint must be callable or None")
         if not isinstance(self.config, Mapping):
             return [*found, "config must be a mapping of key to ConfigField"]
         for key, spec in self.config.items():

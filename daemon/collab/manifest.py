@@ -49,6 +49,9 @@ class RunManifest:
     average_state_every: int = 5  # parameters and optimizer state are averaged every K epochs (0: never)
     compression: str = "none"  # of the gradients in averaging rounds
     init_seed: int = 0
+    # What the config cannot pin but peers must share (the workload's task_fingerprint, e.g. a
+    # tokenizer's vocabulary): the first trainer's worker fills it in; None when the workload has none.
+    task: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.workload, str) or not self.workload:
@@ -63,12 +66,18 @@ class RunManifest:
         if self.epochs is not None and (isinstance(self.epochs, bool) or not isinstance(self.epochs, int)
                                         or self.epochs < 1):
             raise ManifestError(f"epochs must be null or an integer >= 1, got {self.epochs!r}")
+        if self.task is not None and (not isinstance(self.task, str) or not 0 < len(self.task) <= 128):
+            raise ManifestError("task must be null or a string of 1 to 128 characters, "
+                                f"got {self.task!r:.80}")
         if self.compression not in COMPRESSIONS:
             raise ManifestError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
                                 f"got {self.compression!r}")
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["task"] is None:  # so that a workload without one keeps its fingerprint
+            del data["task"]
+        return data
 
     @classmethod
     def from_json(cls, data: Any) -> RunManifest:

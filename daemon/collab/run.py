@@ -28,6 +28,7 @@ from ..errors import RunNotActiveError, WorkerError
 from ..workers.buffers import SharedBuffer
 from ..workers.process import WorkerProcess
 from .checkpoints import CheckpointStore
+from .errors import ManifestError
 from .manifest import RunManifest
 from .peer_sync import PeerSync
 from .state_sync import StateSnapshot
@@ -153,7 +154,22 @@ class Run:
             # that spell it out run the same manifest.
             full = self.description.get("config")
             if isinstance(full, dict) and full != manifest.config:
-                self.spec = replace(self.spec, manifest=replace(manifest, config=full))
+                manifest = replace(manifest, config=full)
+            # What the config cannot pin (a tokenizer): the run's creator sets it, joiners match it.
+            task = self.description.get("task_fingerprint")
+            if manifest.task is not None and task != manifest.task:
+                mismatch = ManifestError(
+                    f"this peer's {manifest.workload} task differs from run {self.spec.name!r}'s: "
+                    f"the worker here has task fingerprint {task!r}, the run {manifest.task!r}. "
+                    "The config is the same, so the files it points to differ on this machine "
+                    "(albert: the tokenizer; put the run's tokenizer file at the run's "
+                    "tokenizer_path here, or use the same data_dir files and Python version)")
+                mismatch.data = {"run": self.spec.name, "task": task, "run_task": manifest.task}
+                raise mismatch
+            if task is not None and manifest.task is None:
+                manifest = replace(manifest, task=task)
+            if manifest != self.spec.manifest:
+                self.spec = replace(self.spec, manifest=manifest)
             self.store = CheckpointStore(self.run_dir, self.spec.fingerprint())
             await asyncio.to_thread(self.store.prepare)
             await self._resume()

@@ -14,6 +14,7 @@ per-peer `seed` only picks the order in which a peer reads the documents and wha
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -208,6 +209,18 @@ def build_data(config: dict[str, Any], seed: int, split: Split) -> Iterator[dict
     return stream
 
 
+def task_fingerprint(config: dict[str, Any]) -> str:
+    """The vocabulary's identity: peers whose tokenizers differ must not train one model.
+
+    A tokenizer trained on the built-in corpus depends on the Python version (the docstrings), one
+    trained on `data_dir` on that folder's text: both can differ between peers with the same config.
+    """
+    resolved = settings(config)
+    corpus = open_corpus(resolved.data_dir, resolved.cache_dir)
+    vocab = load_vocabulary(corpus, resolved.vocab_size, resolved.tokenizer_path, resolved.cache_dir)
+    return "vocab-" + hashlib.sha256(vocab.tokenizer.to_str().encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class Outputs:
     """One forward pass: the two losses, the logits of the masked tokens and of sentence order."""
@@ -277,4 +290,5 @@ ALBERT = Workload(
     build_data=build_data,
     loss=loss,
     metrics=metrics,
+    task_fingerprint=task_fingerprint,
 )

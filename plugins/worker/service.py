@@ -75,6 +75,7 @@ class DescribeResult(TypedDict):
     config: dict[str, Any]
     device: str
     devices: list[str]
+    task_fingerprint: str | None
     parameters: list[ParameterSlot]
     total_numel: int
     state_numel: int

@@ -38,6 +38,7 @@ from .layout import (
 log = structlog.get_logger(__name__)
 
 Kind = Literal["gradients", "parameters", "state"]
+MAX_TASK_FINGERPRINT = 128
 
 
 class Session:
@@ -63,6 +64,15 @@ class Session:
         torch.manual_seed(seed)  # dropout and the like differ per peer; the weights do not
         with self._guard("build_data"):
             self._train_data: Iterator[Any] = iter(self.workload.build_data(config, seed, "train"))
+        self.task_fingerprint: str | None = None
+        if self.workload.task_fingerprint is not None:
+            with self._guard("task_fingerprint"):
+                fingerprint = self.workload.task_fingerprint(config)
+            if not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= MAX_TASK_FINGERPRINT:
+                raise WorkloadError(f"workload {self.workload.name!r}: task_fingerprint returned "
+                                    f"{fingerprint!r:.80}, not a string of 1 to {MAX_TASK_FINGERPRINT} "
+                                    "characters")
+            self.task_fingerprint = fingerprint
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         if not named:
             raise WorkloadError(f"workload {self.workload.name!r}: the model has no trainable parameters")
@@ -103,6 +113,7 @@ class Session:
             "config": self.config,
             "device": str(self.device),
             "devices": [str(self.device)],
+            "task_fingerprint": self.task_fingerprint,
             "parameters": [slot.to_json() for slot in self.slots],
             "total_numel": self.total_numel,
             "state_numel": self.state_numel,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from support import p2p_address, wait_until
 
-from dedloc.rpc import RpcCallError
+from dedloc.rpc import ErrorCode, RpcCallError
 
 LR, WARMUP = 0.01, 1000
 PARAMS = {"workload": "tiny", "name": "open", "target_batch_size": 128, "collaborative": True,
@@ -93,3 +93,55 @@ async def test_another_manifest_under_the_same_name_is_another_run(daemon_factor
         status = await wait_until(lambda d=daemon: stepped(d), timeout=120)
         assert status["last_round"]["group_size"] == 1  # they never average together
         assert status["run_peers"] == 1
+
+
+def _texts() -> list[str]:
+    """English sentences from a few standard-library docstrings (no network, no big corpus)."""
+    import argparse
+    import json
+    import pathlib
+    import textwrap
+
+    docs = [module.__doc__ or "" for module in (argparse, json, pathlib, textwrap)]
+    docs += [obj.__doc__ or "" for module in (argparse, json, pathlib) for obj in vars(module).values()
+             if callable(obj)]
+    return [doc for doc in docs if len(doc) > 40]
+
+
+async def test_a_peer_with_another_tokenizer_is_refused(daemon_factory: Any, tmp_path: Any) -> None:
+    """albert's vocabulary is not in the config: the run's manifest carries its fingerprint, and a
+    joiner whose tokenizer file (at the same tokenizer_path) differs gets a clear MANIFEST_ERROR."""
+    from dedloc.plugins.albert.tokenizer import train_tokenizer
+
+    texts = _texts()
+    data = tmp_path / "data"
+    data.mkdir()
+    for index in range(0, len(texts), 10):
+        (data / f"doc{index}.txt").write_text("\n\n".join(texts[index:index + 10]))
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(train_tokenizer(iter(texts), 400).to_str())
+    config = {"preset": "albert-tiny", "batch_size": 4, "max_seq_length": 32, "data_dir": str(data),
+              "tokenizer_path": str(tokenizer), "cache_dir": str(tmp_path / "cache")}
+    first = await daemon_factory("--workers.threads", "1")
+    address = await p2p_address(first)
+    started = await first.call("run.start", {"workload": "albert", "name": "tok", "config": config,
+                                             "collaborative": True, "target_batch_size": 64,
+                                             "checkpoint_every": 0})
+    assert started["manifest"]["task"].startswith("vocab-")
+    tokenizer.write_text(train_tokenizer(iter(texts), 300).to_str())  # this machine's file differs
+    late = await daemon_factory("--net.bootstrap", address, "--workers.threads", "1")
+
+    async def refused() -> RpcCallError | None:
+        try:
+            await late.call("run.start", {"name": "tok"})
+        except RpcCallError as exc:
+            waiting = ("no peer publishes" in exc.message or "not joined the network" in exc.message)
+            return None if waiting else exc
+        raise AssertionError("a peer with another tokenizer joined the run")
+
+    error = await wait_until(refused, timeout=90)
+    assert error.code == ErrorCode.MANIFEST_ERROR, error
+    assert "tokenizer" in error.message and error.data["run_task"] == started["manifest"]["task"]
+    assert error.data["task"].startswith("vocab-") and error.data["task"] != error.data["run_task"]
+    with pytest.raises(RpcCallError, match="no run named"):  # nothing was left half-started
+        await late.call("run.status", {"name": "tok"})

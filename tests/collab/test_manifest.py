@@ -434,3 +434,20 @@ async def test_publish_survives_a_failed_store(error: BaseException) -> None:
     dht = FakeDHT(fail_with=error)
     await publish_manifest(dht, "r", BASE, 10, "peer-1")  # no exception
     assert len(dht.stores) == 1
+
+
+# --- the task fingerprint --------------------------------------------------------------------------
+
+def test_task_is_part_of_the_identity_and_absent_when_none() -> None:
+    assert "task" not in BASE.to_json()  # a workload without one keeps the fingerprint it had
+    with_task = dataclasses.replace(BASE, task="vocab-0123456789abcdef")
+    assert with_task.to_json()["task"] == "vocab-0123456789abcdef"
+    assert with_task.fingerprint() != BASE.fingerprint()
+    assert RunManifest.from_json(with_task.to_json()) == with_task
+    assert RunManifest.from_json(BASE.to_json()).task is None
+
+
+@pytest.mark.parametrize("task", ["", "x" * 129, 5, ["vocab"]])
+def test_bad_task_is_refused(task: Any) -> None:
+    with pytest.raises(ManifestError, match="task"):
+        RunManifest.from_json({**BASE.to_json(), "task": task})

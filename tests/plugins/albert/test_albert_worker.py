@@ -28,6 +28,11 @@ def test_session_trains_steps_and_moves_state(albert_cache: Path, buffers: Any) 
     peer = Session(entry, config, seed=2, init_seed=7, device=torch.device("cpu"))
     numel = session.total_numel
     assert numel == peer.total_numel
+    # The vocabulary is the task's: the same tokenizer, the same fingerprint; another, another.
+    assert session.task_fingerprint is not None and session.task_fingerprint.startswith("vocab-")
+    assert peer.describe()["task_fingerprint"] == session.task_fingerprint
+    smaller = entry.workload.resolve_config({**TINY, "cache_dir": str(albert_cache), "vocab_size": 3000})
+    assert entry.workload.task_fingerprint(smaller) != session.task_fingerprint
     trained = session.train(32, None, threading.Event())
     assert trained["samples"] == 32 and trained["samples_per_second"] > 0
     name, _ = buffers.make(numel)
