@@ -158,6 +158,9 @@ class ReplicatedSession(Session):
             if answer["total_numel"] != self.total_numel:
                 raise WorkloadError(f"the replica on {self.devices[rank]} built a model of "
                                     f"{answer['total_numel']} parameters, rank 0 has {self.total_numel}")
+            if answer["task_fingerprint"] != self.task_fingerprint:
+                raise WorkloadError(f"the replica on {self.devices[rank]} has task fingerprint "
+                                    f"{answer['task_fingerprint']!r}, rank 0 {self.task_fingerprint!r}")
         self._broadcast_parameters()  # the same weights everywhere, whatever the workload's init did
         log.info("replicas_ready", world_size=self.world_size)
 
@@ -340,7 +343,8 @@ def replica_main(spec: ReplicaSpec, pipe: Connection) -> None:
         with contextlib.suppress(OSError):
             pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    pipe.send(("ok", {"total_numel": session.total_numel}))
+    pipe.send(("ok", {"total_numel": session.total_numel,
+                      "task_fingerprint": session.task_fingerprint}))
     bound.info("replica_ready")
     try:
         serve_replica(session, pipe)
