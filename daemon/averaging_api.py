@@ -49,7 +49,8 @@ class AveragingApi:
                           "averaging.window).", {"exclusiveMinimum": 0}] = None,
     ) -> Annotated[dict[str, Any], "The round: group_id, group_size, members, shares, seconds, "
                    "bytes_sent, bytes_received, failed_parts (element ranges left at the local "
-                   "value), senders_excluded."]:
+                   "value), senders_excluded (peer: why), senders_rejected (peer: offence, for "
+                   "contributions this peer's reducer rejected)."]:
         """Average a shared-memory vector with the peers averaging under the same key."""
         averager = self._network.require_averager()
         options = RoundOptions(key=key, weight=weight, role=role, deadline=time.time() + timeout,
@@ -59,6 +60,10 @@ class AveragingApi:
 
     @rpc_method("averaging.status", errors=(ErrorCode.NOT_JOINED,))
     async def status(self) -> Annotated[dict[str, Any], "rounds (the last ones, newest last), "
-                                        "counters, bandwidth (measured bytes per second)."]:
-        """The last averaging rounds: group size, shares, bytes, seconds, failures; and bandwidth."""
+                                        "counters (offences, bans, refused_banned, ...), bans "
+                                        "(active: peer_id, until, reason; offenders), screening "
+                                        "(the rules in force), bandwidth (measured bytes per "
+                                        "second)."]:
+        """The last averaging rounds: group size, shares, bytes, seconds, failures; the peers
+        banned for bad contributions; and bandwidth."""
         return self._network.require_averager().status()

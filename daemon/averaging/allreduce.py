@@ -28,11 +28,14 @@ import numpy as np
 import structlog
 
 from ..net import PeerTransport, RequestContext, Stream
+from .bans import BanList
 from .butterfly import Round
 from .compression import CODECS, CompressionError, finite_range
+from .corruption import SenderCorruption
 from .errors import AveragingError
 from .group import Group
 from .report import AllReduceReport, PartFailure, PeerTransfer
+from .screening import ScreeningPolicy
 from .wire import METHOD, PeerFault, StreamOpen
 
 __all__ = ["AllReduceError", "AllReduceReport", "AllReduceService", "PartFailure", "PeerTransfer"]
@@ -56,13 +59,19 @@ class AllReduceService:
     not started here may wait for it. inline_elements: chunks smaller than that are encoded,
     decoded and added on the event loop; bigger ones go to a pool of `threads` worker threads
     (measured on 2 cores: a thread hop costs ~60 us, an add of 64K float32 ~11 us, of 256K ~48 us;
-    and work in a thread lets the loop drive the sockets meanwhile).
+    and work in a thread lets the loop drive the sockets meanwhile). policy: how contributions
+    are screened and aggregated (screening.py); bans: the offences and bans of this daemon
+    (bans.py; the service's own when not given); corruption: tests only (corruption.py).
     """
 
     def __init__(self, transport: PeerTransport, *, stall_timeout: float = 10.0,
                  arrival_grace: float = 5.0, inline_elements: int = 1 << 16,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, policy: ScreeningPolicy | None = None,
+                 bans: BanList | None = None, corruption: SenderCorruption | None = None) -> None:
         self.transport = transport
+        self.policy = policy or ScreeningPolicy()
+        self.bans = bans or BanList()
+        self.corruption = corruption
         self.stall_timeout = stall_timeout
         self.arrival_grace = arrival_grace
         self.inline_elements = inline_elements
@@ -96,7 +105,8 @@ class AllReduceService:
         self.counters["rounds"] += 1
         round_ = Round(self.transport, group, my_index, vector, weight, pool=self._pool,
                        stall_timeout=self.stall_timeout, inline_elements=self.inline_elements,
-                       counters=self.counters, on_open=self._open)
+                       counters=self.counters, on_open=self._open, policy=self.policy, bans=self.bans,
+                       corruption=self.corruption.next_round() if self.corruption else None)
         try:
             report = await round_.execute()
         finally:

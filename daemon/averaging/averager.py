@@ -4,6 +4,8 @@
 group for a key, let the leader split the vector by measured bandwidth, run the butterfly
 all-reduce in place, learn bandwidth from the transfers, and keep a short history for
 `averaging.status`. A round never outlives its deadline; a round that fails keeps nothing.
+Peers whose contributions are rejected (screening.py) are banned for a while (bans.py); the bans
+and their counters show in `averaging.status` and the node's metrics.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import collections
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +24,14 @@ import structlog
 from ..config import AveragingSection
 from ..dht import DHTNode
 from ..net import PeerTransport
+from . import corruption
 from .allreduce import AllReduceError, AllReduceReport, AllReduceService, check_finite
 from .bandwidth import BandwidthEstimator
+from .bans import BanList
 from .errors import AveragingError
 from .group import Member, Role
 from .matchmaking import Matchmaker, RoundRequest
+from .screening import ScreeningPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -51,15 +57,24 @@ class NonFiniteVector(AveragingError):
 
 class Averager:
     def __init__(self, transport: PeerTransport, dht: DHTNode, config: AveragingSection, *,
-                 reachable: bool = True) -> None:
+                 reachable: bool = True,
+                 caps: Callable[[], tuple[float, float]] | None = None) -> None:
         self.config = config
         self.peer_id = transport.peer_id
         self.reachable = reachable
+        self._caps = caps  # the volunteer's (upload, download) caps in bytes/s, 0: none
         self.bandwidth = BandwidthEstimator(config.upload_mbps * MBIT, config.download_mbps * MBIT)
-        self.allreduce = AllReduceService(transport)
-        self.matchmaker = Matchmaker(transport, dht, self._plan)
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.history)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.policy = ScreeningPolicy(
+            max_value=config.max_value, max_norm_ratio=config.max_norm_ratio,
+            robust=config.robust_aggregation, clip_radius=config.clip_radius,
+            clip_iterations=config.clip_iterations)
+        self.bans = BanList(ban_after=config.ban_after, window=config.offence_window,
+                            seconds=config.ban_seconds, counters=self.counters)
+        self.allreduce = AllReduceService(transport, policy=self.policy, bans=self.bans,
+                                          corruption=corruption.from_environment())
+        self.matchmaker = Matchmaker(transport, dht, self._plan, bans=self.bans)
 
     def chunk_elements(self, size: int) -> int:
         """Chunks of `averaging.chunk_bytes`, but at least ~32 per vector so that sending,
@@ -83,6 +98,15 @@ class Averager:
             fractions = solve_shares(members, size * 4).fractions
         return to_part_bounds(fractions, size, chunk)
 
+    def advertised_bandwidth(self) -> tuple[float, float]:
+        """(upload, download) in bytes/s for the load balancer: the estimates, at most the caps."""
+        upload, download = self.bandwidth.upload, self.bandwidth.download
+        if self._caps is not None:
+            cap_up, cap_down = self._caps()
+            upload = min(upload, cap_up) if cap_up > 0 else upload
+            download = min(download, cap_down) if cap_down > 0 else download
+        return upload, download
+
     async def average(self, vector: np.ndarray, options: RoundOptions) -> dict[str, Any]:
         """Average `vector` (float32, changed in place) with the peers that average under the same
         key; return the round's report. Peer failures are reported, not raised."""
@@ -100,8 +124,8 @@ class Averager:
         weight = 0.0 if role == "aux" else options.weight
         if role != "client" and not self.reachable:
             role = "client"  # nobody can dial us: we send, we do not reduce
-        member = Member(self.peer_id, role, weight, self.bandwidth.upload, self.bandwidth.download,
-                        reachable=self.reachable)
+        upload, download = self.advertised_bandwidth()
+        member = Member(self.peer_id, role, weight, upload, download, reachable=self.reachable)
         window = options.window if options.window is not None else self.config.window
         window = max(0.1, min(window, (options.deadline - started) / 2))
         request = RoundRequest(options.key, member, size=int(vector.size),
@@ -151,11 +175,20 @@ class Averager:
             "bytes_received": report.bytes_received if report else 0,
             "failed_parts": [list(p) for p in report.failed_parts] if report else [],
             "senders_excluded": dict(report.senders_excluded) if report else {},
+            "senders_rejected": dict(report.senders_rejected) if report else {},
             "finished_at": finished,
         }
 
     def status(self) -> dict[str, Any]:
-        return {"rounds": list(self.history), "counters": dict(self.counters),
+        bans = self.bans.status()  # first: it expires bans (and counts them)
+        return {"rounds": list(self.history), "counters": dict(self.counters), "bans": bans,
+                "screening": {"max_value": self.policy.max_value,
+                              "max_norm_ratio": self.policy.max_norm_ratio,
+                              "robust_aggregation": self.policy.robust},
                 "bandwidth": {"upload_bytes_per_second": self.bandwidth.upload,
                               "download_bytes_per_second": self.bandwidth.download,
-                              "samples": self.bandwidth.samples}}
+                              "samples": self.bandwidth.samples,
+                              # what the load balancer is told: the estimates, at most the caps
+                              "advertised": dict(zip(("upload_bytes_per_second",
+                                                      "download_bytes_per_second"),
+                                                     self.advertised_bandwidth(), strict=True))}}

@@ -1,10 +1,10 @@
 """One member's share of one butterfly all-reduce round (the protocol is in wire.py).
 
-As a sender, the member streams part j of its vector to each reducer j and writes the averaged
-chunks it gets back straight into its vector. As a reducer, it adds every sender's chunks (its own
-included) into a `PartReducer` and, as soon as a chunk has come from every live sender, averages
-it, encodes it once, writes it into its own vector and sends the same bytes back to every sender
-(so sending, reducing and receiving overlap chunk by chunk).
+As a sender (sending.py), the member streams part j of its vector to each reducer j and writes the
+averaged chunks it gets back straight into its vector. As a reducer, it hands every sender's chunks
+(its own included) to a `PartReducer` and, as soon as a chunk has come from every live sender,
+averages it, encodes it once, writes it into its own vector and sends the same bytes back to every
+sender (so sending, reducing and receiving overlap chunk by chunk).
 
 Ownership: `execute` runs every task of the round in one TaskGroup under one deadline (the
 group's); a sender stream served by the transport's handler is adopted into that group. Numpy work
@@ -12,9 +12,13 @@ on chunks above `inline_elements` runs in the service's thread pool; those jobs 
 shielded (a job that started finishes and its bookkeeping stays right) and drained before
 `execute` returns, so nothing touches the vector after the call.
 
-Faults never raise: a sender whose stream fails, stalls or sends a bad chunk is dropped from the
-chunks it has not delivered (its stream aborted with the reason); a reducer whose stream fails
-leaves its remaining chunks local. The report says what failed and why.
+Faults never raise: a sender whose stream fails or stalls is dropped from the chunks it has not
+delivered (its stream aborted with the reason); a reducer whose stream fails leaves its remaining
+chunks local. A sender whose contribution is rejected (screening.py: NaN/Inf, wrong length, a
+value over the cap, a norm outlier, a protocol violation) commits an offence (bans.py) and is
+left out of every chunk not averaged yet, the ones it delivered included when they are kept. A
+banned sender is left out from the start and its stream refused. The report says what failed and
+why.
 """
 
 from __future__ import annotations
@@ -30,28 +34,18 @@ from typing import Any
 import numpy as np
 import structlog
 
-from ..net import Message, PeerTransport, PeerUnreachableError, Stream, TransportClosed, TransportError
+from ..net import Message, PeerTransport, Stream
+from .bans import BanList
 from .compression import Buffer, CompressionError, Meta, get_codec
 from .group import Group
 from .jobs import ChunkJobs
 from .reducer import PartReducer
 from .report import AllReduceReport, TransferLog, build_report
-from .wire import METHOD, ChunkPlan, PeerFault, StreamOpen, chunk_header, parse_chunk
+from .screening import OffenceKind, ScreeningPolicy, offence_kind
+from .sending import FAULTS, PartSender, describe, leaf, receive_buffer
+from .wire import ChunkPlan, PeerFault, StreamOpen, chunk_header, parse_chunk
 
 log = structlog.get_logger(__name__)
-
-FAULTS = (TransportError, PeerFault, CompressionError)
-
-
-def _leaf(error: BaseException) -> BaseException:
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
-
-
-def describe(error: BaseException) -> str:
-    return f"{type(_leaf(error)).__name__}: {_leaf(error)}"
-
 
 SOCKET_QUEUE_BYTES = 4 << 20  # what kernel socket buffers may hold ahead of a chunk
 
@@ -59,8 +53,8 @@ SOCKET_QUEUE_BYTES = 4 << 20  # what kernel socket buffers may hold ahead of a c
 class Round:
     def __init__(self, transport: PeerTransport, group: Group, index: int, vector: np.ndarray,
                  weight: float, *, pool: concurrent.futures.Executor, stall_timeout: float,
-                 inline_elements: int, counters: Counter[str],
-                 on_open: Callable[[Round], None]) -> None:
+                 inline_elements: int, counters: Counter[str], on_open: Callable[[Round], None],
+                 policy: ScreeningPolicy, bans: BanList, corruption: str | None = None) -> None:
         self.transport = transport
         self.group = group
         self.index = index
@@ -70,20 +64,18 @@ class Round:
         self.stall_timeout = stall_timeout
         self.counters = counters
         self._on_open = on_open
+        self.bans = bans
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + (group.deadline - time.time())
         members = group.members
         self.sends = members[index].sends
         self.plans = {j: ChunkPlan(a, b, group.chunk_elements) for j, (a, b) in enumerate(group.part_bounds)
                       if b > a}
-        # sender role: the reducers we send to, which averaged chunks came back, why others did not
-        self.targets = [j for j in self.plans if j != index] if self.sends else []
-        self.got = {j: [False] * self.plans[j].count for j in self.targets}
-        self.skipped: dict[tuple[int, int], str] = {}
-        self.errors: dict[int, str] = {}
         # reducer role
         self.own = own = self.plans.get(index)
-        self.reducer = PartReducer(own, [i for i, m in enumerate(members) if m.sends]) if own else None
+        senders = [i for i, m in enumerate(members) if m.sends]
+        self.reducer = PartReducer(own, senders, policy=policy,
+                                   own=index if self.sends else None) if own else None
         count = own.count if own else 0
         self.results: list[tuple[Buffer, Meta] | None] = [None] * count
         self.unaveraged: dict[int, str] = {}
@@ -95,12 +87,16 @@ class Round:
         self.adopted: set[int] = set()
         self.serving: dict[int, asyncio.Task[None]] = {}
         self.excluded: dict[int, str] = {}
+        self.offences: dict[int, OffenceKind] = {}
         # shared
         self.traffic = TransferLog()
         self.jobs = ChunkJobs(pool, inline_elements)
         self.tg: asyncio.TaskGroup | None = None
         self.closing = False
         self.log = log.bind(group_id=group.group_id, peer_id=transport.peer_id, member=index)
+        self.sender = PartSender(transport, group, index, weight, vector, self.codec, self.plans,
+                                 self.jobs, self.traffic, self._left, self._exclude, self.log,
+                                 corruption)
 
     # --- the round ------------------------------------------------------------------------------
     async def execute(self) -> AllReduceReport:
@@ -109,8 +105,9 @@ class Round:
             async with asyncio.timeout_at(self.deadline), asyncio.TaskGroup() as tg:
                 self.tg = tg
                 self._on_open(self)
-                for j in self.targets:
-                    tg.create_task(self._exchange(j), name=f"allreduce-send-{j}")
+                self._exclude_banned()
+                for j in self.sender.targets:
+                    tg.create_task(self.sender.exchange(j), name=f"allreduce-send-{j}")
                 if self.reducer is not None:
                     if self.sends:
                         tg.create_task(self._contribute(), name="allreduce-own")
@@ -141,69 +138,10 @@ class Round:
         except RuntimeError:  # the group is shutting down at the deadline: the round is over
             coro.close()
 
-    # --- sender role ----------------------------------------------------------------------------
-    async def _exchange(self, j: int) -> None:
-        """Send part j to reducer j and take its averages back."""
-        peer = self.group.members[j].peer_id
-        plan = self.plans[j]
-        stream: Stream | None = None
-        reason = "round over"
-        clean = False
-        try:
-            opened = StreamOpen(self.group.group_id, self.index, self.weight, self.group.deadline)
-            stream = await self.transport.open_stream(peer, METHOD, opened.header(), timeout=self._left())
-            self.traffic.start(peer)
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._push(stream, plan, peer))
-                tg.create_task(self._pull(stream, plan, j, peer))
-            clean = True
-        except* FAULTS as errors:
-            reason = describe(errors)
-            self.errors[j] = reason
-            self.log.info("allreduce_reducer_failed", reducer=peer, reason=reason)
-            if isinstance(_leaf(errors), TransportClosed | PeerUnreachableError):
-                self._exclude(j, f"link lost: {reason}")
-        finally:
-            if stream is not None and not clean:
-                await stream.abort(reason)
-
-    def _encode(self, plan: ChunkPlan, c: int) -> asyncio.Future[tuple[Buffer, Meta]]:
-        a, b = plan.absolute(c)
-        return self.jobs.submit(b - a, self.codec.encode, self.vector[a:b])
-
-    async def _push(self, stream: Stream, plan: ChunkPlan, peer: str) -> None:
-        upcoming = self._encode(plan, 0)
-        for c in range(plan.count):
-            payload, meta = await asyncio.shield(upcoming)
-            if c + 1 < plan.count:
-                upcoming = self._encode(plan, c + 1)  # encode the next chunk while this one goes
-            await stream.send(Message(chunk_header(c, meta), payload), timeout=self._left())
-            self.traffic.sent(peer, len(payload))
-        await stream.close()
-
-    async def _pull(self, stream: Stream, plan: ChunkPlan, j: int, peer: str) -> None:
-        scratch = _buffer(self.codec.max_payload_bytes(plan.largest))
-        for c in range(plan.count):
-            message = await stream.receive_into(scratch, timeout=self._left())
-            if message is None:
-                raise PeerFault(f"the reducer closed its stream after {c} of {plan.count} chunks")
-            skip = message.header.get("skip")
-            if skip is not None and message.header.get("c") == c:
-                self.skipped[(j, c)] = f"not averaged by the reducer: {str(skip)[:200]}"
-                continue
-            meta = parse_chunk(message.header, c, plan.count)
-            self.traffic.received(peer, len(message.payload))
-            a, b = plan.absolute(c)
-            await self.jobs.run(b - a, self._take_average, j, c, message.payload, meta)
-
-    def _take_average(self, j: int, c: int, payload: Buffer, meta: Meta) -> None:
-        a, b = self.plans[j].absolute(c)
-        self.codec.decode(payload, meta, b - a, out=self.vector[a:b])
-        self.got[j][c] = True
-
     # --- reducer role ---------------------------------------------------------------------------
     def refusal(self, peer_id: str, opened: StreamOpen) -> str | None:
-        """Why a sender's stream cannot be served (None: it can)."""
+        """Why a sender's stream cannot be served (None: it can); a member that lies about its
+        weight is excluded for it too."""
         i, members = opened.sender, self.group.members
         if self.closing or self.tg is None or self.reduced.is_set():
             return f"round {self.group.group_id} is over here"
@@ -217,11 +155,18 @@ class Round:
             return f"member {i} was excluded: {self.excluded[i]}"
         if i in self.adopted:
             return f"member {i} already has a stream open"
+        if opened.weight != members[i].weight:
+            reason = f"member {i} sends with weight {opened.weight:g}, the group says {members[i].weight:g}"
+            self._exclude(i, reason, "protocol")
+            return reason
         return None
 
     async def adopt(self, peer_id: str, stream: Stream, opened: StreamOpen) -> None:
         """Serve a sender's stream in this round's task group; return once it is served."""
-        reason = self.refusal(peer_id, opened)
+        banned = self.bans.banned(peer_id)
+        if banned is not None:
+            self.bans.refused(peer_id, "stream")
+        reason = self.refusal(peer_id, opened) if banned is None else f"peer {peer_id} is {banned}"
         if reason is not None or self.tg is None:
             self.counters["streams_refused"] += 1
             raise PeerFault(reason)
@@ -246,7 +191,7 @@ class Round:
                 tg.create_task(self._answer(stream, peer))
             clean = True
         except* FAULTS as errors:
-            self._exclude(i, describe(errors))
+            self._exclude(i, describe(errors), offence_kind(leaf(errors)))
         finally:
             self.serving.pop(i, None)
             if not clean:
@@ -258,8 +203,8 @@ class Round:
         assert self.own is not None and self.reducer is not None
         plan, reducer = self.own, self.reducer
         size = self.codec.max_payload_bytes(plan.largest)
-        buffers = (_buffer(size), _buffer(size))
-        lossless = self.codec.name == "none"
+        buffers = (receive_buffer(size), receive_buffer(size))
+        lossless = self.codec.name == "none" or reducer.keep  # kept: decoded into its row
         decoded = (None, None) if lossless else (np.empty(plan.largest, np.float32),
                                                    np.empty(plan.largest, np.float32))
         previous: asyncio.Future[None] | None = None
@@ -276,17 +221,20 @@ class Round:
                 return
             reducer.take(i, c)
             first, last = plan.relative(c)
-            previous = self.jobs.submit(last - first, self._add_chunk, c, message.payload, meta, weight,
-                                    decoded[c % 2])
+            previous = self.jobs.submit(last - first, self._add_chunk, i, c, message.payload, meta,
+                                        weight, decoded[c % 2])
             previous.add_done_callback(partial(self._on_added, i, c, weight))
         if previous is not None:
             await asyncio.shield(previous)
 
-    def _add_chunk(self, c: int, payload: Buffer, meta: Meta, weight: float, out: np.ndarray | None) -> None:
+    def _add_chunk(self, i: int, c: int, payload: Buffer, meta: Meta, weight: float,
+                   out: np.ndarray | None) -> None:
         assert self.own is not None and self.reducer is not None
         first, last = self.own.relative(c)
-        values = self.codec.decode(payload, meta, last - first, None if out is None else out[:last - first])
-        self.reducer.add(c, values, weight, values if values.flags.writeable else None)
+        row = self.reducer.row(c, i)
+        target = row if row is not None else None if out is None else out[:last - first]
+        values = self.codec.decode(payload, meta, last - first, target)
+        self.reducer.add(c, i, values, weight, values if values.flags.writeable else None)
 
     async def _contribute(self) -> None:
         """Add our own part (exact, no codec) with our weight."""
@@ -298,7 +246,8 @@ class Round:
                 continue
             reducer.take(self.index, c)
             a, b = plan.absolute(c)
-            job = self.jobs.submit(b - a, reducer.add, c, self.vector[a:b], self.weight, scratch)
+            job = self.jobs.submit(b - a, reducer.add, c, self.index, self.vector[a:b], self.weight,
+                                   scratch)
             job.add_done_callback(partial(self._on_added, self.index, c, self.weight))
             await asyncio.shield(job)
 
@@ -313,30 +262,37 @@ class Round:
             self._spawn(self._finalize(c), f"allreduce-average-{c}")
         if error is not None:
             self.counters["bad_chunks"] += 1
-            self._exclude(i, f"chunk {c}: {describe(error)}")
+            self._exclude(i, f"chunk {c}: {describe(error)}", offence_kind(error))
 
     async def _finalize(self, c: int) -> None:
         assert self.own is not None
         a, b = self.own.absolute(c)
+        rejected: dict[int, str] = {}
         try:
-            await self.jobs.run(b - a, self._average, c)
+            rejected = await self.jobs.run(b - a, self._average, c)
         except CompressionError as exc:  # the average overflowed float32
             self.unaveraged[c] = describe(exc)
+        for i, reason in rejected.items():
+            self.counters["bad_chunks"] += 1
+            self._exclude(i, f"chunk {c}: {reason}", "norm_outlier")
         self.done[c].set()
         self.remaining -= 1
         if not self.remaining:
             self.reduced.set()
 
-    def _average(self, c: int) -> None:
+    def _average(self, c: int) -> dict[int, str]:
+        """Average chunk c into our vector and encode it for the senders; the senders the norm
+        rule rejected in it."""
         assert self.own is not None and self.reducer is not None
-        average = self.reducer.average(c)
+        average, rejected = self.reducer.average(c)
         if average is None:
-            self.unaveraged[c] = "no sender delivered this chunk"
-            return
+            self.unaveraged[c] = "no sender's contribution was accepted"
+            return rejected
         payload, meta = self.codec.encode(average)
         a, b = self.own.absolute(c)
         self.codec.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
         self.results[c] = (payload, meta)
+        return rejected
 
     async def _answer(self, stream: Stream, peer: str) -> None:
         assert self.own is not None
@@ -375,11 +331,24 @@ class Round:
             if member.sends and i != self.index and i not in self.adopted:
                 self._exclude(i, f"no stream came within {self.stall_timeout}s")
 
-    def _exclude(self, i: int, reason: str) -> None:
-        """Leave sender i out of every chunk it has not delivered; stop serving its stream."""
-        if i in self.excluded or self.reducer is None or i == self.index:
+    def _exclude_banned(self) -> None:
+        for i, member in enumerate(self.group.members):
+            banned = self.bans.banned(member.peer_id) if member.sends and i != self.index else None
+            if banned is not None and self.reducer is not None:
+                self.bans.refused(member.peer_id, "round")
+                self._exclude(i, banned)
+
+    def _exclude(self, i: int, reason: str, offence: OffenceKind | None = None) -> None:
+        """Leave sender i out of every chunk it has not delivered; stop serving its stream. An
+        offence also leaves it out of the chunks it delivered that are kept and not averaged
+        yet, and is recorded against it (once per round)."""
+        if self.reducer is None or i == self.index or not self.group.members[i].sends:
             return
-        if not self.group.members[i].sends:
+        if offence is not None and i not in self.offences:
+            self.offences[i] = offence
+            self.reducer.discard(i)
+            self.bans.offence(self.group.members[i].peer_id, offence, reason)
+        if i in self.excluded:
             return
         self.excluded[i] = reason
         self.counters["senders_excluded"] += 1
@@ -397,17 +366,14 @@ class Round:
             if j == self.index:
                 done = [(self.results[c] is not None, self.unaveraged.get(c, "deadline passed"))
                         for c in range(plan.count)]
-            elif j in self.got:
-                default = self.errors.get(j, "deadline passed")
-                done = [(self.got[j][c], self.skipped.get((j, c), default)) for c in range(plan.count)]
             else:
-                continue
+                sent = self.sender.outcome(j)
+                if sent is None:
+                    continue
+                done = sent
             outcomes[self.group.members[j].peer_id] = [
                 (plan.absolute(c), ok, reason) for c, (ok, reason) in enumerate(done)]
         excluded = {self.group.members[i].peer_id: r for i, r in sorted(self.excluded.items())}
-        return build_report(self.group.group_id, seconds, outcomes, self.traffic, excluded)
+        rejected = {self.group.members[i].peer_id: k for i, k in sorted(self.offences.items())}
+        return build_report(self.group.group_id, seconds, outcomes, self.traffic, excluded, rejected)
 
-
-def _buffer(size: int) -> memoryview:
-    """A receive buffer (not zero-filled: the transport writes every byte before we read it)."""
-    return memoryview(np.empty(size, np.uint8))

@@ -47,6 +47,10 @@ class CompressionError(AveragingError, ValueError):
     """A chunk cannot be encoded (NaN/Inf) or a payload/meta cannot be decoded (a bad peer)."""
 
 
+class NonFiniteError(CompressionError):
+    """The chunk, or what a payload decodes to, holds NaN or Inf."""
+
+
 class Codec(Protocol):
     name: str
 
@@ -74,7 +78,7 @@ def finite_range(array: np.ndarray) -> tuple[float, float]:
     """(min, max) of a non-empty float32 array; CompressionError if it holds NaN or Inf."""
     lo, hi = float(array.min()), float(array.max())  # NaN propagates through min/max
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise CompressionError("the chunk holds NaN or Inf values")
+        raise NonFiniteError("the chunk holds NaN or Inf values")
     return lo, hi
 
 
@@ -171,7 +175,7 @@ class Float16:
         # non-negative float16 bit patterns sort like their values: the largest magnitude's bits
         top = int(np.bitwise_and(bits, 0x7FFF).max())
         if top >= 0x7C00:
-            raise CompressionError("fp16 payload holds NaN or Inf values")
+            raise NonFiniteError("fp16 payload holds NaN or Inf values")
         largest = math.ldexp(float(np.array([top], dtype=np.uint16).view(np.float16)[0]), exponent)
         if largest > _F32_MAX * (1 + 2.0**-10):
             raise CompressionError("fp16 payload overflows float32 once scaled")
@@ -249,7 +253,7 @@ def _decode_levels(payload: Buffer, n: int, out: np.ndarray | None, name: str) -
     view = _check_length(payload, _LEVEL_BYTES + n, name)
     levels = np.frombuffer(view, dtype=np.float32, count=_LEVELS)
     if not np.isfinite(levels).all():
-        raise CompressionError(f"{name} payload holds non-finite levels")
+        raise NonFiniteError(f"{name} payload holds non-finite levels")
     codes = np.frombuffer(view, dtype=np.uint8, offset=_LEVEL_BYTES, count=n)
     target = _target(out, n)
     np.take(levels, codes, out=target)

@@ -6,6 +6,7 @@ load balancing fills `part_bounds`; the all-reduce reads it. Pure data, JSON-abl
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -45,8 +46,13 @@ class Member:
         role = data["role"]
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
-        return cls(str(data["peer_id"]), role, float(data["weight"]), float(data["upload"]),
-                   float(data["download"]), bool(data.get("reachable", True)))
+        weight, upload, download = float(data["weight"]), float(data["upload"]), float(data["download"])
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"a member's weight must be finite and not negative, not {weight}")
+        if not (math.isfinite(upload) and math.isfinite(download) and upload > 0 and download > 0):
+            raise ValueError("a member's bandwidths must be finite and positive")
+        return cls(str(data["peer_id"]), role, weight, upload, download,
+                   bool(data.get("reachable", True)))
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,14 @@
    a fresh group id, the round's deadline, and sends that same `Group` to every member
    (`avg.group`).
 4. A peer asked to join while it follows someone else answers with a redirect to its leader; ids
-   only decrease along redirects, so they end. A leader that does not answer, or that has already
-   closed its group, is skipped for the next candidate while time remains; in the end a peer can
-   always average alone (a group of one), so matchmaking never deadlocks and never waits past the
-   window.
+   only decrease along redirects, so they end. A peer asked while still gathering takes the join
+   (it may well lead); if it then follows another leader after all (one its joiner had not seen),
+   it redirects those it took there (`avg.redirect`), so that none waits for a group that never
+   comes. A leader that does not answer, or that has already closed its group, is skipped for the
+   next candidate while time remains; in the end a peer can always average alone (a group of
+   one), so matchmaking never deadlocks and never waits past the window.
+5. A peer banned here (bans.py) counts towards `expected` but is no candidate: it is not taken as
+   a leader, not waited for, and its join is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import structlog
 
 from ..dht import DHTNode
 from ..net import Message, PeerTransport, RemoteError, RequestContext, TransportError
+from .bans import BanList
 from .errors import MatchmakingError
 from .group import Group, Member
 
@@ -38,6 +43,7 @@ log = structlog.get_logger(__name__)
 
 JOIN = "avg.join"
 GROUP = "avg.group"
+REDIRECT = "avg.redirect"
 JOIN_ACK_SECONDS = 3.0  # at most this long for a leader to acknowledge a join, else it is skipped
 DHT_PREFIX = "averaging/"
 POLL_SECONDS = (0.01, 0.2)  # between DHT reads while gathering: first, and at most (backing off)
@@ -75,17 +81,21 @@ class _Gathering:
     group: asyncio.Future[Group] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     joined: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
+    redirect: asyncio.Future[str] | None = None  # while joining a leader: where it sends us instead
 
 
 class Matchmaker:
-    def __init__(self, transport: PeerTransport, dht: DHTNode, planner: Planner) -> None:
+    def __init__(self, transport: PeerTransport, dht: DHTNode, planner: Planner, *,
+                 bans: BanList | None = None) -> None:
         self._transport = transport
         self._dht = dht
         self._planner = planner
+        self._bans = bans or BanList()
         self.peer_id = transport.peer_id
         self._rounds: dict[str, _Gathering] = {}
         transport.add_unary_handler(JOIN, self._on_join)
         transport.add_unary_handler(GROUP, self._on_group)
+        transport.add_unary_handler(REDIRECT, self._on_redirect)
 
     async def form_group(self, request: RoundRequest) -> Group:
         """The group this round averages in (possibly just us). Returns by the window's end plus
@@ -140,6 +150,9 @@ class Matchmaker:
                 break
             await asyncio.sleep(min(pause, max(0.0, window_end - time.time())))
             pause = min(pause * 2, POLL_SECONDS[1])
+        for peer_id in [p for p in seen if p != self.peer_id and self._bans.banned(p) is not None]:
+            self._bans.refused(peer_id, "candidate")
+            del seen[peer_id]
         return seen
 
     # Deciding the leader -----------------------------------------------------------------
@@ -160,7 +173,11 @@ class Matchmaker:
                 return await self._lead(gathering, candidates, give_up, gone=tried)
             gathering.leader = leader
             tried.add(leader)
-            outcome = await self._join(gathering, leader, give_up)
+            # Those that joined us while we were undecided follow us there (we do not lead).
+            taken, gathering.joiners = list(gathering.joiners), {}
+            outcome, *_ = await asyncio.gather(
+                self._join(gathering, leader, give_up),
+                *(self._send_redirect(request, peer_id, leader) for peer_id in taken))
             if isinstance(outcome, Group):
                 return outcome
             if outcome is not None and outcome not in tried:  # a redirect to the leader's leader
@@ -172,9 +189,23 @@ class Matchmaker:
         request = gathering.request
         header = {"key": request.key, "member": request.member.to_json(), "size": request.size,
                   "compression": request.compression, "chunk_elements": request.chunk_elements}
+        access = self._dht.access  # a closed run's rounds need our membership token
+        if access is not None and (token := access.credential(request.key)) is not None:
+            header["token"] = token
         timeout = min(_ack_seconds(request), give_up - time.time())
         if timeout <= 0:
             return None
+        redirect = gathering.redirect = asyncio.get_running_loop().create_future()
+        try:
+            return await self._join_leader(gathering, leader, header, timeout, give_up, redirect)
+        finally:
+            gathering.redirect = None
+            redirect.cancel()
+
+    async def _join_leader(self, gathering: _Gathering, leader: str, header: dict[str, Any],
+                           timeout: float, give_up: float,
+                           redirect: asyncio.Future[str]) -> Group | str | None:
+        request = gathering.request
         try:
             reply = await self._transport.call(leader, JOIN, Message(header), timeout=timeout)
         except RemoteError as exc:
@@ -185,12 +216,17 @@ class Matchmaker:
             return None
         if "redirect" in reply.header:
             return str(reply.header["redirect"])
-        try:  # accepted: the leader sends the group (avg.group) once it is assembled
-            async with asyncio.timeout(max(0.0, give_up + _grace(request) - time.time())):
-                return await asyncio.shield(gathering.group)
-        except TimeoutError:
-            log.info("matchmaking_leader_never_sent_group", leader=leader[:12])
-            return None
+        # accepted: the leader sends the group (avg.group) once it is assembled, or, if it follows
+        # another peer after all, that peer's id (avg.redirect)
+        await asyncio.wait([gathering.group, redirect], return_when=asyncio.FIRST_COMPLETED,
+                           timeout=max(0.0, give_up + _grace(request) - time.time()))
+        if gathering.group.done() and not gathering.group.cancelled():
+            return gathering.group.result()
+        if redirect.done():
+            log.info("matchmaking_redirected", leader=leader[:12], to=redirect.result()[:12])
+            return redirect.result()
+        log.info("matchmaking_leader_never_sent_group", leader=leader[:12])
+        return None
 
     async def _lead(self, gathering: _Gathering, candidates: dict[str, Member], give_up: float,
                     gone: set[str] | frozenset[str] = frozenset()) -> Group:
@@ -223,6 +259,14 @@ class Matchmaker:
         except (TransportError, TimeoutError) as exc:  # it will be missing from the all-reduce
             log.warning("matchmaking_group_not_delivered", peer=peer_id[:12], error=str(exc))
 
+    async def _send_redirect(self, request: RoundRequest, peer_id: str, leader: str) -> None:
+        timeout = min(JOIN_ACK_SECONDS, request.deadline - time.time())
+        try:
+            await self._transport.call(peer_id, REDIRECT, Message({"key": request.key, "leader": leader}),
+                                       timeout=max(0.1, timeout))
+        except (TransportError, TimeoutError) as exc:  # it waits for a group and then goes on
+            log.info("matchmaking_redirect_not_delivered", peer=peer_id[:12], error=str(exc))
+
     async def _assemble(self, request: RoundRequest, members: tuple[Member, ...]) -> Group:
         if len(members) == 1:
             return self._alone(request)
@@ -247,6 +291,9 @@ class Matchmaker:
     async def _on_join(self, ctx: RequestContext, message: Message) -> Message:
         header = message.header
         key = header.get("key")
+        if isinstance(key, str) and self._dht.access is not None:
+            # A closed run's rounds admit its members only (AccessDenied, counted per peer).
+            self._dht.access.authorize_read(ctx.peer_id, key, header.get("token"))
         gathering = self._rounds.get(key) if isinstance(key, str) else None
         if gathering is None:
             raise MatchmakingError("no round of that key is being formed here")
@@ -258,6 +305,10 @@ class Matchmaker:
             raise MatchmakingError(f"bad member info: {exc}") from None
         if member.peer_id != ctx.peer_id:
             raise MatchmakingError("a peer may only join as itself")
+        banned = self._bans.banned(ctx.peer_id)
+        if banned is not None:
+            self._bans.refused(ctx.peer_id, "join")
+            raise MatchmakingError(f"you are {banned}")
         if not gathering.request.compatible(header):
             raise MatchmakingError("this round averages a vector of another size, chunking or "
                                    "compression")
@@ -281,6 +332,18 @@ class Matchmaker:
             raise MatchmakingError("the group does not include this peer")
         if not gathering.group.done():
             gathering.group.set_result(group)
+        return Message({})
+
+    async def _on_redirect(self, ctx: RequestContext, message: Message) -> Message:
+        """The leader we joined follows another peer after all: join that one instead."""
+        key, leader = message.header.get("key"), message.header.get("leader")
+        gathering = self._rounds.get(key) if isinstance(key, str) else None
+        if gathering is None or gathering.leader != ctx.peer_id or gathering.redirect is None:
+            raise MatchmakingError("not waiting for a group from you under that key")
+        if not isinstance(leader, str) or leader in (ctx.peer_id, self.peer_id):
+            raise MatchmakingError("bad redirect")
+        if not gathering.redirect.done():
+            gathering.redirect.set_result(leader)
         return Message({})
 
 

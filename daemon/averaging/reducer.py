@@ -1,13 +1,22 @@
-"""A reducer's running sums for its part, chunk by chunk. No I/O.
+"""A reducer's part, chunk by chunk: what each sender contributed, and the average. No I/O.
 
-For every chunk the reducer tracks which senders it still waits for, how many contributions are
-being added right now, and the total weight added. A chunk is settled once it waits for nobody
-and adds nothing: its average is then the weighted sum over the total weight of the senders that
-delivered it (a sender dropped before delivering it is simply not in it). A chunk that nobody
-delivered has no average (every member keeps its local value there).
+For every chunk the reducer tracks which senders it still waits for and how many contributions
+are being added right now. A chunk is settled once it waits for nobody and adds nothing; its
+average is then taken over the senders that delivered it (a sender dropped before delivering it is
+simply not in it). A chunk that nobody delivered has no average (every member keeps its local
+value there). Every contribution is screened as it is added (screening.py: the hard cap).
 
-The bookkeeping (`take`, `added`, `released`, `drop`) runs on the event loop; `add` and `average`
-are the numpy work and may run in worker threads: `add` holds the chunk's lock while it sums.
+Two ways to hold the contributions:
+- running sums (`keep` False): sums[chunk] += weight * values as each arrives; one part-sized
+  array whatever the number of senders;
+- kept (`keep` True, when the norm rule or centered clipping needs them, screening.py): each
+  sender's chunk is kept in a row of a (senders x chunk) array until the chunk settles; then the
+  norm outliers are rejected and the rest averaged (a weighted mean, or centered clipping). A
+  sender left out for an offence (`discard`) is removed from every chunk not settled yet.
+
+The bookkeeping (`take`, `added`, `released`, `drop`, `discard`) runs on the event loop; `add`,
+`average` and `row` may run in worker threads (numpy releases the GIL): they take the chunk's lock
+around what they share.
 """
 
 from __future__ import annotations
@@ -17,20 +26,32 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from .clipping import centered_clip
+from .screening import ScreeningPolicy, norm_outliers, screen
 from .wire import ChunkPlan
 
 
 class PartReducer:
-    def __init__(self, plan: ChunkPlan, senders: Iterable[int]) -> None:
+    def __init__(self, plan: ChunkPlan, senders: Iterable[int], *,
+                 policy: ScreeningPolicy | None = None, own: int | None = None) -> None:
         self.plan = plan
+        self.policy = policy or ScreeningPolicy()
+        self.own = own  # the reducer's own sender index: never rejected by the norm rule
+        self.senders = sorted(frozenset(senders))
+        self.keep = self.policy.keeps(len(self.senders))
+        self._row = {sender: row for row, sender in enumerate(self.senders)}
+        # running sums, averaged in place; when kept, the averages only (the payloads sent back)
         self.sums = np.empty(plan.size, dtype=np.float32)
-        expected = frozenset(senders)
-        self._waiting = [set(expected) for _ in range(plan.count)]
+        self._waiting = [set(self.senders) for _ in range(plan.count)]
         self._busy = [0] * plan.count
         self._weight = [0.0] * plan.count
         self._empty = [True] * plan.count  # guarded by the chunk's lock
         self._locks = [threading.Lock() for _ in range(plan.count)]
         self._settled = [False] * plan.count
+        # kept contributions: the chunk's rows, and per sender its (weight, norm); chunk's lock
+        self._rows: list[np.ndarray | None] = [None] * plan.count
+        self._kept: list[dict[int, tuple[float, float]]] = [{} for _ in range(plan.count)]
+        self._discarded: set[int] = set()
 
     # --- bookkeeping (event loop) -------------------------------------------------------------
     def expects(self, sender: int, index: int) -> bool:
@@ -42,7 +63,7 @@ class PartReducer:
         self._busy[index] += 1
 
     def added(self, index: int, weight: float) -> bool:
-        """The contribution taken for chunk `index` is in the sums; True if the chunk settled."""
+        """The contribution taken for chunk `index` is in; True if the chunk settled."""
         self._busy[index] -= 1
         self._weight[index] += weight
         return self._settle(index)
@@ -62,6 +83,15 @@ class PartReducer:
                     settled.append(index)
         return settled
 
+    def discard(self, sender: int) -> None:
+        """Leave `sender` out of the chunks it delivered that have not settled yet too (kept
+        contributions only: a running sum cannot give a contribution back)."""
+        self._discarded.add(sender)
+        for index, kept in enumerate(self._kept):
+            if not self._settled[index] and sender in kept:
+                with self._locks[index]:
+                    kept.pop(sender, None)
+
     def pending(self, sender: int) -> bool:
         """Whether some chunk still waits for `sender`."""
         return any(sender in waiting for waiting in self._waiting)
@@ -76,8 +106,32 @@ class PartReducer:
         return True
 
     # --- numpy (any thread) -------------------------------------------------------------------
-    def add(self, index: int, values: np.ndarray, weight: float, scratch: np.ndarray | None) -> None:
-        """sums[chunk] += weight * values; `scratch` (may be `values` itself) holds the product."""
+    def row(self, index: int, sender: int) -> np.ndarray | None:
+        """Where to decode `sender`'s chunk `index` straight into (kept mode), else None."""
+        if not self.keep:
+            return None
+        first, last = self.plan.relative(index)
+        with self._locks[index]:
+            rows = self._rows[index]
+            if rows is None:
+                rows = self._rows[index] = np.empty((len(self.senders), last - first), np.float32)
+        return rows[self._row[sender]]
+
+    def add(self, index: int, sender: int, values: np.ndarray, weight: float,
+            scratch: np.ndarray | None = None) -> None:
+        """Screen `sender`'s chunk `index` (ContributionRejected if it breaks the hard cap), then
+        add it: kept (copied into its row unless it was decoded there) or into the running sums
+        (`scratch`, which may be `values` itself, holds the weighted product)."""
+        norm = screen(values, self.policy)
+        if self.keep:
+            target = self.row(index, sender)
+            assert target is not None
+            if target.ctypes.data != values.ctypes.data:  # not decoded into its row already
+                np.copyto(target, values)
+            with self._locks[index]:
+                if sender not in self._discarded:
+                    self._kept[index][sender] = (weight, norm)
+            return
         first, last = self.plan.relative(index)
         if scratch is None:
             product = np.multiply(values, np.float32(weight))
@@ -92,12 +146,37 @@ class PartReducer:
             else:
                 np.add(target, product, out=target)
 
-    def average(self, index: int) -> np.ndarray | None:
-        """The settled chunk's weighted average (in place of its sums), None if nobody delivered."""
-        total = self._weight[index]
-        if total <= 0:
-            return None
+    def average(self, index: int) -> tuple[np.ndarray | None, dict[int, str]]:
+        """The settled chunk's average (a view of `sums`; None if no contribution is left), and
+        the senders rejected now by the norm rule, with why."""
         first, last = self.plan.relative(index)
-        target = self.sums[first:last]
-        np.multiply(target, np.float32(1.0 / total), out=target)
-        return target
+        out = self.sums[first:last]
+        if not self.keep:
+            total = self._weight[index]
+            if total <= 0:
+                return None, {}
+            np.multiply(out, np.float32(1.0 / total), out=out)
+            return out, {}
+        with self._locks[index]:
+            kept = {s: v for s, v in self._kept[index].items() if s not in self._discarded}
+            rows = self._rows[index]
+            self._kept[index] = {}
+            self._rows[index] = None  # freed once averaged
+        rejected = norm_outliers({s: norm for s, (_, norm) in kept.items()}, self.policy.max_norm_ratio,
+                                 protected=self.own)
+        accepted = [s for s in self.senders if s in kept and s not in rejected]
+        if not accepted or rows is None:
+            return None, rejected
+        weights = [kept[s][0] for s in accepted]
+        if self.policy.robust == "centered_clip":
+            chosen = rows if len(accepted) == len(self.senders) else rows[[self._row[s] for s in accepted]]
+            centered_clip(chosen, weights, self.policy.clip_radius, self.policy.clip_iterations, out)
+            return out, rejected
+        total = float(sum(weights))
+        product = np.empty_like(out)
+        for position, (sender, weight) in enumerate(zip(accepted, weights, strict=True)):
+            scaled = out if position == 0 else product
+            np.multiply(rows[self._row[sender]], np.float32(weight / total), out=scaled)
+            if position:
+                np.add(out, product, out=out)
+        return out, rejected

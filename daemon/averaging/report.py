@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,8 @@ class AllReduceReport:
     ranges of this member's vector (an aux member only counts its own part; every other member
     counts the whole vector); `failures` says, per reducer, which ranges failed and why;
     `senders_excluded` maps the peer id of every sender this member's reducer left out (from the
-    chunks it had not delivered) to the reason."""
+    chunks it had not delivered) to the reason; `senders_rejected` maps those of them whose
+    contribution was rejected (an offence, screening.py) to the kind of offence."""
 
     group_id: str
     seconds: float
@@ -46,6 +47,7 @@ class AllReduceReport:
     failed_parts: tuple[tuple[int, int], ...]
     failures: tuple[PartFailure, ...]
     senders_excluded: dict[str, str]
+    senders_rejected: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -62,6 +64,7 @@ class AllReduceReport:
             "failures": [{"start": f.start, "end": f.end, "reducer": f.reducer, "reason": f.reason}
                          for f in self.failures],
             "senders_excluded": dict(self.senders_excluded),
+            "senders_rejected": dict(self.senders_rejected),
         }
 
 
@@ -114,7 +117,7 @@ class TransferLog:
 
 def build_report(group_id: str, seconds: float,
                  outcomes: dict[str, list[tuple[tuple[int, int], bool, str]]], traffic: TransferLog,
-                 excluded: dict[str, str]) -> AllReduceReport:
+                 excluded: dict[str, str], rejected: Mapping[str, str] | None = None) -> AllReduceReport:
     """The report from each reducer's chunks: (element range, averaged?, why not) in order."""
     reduced: list[tuple[int, int]] = []
     failures: list[PartFailure] = []
@@ -134,4 +137,4 @@ def build_report(group_id: str, seconds: float,
         bytes_received=sum(t.bytes_received for t in transfers.values()),
         transfers=transfers, parts_reduced=merge_ranges(reduced),
         failed_parts=merge_ranges((f.start, f.end) for f in failures), failures=tuple(failures),
-        senders_excluded=excluded)
+        senders_excluded=excluded, senders_rejected=dict(rejected or {}))

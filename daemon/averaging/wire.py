@@ -26,6 +26,11 @@ class PeerFault(AveragingError):
     """A peer broke the all-reduce protocol (bad header, bad chunk, wrong order, ...)."""
 
 
+class ProtocolViolation(PeerFault):
+    """A sender's chunk message breaks the protocol (no index, out of order, duplicate, bad meta):
+    an offence, unlike a fault of the link."""
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
     """Part [start, end) of the vector, cut into chunks of `chunk_elements` (the last may be short)."""
@@ -93,14 +98,14 @@ def parse_chunk(header: dict[str, Any], expected: int, count: int) -> dict[str, 
     """The codec meta of chunk `expected` (chunks come in order); PeerFault for anything else."""
     index = header.get("c")
     if isinstance(index, bool) or not isinstance(index, int):
-        raise PeerFault("chunk message without a chunk index")
+        raise ProtocolViolation("chunk message without a chunk index")
     if index != expected:
         if 0 <= index < expected:
-            raise PeerFault(f"duplicate chunk {index}")
+            raise ProtocolViolation(f"duplicate chunk {index}")
         if index < 0 or index >= count:
-            raise PeerFault(f"unknown chunk index {index} (the part has {count} chunks)")
-        raise PeerFault(f"chunk {index} out of order (expected {expected})")
+            raise ProtocolViolation(f"unknown chunk index {index} (the part has {count} chunks)")
+        raise ProtocolViolation(f"chunk {index} out of order (expected {expected})")
     meta = header.get("m", {})
     if not isinstance(meta, dict):
-        raise PeerFault(f"chunk {index}: codec meta is not an object")
+        raise ProtocolViolation(f"chunk {index}: codec meta is not an object")
     return meta

@@ -1,0 +1,87 @@
+"""TEST ONLY: make this daemon a bad sender, to test the other peers' defences end to end.
+
+    DEDLOC_TESTING=1 DEDLOC_TEST_CORRUPT_PARTS=nan,short,scale=1e6 dedlocd ...
+
+makes every chunk this daemon sends to another reducer bad, round k (counted from 0 in this
+process) in the k-th way of the list, cycling:
+    nan, inf   a non-finite value in the chunk (none: the float itself; fp16: its bit pattern;
+               quantile8: a level; uint8: the meta's minimum, which JSON carries as null);
+    short      the payload 4 bytes short of the chunk's length;
+    scale=F    the chunk multiplied by F before encoding (finite, well formed: an absurd norm).
+Its own part, its averages and everything else stay honest. The local API cannot do this: a local
+NaN is the caller's error (averaging.average refuses it), so a bad sender is simulated below it.
+
+The switch is refused unless DEDLOC_TESTING=1 is set as well (logged as an error, and ignored):
+a production daemon never corrupts anything because of a stray variable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import structlog
+
+from .compression import Buffer, Codec, Meta
+
+log = structlog.get_logger(__name__)
+
+SWITCH = "DEDLOC_TEST_CORRUPT_PARTS"
+TESTING = "DEDLOC_TESTING"
+MODES = ("nan", "inf", "short", "scale")
+
+
+class SenderCorruption:
+    def __init__(self, modes: list[str]) -> None:
+        for mode in modes:
+            name, _, argument = mode.partition("=")
+            if name not in MODES or (name == "scale") != bool(argument):
+                raise ValueError(f"unknown corruption {mode!r} (known: nan, inf, short, scale=F)")
+            if argument and not math.isfinite(float(argument)):
+                raise ValueError(f"the scale of {mode!r} must be finite")
+        self.modes = modes
+        self._rounds = itertools.cycle(modes)
+
+    def next_round(self) -> str:
+        """The way the next round's chunks are corrupted."""
+        return next(self._rounds)
+
+    @staticmethod
+    def encode(mode: str, codec: Codec, values: np.ndarray) -> tuple[Buffer, Meta]:
+        """The bad payload and meta of one chunk."""
+        name, _, argument = mode.partition("=")
+        if name == "scale":
+            return codec.encode(np.multiply(values, np.float32(float(argument))))
+        payload, meta = codec.encode(values)
+        if name == "short":
+            return bytes(memoryview(payload).cast("B")[:-4]), meta
+        bad = float("nan") if name == "nan" else float("inf")
+        if codec.name == "none":
+            copy = np.array(values, dtype=np.float32)
+            copy[0] = bad
+            return copy.tobytes(), meta
+        if codec.name == "uint8":
+            return payload, {**meta, "lo": bad}
+        raw = bytearray(memoryview(payload).cast("B"))
+        if codec.name == "fp16":
+            raw[0:2] = np.array([bad], np.float16).tobytes()
+        else:  # quantile8: the first level
+            raw[0:4] = np.array([bad], np.float32).tobytes()
+        return raw, meta
+
+
+def from_environment(env: Mapping[str, str] = os.environ) -> SenderCorruption | None:
+    """The corruption the environment asks for, if tests are running; else None."""
+    wanted = env.get(SWITCH, "").strip()
+    if not wanted:
+        return None
+    if env.get(TESTING) != "1":
+        log.error("test_switch_refused", switch=SWITCH,
+                  reason=f"it is for tests only and {TESTING}=1 is not set: ignored")
+        return None
+    corruption = SenderCorruption([m.strip() for m in wanted.split(",") if m.strip()])
+    log.warning("test_corruption_enabled", switch=SWITCH, modes=corruption.modes)
+    return corruption

@@ -1,0 +1,138 @@
+"""A round's sender role: stream part j of our vector to reducer j, write its averages back.
+
+`PartSender.exchange(j)` opens the stream to reducer j (wire.py), pushes the chunks (encoding the
+next one while the current one goes) and writes each averaged chunk that comes back straight into
+the vector. A reducer that fails leaves its remaining chunks local: `outcome(j)` says, per chunk,
+whether it was averaged and why not. The round (butterfly.py) owns the tasks, the deadline and the
+thread pool's jobs; this is only the sending half of its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..net import Message, PeerTransport, PeerUnreachableError, Stream, TransportClosed, TransportError
+from .compression import Buffer, Codec, CompressionError, Meta
+from .corruption import SenderCorruption
+from .group import Group
+from .jobs import ChunkJobs
+from .report import TransferLog
+from .wire import METHOD, ChunkPlan, PeerFault, StreamOpen, chunk_header, parse_chunk
+
+FAULTS = (TransportError, PeerFault, CompressionError)
+
+
+def leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(leaf(error)).__name__}: {leaf(error)}"
+
+
+def receive_buffer(size: int) -> memoryview:
+    """A receive buffer (not zero-filled: the transport writes every byte before we read it)."""
+    return memoryview(np.empty(size, np.uint8))
+
+
+@dataclass
+class PartSender:
+    transport: PeerTransport
+    group: Group
+    index: int
+    weight: float
+    vector: np.ndarray
+    codec: Codec
+    plans: dict[int, ChunkPlan]
+    jobs: ChunkJobs
+    traffic: TransferLog
+    left: Callable[[], float]  # the per-operation timeout (butterfly.Round._left)
+    on_link_lost: Callable[[int, str], None]  # reducer j's link is gone: it cannot send to us either
+    log: Any
+    corruption: str | None = None  # tests only (corruption.py): how our chunks go out bad
+    # the reducers we send to, which averaged chunks came back, why others did not
+    targets: list[int] = field(init=False)
+    got: dict[int, list[bool]] = field(init=False)
+    skipped: dict[tuple[int, int], str] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.targets = [j for j in self.plans if j != self.index] \
+            if self.group.members[self.index].sends else []
+        self.got = {j: [False] * self.plans[j].count for j in self.targets}
+
+    def outcome(self, j: int) -> list[tuple[bool, str]] | None:
+        """Per chunk of part j: averaged here?, and why not (None: we do not send to j)."""
+        if j not in self.got:
+            return None
+        default = self.errors.get(j, "deadline passed")
+        return [(self.got[j][c], self.skipped.get((j, c), default)) for c in range(self.plans[j].count)]
+
+    async def exchange(self, j: int) -> None:
+        """Send part j to reducer j and take its averages back."""
+        peer = self.group.members[j].peer_id
+        plan = self.plans[j]
+        stream: Stream | None = None
+        reason = "round over"
+        clean = False
+        try:
+            opened = StreamOpen(self.group.group_id, self.index, self.weight, self.group.deadline)
+            stream = await self.transport.open_stream(peer, METHOD, opened.header(), timeout=self.left())
+            self.traffic.start(peer)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._push(stream, plan, peer))
+                tg.create_task(self._pull(stream, plan, j, peer))
+            clean = True
+        except* FAULTS as errors:
+            reason = describe(errors)
+            self.errors[j] = reason
+            self.log.info("allreduce_reducer_failed", reducer=peer, reason=reason)
+            if isinstance(leaf(errors), TransportClosed | PeerUnreachableError):
+                self.on_link_lost(j, f"link lost: {reason}")
+        finally:
+            if stream is not None and not clean:
+                await stream.abort(reason)
+
+    def _encode(self, plan: ChunkPlan, c: int) -> asyncio.Future[tuple[Buffer, Meta]]:
+        a, b = plan.absolute(c)
+        if self.corruption is not None:
+            return self.jobs.submit(b - a, SenderCorruption.encode, self.corruption, self.codec,
+                                    self.vector[a:b])
+        return self.jobs.submit(b - a, self.codec.encode, self.vector[a:b])
+
+    async def _push(self, stream: Stream, plan: ChunkPlan, peer: str) -> None:
+        upcoming = self._encode(plan, 0)
+        for c in range(plan.count):
+            payload, meta = await asyncio.shield(upcoming)
+            if c + 1 < plan.count:
+                upcoming = self._encode(plan, c + 1)  # encode the next chunk while this one goes
+            await stream.send(Message(chunk_header(c, meta), payload), timeout=self.left())
+            self.traffic.sent(peer, len(payload))
+        await stream.close()
+
+    async def _pull(self, stream: Stream, plan: ChunkPlan, j: int, peer: str) -> None:
+        scratch = receive_buffer(self.codec.max_payload_bytes(plan.largest))
+        for c in range(plan.count):
+            message = await stream.receive_into(scratch, timeout=self.left())
+            if message is None:
+                raise PeerFault(f"the reducer closed its stream after {c} of {plan.count} chunks")
+            skip = message.header.get("skip")
+            if skip is not None and message.header.get("c") == c:
+                self.skipped[(j, c)] = f"not averaged by the reducer: {str(skip)[:200]}"
+                continue
+            meta = parse_chunk(message.header, c, plan.count)
+            self.traffic.received(peer, len(message.payload))
+            a, b = plan.absolute(c)
+            await self.jobs.run(b - a, self._take_average, j, c, message.payload, meta)
+
+    def _take_average(self, j: int, c: int, payload: Buffer, meta: Meta) -> None:
+        a, b = self.plans[j].absolute(c)
+        self.codec.decode(payload, meta, b - a, out=self.vector[a:b])
+        self.got[j][c] = True
