@@ -20,9 +20,12 @@ def render_info(info: dict[str, Any]) -> str:
     reachable = {True: "yes", False: "no (behind NAT or firewall)", None: "not known yet"}[
         info.get("reachable")]
     dht = info.get("dht") or {}
+    control = info["addresses"]["control"]
+    if info["addresses"].get("control_tcp"):
+        control += f", tcp:{info['addresses']['control_tcp']}"
     return (f"peer id   {info['peer_id']}\n"
             f"version   {info['version']} (pid {info['pid']}, up {info['uptime_seconds']:.0f} s)\n"
-            f"control   {info['addresses']['control']}\n"
+            f"control   {control}\n"
             f"p2p       {p2p}\n"
             f"reachable {reachable}\n"
             f"dht       {dht.get('mode', '?')}, {dht.get('routing_table_size', 0)} peers known"

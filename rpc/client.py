@@ -1,7 +1,9 @@
 """An asyncio JSON-RPC 2.0 client for unix sockets (one JSON message per line).
 
 Many calls may be in flight on one connection; answers are matched by id. Every call has a
-deadline. A broken connection fails every pending call with `RpcConnectionError`.
+deadline. A broken connection fails every pending call with `RpcConnectionError`, or with the
+error the server sent before closing it (a refused connection gets ACCESS_DENIED). A daemon's
+loopback TCP listener is reached with `connect_tcp`, which authenticates with its token first.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from typing import Any
 
 import orjson
 
+from .access import TOKEN_METHOD, loopback_address
 from .errors import RpcCallError, RpcConnectionError, RpcProtocolError, RpcTimeoutError
 
 
 class JsonRpcClient:
     """A connection to a JSON-RPC server. Use `await JsonRpcClient.connect(path)`."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: Path,
-                 default_timeout: float) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 path: Path | str, default_timeout: float) -> None:
+        """`path`: the unix socket, or the TCP address as HOST:PORT (used in messages)."""
         self._reader = reader
         self._writer = writer
         self.path = path
@@ -29,6 +33,7 @@ class JsonRpcClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._closed: BaseException | None = None
+        self._server_error: RpcCallError | None = None  # sent with no id: why the server hangs up
         self._read_task = asyncio.create_task(self._read_answers(), name=f"rpc-client-{path}")
 
     @classmethod
@@ -47,6 +52,31 @@ class JsonRpcClient:
         except TimeoutError as exc:
             raise RpcConnectionError(f"connecting to {path} timed out after {timeout} s") from exc
         return cls(reader, writer, path, default_timeout)
+
+    @classmethod
+    async def connect_tcp(cls, address: str, token: str, *, timeout: float = 10.0,
+                          default_timeout: float = 60.0, max_response_bytes: int = 64 << 20
+                          ) -> JsonRpcClient:
+        """Connect to a loopback HOST:PORT and authenticate with `token` (rpc.authenticate).
+
+        ValueError for an address that is not loopback (a token is never sent off the machine),
+        RpcConnectionError if nothing answers, RpcCallError (ACCESS_DENIED) for a wrong token."""
+        host, port = loopback_address(address)
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(host, port, limit=max_response_bytes)
+        except OSError as exc:
+            raise RpcConnectionError(f"nothing is listening on {address} ({exc.strerror or exc})"
+                                     ) from exc
+        except TimeoutError as exc:
+            raise RpcConnectionError(f"connecting to {address} timed out after {timeout} s") from exc
+        client = cls(reader, writer, address, default_timeout)
+        try:
+            await client.call(TOKEN_METHOD, {"token": token}, timeout=timeout)
+        except BaseException:
+            await client.close()
+            raise
+        return client
 
     async def __aenter__(self) -> JsonRpcClient:
         return self
@@ -86,6 +116,8 @@ class JsonRpcClient:
             await self._send(orjson.dumps(message))
 
     async def _send(self, data: bytes) -> None:
+        if isinstance(self._closed, RpcCallError):
+            raise self._closed
         if self._closed is not None:
             raise RpcConnectionError(f"connection to {self.path} is closed") from self._closed
         try:
@@ -107,6 +139,8 @@ class JsonRpcClient:
                 RpcProtocolError) as exc:
             reason = RpcConnectionError(f"connection to {self.path} failed: {exc}")
             reason.__cause__ = exc
+        if self._server_error is not None:
+            reason = self._server_error  # e.g. ACCESS_DENIED: more useful than "closed"
         self._closed = reason
         for future in self._pending.values():
             if not future.done():
@@ -120,9 +154,11 @@ class JsonRpcClient:
             if future is not None and not future.done():
                 future.set_result(item)
             elif item.get("id") is None and "error" in item:
-                # An error the server could not tie to a request (e.g. request too large).
+                # An error the server could not tie to a request (e.g. request too large, access
+                # denied): it fails the calls in flight and the ones made before the server hangs up.
                 error = item["error"]
                 exc = RpcCallError(error.get("code", 0), error.get("message", ""), error.get("data"))
+                self._server_error = exc
                 for pending in self._pending.values():
                     if not pending.done():
                         pending.set_exception(exc)

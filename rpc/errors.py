@@ -37,6 +37,8 @@ class ErrorCode(IntEnum):
     DHT_REFUSED = 1014
     AVERAGING_ERROR = 1015
     MANIFEST_ERROR = 1016
+    ACCESS_DENIED = 1017
+    MEMBERSHIP_ERROR = 1018
 
 
 ERROR_DESCRIPTIONS: dict[ErrorCode, str] = {
@@ -65,6 +67,12 @@ ERROR_DESCRIPTIONS: dict[ErrorCode, str] = {
     ErrorCode.AVERAGING_ERROR: "An averaging round could not be run as asked (the message says why).",
     ErrorCode.MANIFEST_ERROR: "A collaborative run's manifest is invalid, or the run to join was not "
                               "found or is ambiguous (the message says which and what to give).",
+    ErrorCode.ACCESS_DENIED: "The connection may not use this server: a unix client whose user is "
+    "neither root, the daemon's user nor in its group, or a TCP client that did not authenticate "
+    "with the right token first (`data` says which and what to do). The server closes the "
+    "connection, except after a wrong token while the connection has attempts left.",
+    ErrorCode.MEMBERSHIP_ERROR: "A closed run's token is malformed, forged, expired, revoked or for "
+    "another peer or run, or only the run's owner may do this (the message says which).",
     ErrorCode.DHT_REFUSED: "The DHT refused the record (too large, expired, or a sub-key owned by "
     "another peer); the message says which.",
 }
