@@ -14,6 +14,7 @@ from dedloc.rpc import ErrorCode, InvalidParams, MethodRegistry, rpc_method
 
 from .averaging_api import ERROR_MAP as AVERAGING_ERROR_MAP
 from .averaging_api import AveragingApi
+from .bandwidth_api import BandwidthApi
 from .collab.errors import ManifestError
 from .collab.runs import RUN_NAME
 from .errors import (
@@ -23,6 +24,9 @@ from .errors import (
     UnknownRunError,
     WorkerError,
 )
+from .limits_api import LimitsApi
+from .membership_api import ERROR_MAP as MEMBERSHIP_ERROR_MAP
+from .membership_api import MembershipApi
 from .network_api import ERROR_MAP as NETWORK_ERROR_MAP
 from .network_api import NetworkApi
 
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
 ERROR_MAP: dict[type[BaseException], ErrorCode] = {
     **NETWORK_ERROR_MAP,
     **AVERAGING_ERROR_MAP,
+    **MEMBERSHIP_ERROR_MAP,
     ShuttingDownError: ErrorCode.SHUTTING_DOWN,
     RunExistsError: ErrorCode.RUN_EXISTS,
     UnknownRunError: ErrorCode.UNKNOWN_RUN,
@@ -43,6 +48,9 @@ ERROR_MAP: dict[type[BaseException], ErrorCode] = {
 
 class Addresses(TypedDict):
     control: Annotated[str, "The control socket, as unix:PATH."]
+    control_tcp: Annotated[str | None, "The loopback TCP control listener as HOST:PORT, for "
+                           "clients that authenticate with the token file (null: off; "
+                           "rpc.tcp_listen)."]
     p2p: Annotated[list[str], "Addresses other peers can dial (multiaddr style)."]
 
 
@@ -59,7 +67,9 @@ class NodeInfo(TypedDict):
     relays: Annotated[list[str], "Peers that relay links to this node (when nobody can dial it)."]
     dht: Annotated[dict[str, Any], "mode (server, client or starting), joined, routing_table_size."]
     runs: Annotated[dict[str, int], "Number of runs in each state."]
-    counters: Annotated[dict[str, int], "Requests served and errors answered, by kind."]
+    counters: Annotated[dict[str, int], "Requests served and errors answered, by kind; refused "
+                        "control connections as error.access_denied and access_denied.uid.<uid>, "
+                        "wrong TCP tokens as error.bad_token."]
 
 
 class ShutdownAnswer(TypedDict):
@@ -88,6 +98,9 @@ def build_registry(node: Node) -> MethodRegistry:
     registry.register_object(ControlApi(node))
     registry.register_object(NetworkApi(node.network))
     registry.register_object(AveragingApi(node.network))
+    registry.register_object(MembershipApi(node.runs))
+    registry.register_object(LimitsApi(node.runs))
+    registry.register_object(BandwidthApi(node.network))
     return registry
 
 
@@ -106,7 +119,9 @@ class ControlApi:
             "started_at": node.started_at,
             "uptime_seconds": round(time.time() - node.started_at, 3),
             "state_dir": str(node.config.state_dir()),
-            "addresses": {"control": f"unix:{node.socket_path}", "p2p": node.network.addresses()},
+            "addresses": {"control": f"unix:{node.socket_path}",
+                          "control_tcp": node.control_tcp_address,
+                          "p2p": node.network.addresses()},
             "reachable": node.network.status.reachable,
             "relays": node.network.relays(),
             "dht": node.network.dht_status(),
@@ -131,7 +146,7 @@ class ControlApi:
     @rpc_method("run.start", errors=(ErrorCode.UNKNOWN_WORKLOAD, ErrorCode.INVALID_WORKLOAD_CONFIG,
                                      ErrorCode.RUN_EXISTS, ErrorCode.WORKER_FAILED,
                                      ErrorCode.PLUGIN_ERROR, ErrorCode.SHUTTING_DOWN,
-                                     ErrorCode.MANIFEST_ERROR))
+                                     ErrorCode.MANIFEST_ERROR, ErrorCode.MEMBERSHIP_ERROR))
     async def run_start(
         self,
         workload: Annotated[str | None, "Name of an installed workload (workloads.list); null: join "
@@ -159,6 +174,10 @@ class ControlApi:
                                        "(0: never).", {"minimum": 0}] = 5,
         compression: Annotated[Literal["none", "fp16", "uint8", "quantile8"],
                                "Compression of the gradients in averaging rounds."] = "none",
+        closed: Annotated[bool, "Create a closed run owned by this daemon: only peers holding a "
+                          "token it issued (token.issue) may take part."] = False,
+        token: Annotated[str | None, "Join the closed run this token (issued by its owner to this "
+                         "peer) is for; its name and manifest come from the token and the DHT."] = None,
     ) -> RunStatus:
         """Start a run, or join a collaborative one; answers once the worker has loaded it.
 
@@ -171,11 +190,12 @@ class ControlApi:
         if name is not None and not RUN_NAME.match(name):
             raise InvalidParams("name", "1-64 letters, digits, '_', '.' or '-', starting with a "
                                         "letter or digit")
-        if workload is None and name is None:
-            raise InvalidParams("workload", "give a workload to start a run, or a run name to join one")
+        if workload is None and name is None and token is None:
+            raise InvalidParams("workload", "give a workload to start a run, a run name to join "
+                                            "one, or the token of a closed run")
         return await self._node.runs.start(workload, dict(config), name, target_batch_size, epochs,
                                            checkpoint_every, device, collaborative, min_peers,
-                                           role, average_state_every, compression)
+                                           role, average_state_every, compression, closed, token)
 
     @rpc_method("run.status", errors=(ErrorCode.UNKNOWN_RUN,))
     async def run_status(

@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dedloc.rpc import TOKEN_FILE_NAME, loopback_address
+
 from .errors import ConfigError
 from .net.addresses import PeerAddress
+from .net.ratelimit import check_rate
 
 
 def _doc(text: str, **kwargs: Any) -> Any:
@@ -50,13 +53,20 @@ class LogSection:
 @dataclass(frozen=True)
 class RpcSection:
     socket: str = _doc("Control socket path. Empty: <runtime_dir>/dedlocd.sock.", default="")
-    socket_mode: int = _doc("Permissions of the control socket (octal in TOML: 0o660).",
-                            default=0o660)
+    socket_mode: int = _doc(
+        "Permissions of the control socket (octal in TOML: 0o660). The owner needs rw (0o600). "
+        "Whatever the mode, only root, the daemon's user and members of its group are served "
+        "(checked by their kernel credentials).", default=0o660)
     max_request_bytes: int = _doc("Longest request line accepted; longer ones are refused "
                                   "and the connection closed.", default=1 << 20)
     max_connections: int = _doc("Most control connections served at once.", default=64)
     idle_timeout: float = _doc("Seconds a control connection may stay silent before it is "
                                "closed.", default=3600.0)
+    tcp_listen: str = _doc(
+        "Also serve the control API on this loopback TCP address (127.0.0.1:PORT or [::1]:PORT; "
+        "port 0 picks a free one, node.info shows it). Each connection must first send "
+        "rpc.authenticate with the token in <state_dir>/rpc-token (made on first use, mode 0600). "
+        "Empty: no TCP listener. Other addresses are refused.", default="")
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,37 @@ class WorkersSection:
     log_lines: int = _doc("Lines of each worker's output kept for run.status.", default=50)
     list_cache_seconds: float = _doc("Seconds the list of installed workloads is cached.",
                                      default=60.0)
+    gpu_memory_fraction: float = _doc("Most of each GPU's memory a worker may take, as a fraction "
+                                      "(torch's per-process cap); 0: no cap.", default=0.0)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.gpu_memory_fraction <= 1.0:
+            raise ConfigError("workers.gpu_memory_fraction", "must be between 0 (no cap) and 1")
+
+
+@dataclass(frozen=True)
+class LimitsSection:
+    hours: str = _doc("Train only in these windows of local time, like 22:00-07:00 or "
+                      "12:00-13:30,19:00-24:00; empty: always. Outside them runs leave their "
+                      "rounds and wait.", default="")
+    idle_only: bool = _doc("Train only while other programs leave the CPU idle (see idle_cpu_share "
+                           "and idle_seconds).", default=False)
+    idle_cpu_share: float = _doc("idle_only: the machine is busy while other programs use more "
+                                 "than this share of its CPU time.", default=0.25)
+    idle_seconds: float = _doc("idle_only: how long the machine must stay idle before training "
+                               "starts again.", default=300.0)
+
+    def __post_init__(self) -> None:
+        from .collab.availability import TrainingHours
+
+        try:
+            TrainingHours.parse(self.hours)
+        except ValueError as exc:
+            raise ConfigError("limits.hours", str(exc)) from None
+        if not 0.0 < self.idle_cpu_share <= 1.0:
+            raise ConfigError("limits.idle_cpu_share", "must be in (0, 1]")
+        if self.idle_seconds < 0:
+            raise ConfigError("limits.idle_seconds", "must be 0 or more")
 
 
 @dataclass(frozen=True)
@@ -115,6 +156,21 @@ class NetSection:
     stun_port: int = _doc(
         "UDP port for STUN; 0: the same number as the TCP listen port if free, else any free port.",
         default=0)
+    upload_bytes_per_second: float = _doc(
+        "Cap on the bytes per second this daemon sends to all its peers together (every link and "
+        "path; frame bytes, not counting TLS/TCP overhead). 0: no cap; else at least 16384. "
+        "`dedloc bandwidth` changes it at run time (until the daemon restarts); averaging "
+        "advertises at most this upload to its groups.", default=0.0)
+    download_bytes_per_second: float = _doc(
+        "Cap on the bytes per second this daemon reads from all its peers together (reading slows, "
+        "so senders back off). 0: no cap; else at least 16384.", default=0.0)
+
+    def __post_init__(self) -> None:
+        for name in ("upload_bytes_per_second", "download_bytes_per_second"):
+            try:
+                check_rate(name, getattr(self, name))
+            except ValueError as exc:
+                raise ConfigError(f"net.{name}", str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -148,6 +204,38 @@ class AveragingSection:
         "How the vector is split among reducers: lp (by measured bandwidth, DeDLOC) or uniform "
         "(equal parts; for comparison).", default="lp")
     history: int = _doc("How many past rounds averaging.status keeps.", default=50)
+    # Data hygiene (docs/averaging.md, "Bad contributions"); NaN/Inf and wrong lengths are always
+    # rejected.
+    max_value: float = _doc("A received contribution holding a value of larger magnitude is "
+                            "rejected.", default=1e12)
+    max_norm_ratio: float = _doc(
+        "With 3 or more senders, a sender whose chunk's L2 norm is over this many times the median "
+        "of the other senders' is rejected (0: no such rule; else at least 1).", default=1000.0)
+    robust_aggregation: Literal["none", "centered_clip"] = _doc(
+        "none: weighted mean; centered_clip: centered clipping around the coordinate-wise median "
+        "(for open runs; every contribution of a chunk is kept until it is averaged).",
+        default="none")
+    clip_radius: float = _doc("centered_clip: the clipping radius, in median distances of the "
+                              "contributions to the median.", default=2.0)
+    clip_iterations: int = _doc("centered_clip: clipping iterations per chunk.", default=3)
+    ban_after: int = _doc("Rounds with a rejected contribution (within offence_window) after which "
+                          "a peer is banned (0: never).", default=3)
+    offence_window: float = _doc("Seconds an offence counts towards a ban.", default=3600.0)
+    ban_seconds: float = _doc("How long a ban lasts: the peer is not admitted to groups led here and "
+                              "its streams are refused.", default=600.0)
+
+    def __post_init__(self) -> None:
+        for name in ("max_value", "clip_radius", "offence_window", "ban_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"averaging.{name}", "must be positive")
+        if self.max_value > 1e30:
+            raise ConfigError("averaging.max_value", "must be at most 1e30 (sums must not overflow)")
+        if not (self.max_norm_ratio == 0 or self.max_norm_ratio >= 1):
+            raise ConfigError("averaging.max_norm_ratio", "must be 0 (off) or at least 1")
+        if self.clip_iterations < 1:
+            raise ConfigError("averaging.clip_iterations", "must be at least 1")
+        if self.ban_after < 0:
+            raise ConfigError("averaging.ban_after", "must be 0 (never ban) or more")
 
 
 @dataclass(frozen=True)
@@ -174,6 +262,7 @@ class Config:
     relay: RelaySection = field(default_factory=RelaySection)
     averaging: AveragingSection = field(default_factory=AveragingSection)
     workers: WorkersSection = field(default_factory=WorkersSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
 
     # Derived paths (environment applied) -------------------------------------------------
 
@@ -195,6 +284,10 @@ class Config:
         if self.rpc.socket:
             return Path(self.rpc.socket).expanduser()
         return self.runtime_dir(env) / "dedlocd.sock"
+
+    def rpc_token_path(self, env: typing.Mapping[str, str] = os.environ) -> Path:
+        """The token that TCP control clients authenticate with (rpc.tcp_listen)."""
+        return self.state_dir(env) / TOKEN_FILE_NAME
 
     def worker_command(self) -> list[str]:
         return list(self.workers.command) or [sys.executable, "-m", "dedloc.plugins.worker"]
@@ -295,7 +388,23 @@ def build_config(file_values: typing.Mapping[str, Any] | None = None,
     hints = typing.get_type_hints(Config)
     config = Config(**{s: hints[s](**per_section[s]) for s in sections})
     _check_addresses(config)
+    _check_rpc(config)
     return config
+
+
+def _check_rpc(config: Config) -> None:
+    mode = config.rpc.socket_mode
+    if not 0 <= mode <= 0o777:
+        raise ConfigError("rpc.socket_mode", f"{mode} is not a permission mode; write it in octal, "
+                                             "like 0o660 (--rpc.socket_mode 0o660)")
+    if mode & 0o600 != 0o600:
+        raise ConfigError("rpc.socket_mode", f"0o{mode:o} does not let the daemon's own user read "
+                                             "and write the socket; include 0o600 (e.g. 0o660)")
+    if config.rpc.tcp_listen:
+        try:
+            loopback_address(config.rpc.tcp_listen)
+        except ValueError as exc:
+            raise ConfigError("rpc.tcp_listen", str(exc)) from None
 
 
 def _check_addresses(config: Config) -> None:

@@ -17,6 +17,7 @@ import orjson
 import structlog
 
 from .averaging.averager import Averager
+from .collab.membership import MembershipRegistry
 from .config import Config
 from .dht import DHTConfig, DHTNode, RecordLimits
 from .errors import DaemonError
@@ -24,6 +25,7 @@ from .identity import Identity
 from .net import PeerAddress, TransportError
 from .net.link import LinkLimits
 from .net.punch_path import TcpPuncher
+from .net.ratelimit import Bandwidth
 from .net.reachability import DialBackService, check_reachability
 from .net.relay import RelayClient, RelayLimits, RelayService
 from .net.reservations import RelayReservations
@@ -50,6 +52,8 @@ class PeerNetwork:
     def __init__(self, config: Config, identity: Identity) -> None:
         self.config = config
         self.identity = identity
+        # Closed runs' tokens, revocation lists and refusals (daemon/collab/membership.py).
+        self.membership = MembershipRegistry(identity)
         self.status = NetworkStatus()
         self.transport: TlsTransport | None = None
         self.dht: DHTNode | None = None
@@ -64,6 +68,9 @@ class PeerNetwork:
         self._publisher: asyncio.Task[None] | None = None
         self._pending_addresses: list[str] | None = None
         self._bootstrap = [PeerAddress.parse(a) for a in config.net.bootstrap]
+        # the volunteer's caps on all peer traffic (net.*_bytes_per_second; node.set_bandwidth)
+        self.bandwidth = Bandwidth(config.net.upload_bytes_per_second,
+                                   config.net.download_bytes_per_second)
 
     async def start(self) -> None:
         net = self.config.net
@@ -72,7 +79,8 @@ class PeerNetwork:
             link=LinkLimits(max_payload=net.max_frame_bytes, max_streams=net.max_streams_per_peer,
                             idle_timeout=net.idle_timeout))
         self.transport = await TlsTransport.start(
-            self.identity, [PeerAddress.parse(a) for a in net.listen], limits=limits)
+            self.identity, [PeerAddress.parse(a) for a in net.listen], limits=limits,
+            bandwidth=self.bandwidth)
         if net.announce:
             self.transport.set_announced([PeerAddress.parse(a) for a in net.announce])
         if net.stun:
@@ -148,9 +156,11 @@ class PeerNetwork:
             k=dht.k, replicas=dht.replicas, alpha=dht.alpha, lookup_timeout=dht.lookup_timeout,
             refresh_interval=dht.refresh_interval, republish_interval=dht.republish_interval,
             client_mode=client_mode,
-            limits=RecordLimits(max_value_bytes=dht.max_value_bytes, max_entries=dht.max_records)))
+            limits=RecordLimits(max_value_bytes=dht.max_value_bytes, max_entries=dht.max_records)),
+            access=self.membership)
         self.averager = Averager(self.transport, self.dht, self.config.averaging,
-                                 reachable=self.status.reachable is not False)
+                                 reachable=self.status.reachable is not False,
+                                 caps=self.bandwidth.caps)
         await self.dht.start(self._bootstrap, wait=True)
         if self._pending_addresses is not None:  # reserved relay slots before the DHT was up
             self._publish_addresses(self._pending_addresses)
@@ -203,6 +213,7 @@ class PeerNetwork:
         counters: dict[str, int] = {}
         if self.transport is not None:
             counters.update({f"net.{k}": v for k, v in self.transport.counters().items()})
+        counters.update({f"net.{k}": v for k, v in self.bandwidth.counters().items()})
         if self.dht is not None:
             counters.update({f"dht.{k}": v for k, v in self.dht.stats.items()})
         if self.averager is not None:
@@ -216,6 +227,9 @@ class PeerNetwork:
             counters.update({f"relay.{k}": v for k, v in self.relay_client.counters.items()})
         if self.upgrader is not None:
             counters.update({f"net.{k}": v for k, v in self.upgrader.counters.items()})
+        counters["membership.refusals"] = sum(self.membership.refusals.values())
+        for reason, count in self.membership.refusals_by_reason.items():
+            counters[f"membership.refused_{reason}"] = count
         return counters
 
     def _publish_addresses(self, addresses: list[str]) -> None:

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import structlog
 
-from dedloc.rpc import JsonRpcServer
+from dedloc.rpc import AccessError, JsonRpcServer
 
 from .api import build_registry
 from .collab.runs import RunRegistry
 from .collab.state_sync import StateSharing
 from .config import Config
+from .errors import DaemonError
 from .identity import Identity
 from .network import PeerNetwork
 from .sdnotify import SystemdNotifier
@@ -46,9 +47,16 @@ class Node:
         self._server = JsonRpcServer(
             self.registry, self.socket_path, mode=config.rpc.socket_mode,
             max_request_bytes=config.rpc.max_request_bytes,
-            max_connections=config.rpc.max_connections, idle_timeout=config.rpc.idle_timeout)
+            max_connections=config.rpc.max_connections, idle_timeout=config.rpc.idle_timeout,
+            tcp_listen=config.rpc.tcp_listen or None,
+            token_file=config.rpc_token_path() if config.rpc.tcp_listen else None)
         self._shutdown: asyncio.Event | None = None
         self._shutdown_reason: str | None = None
+
+    @property
+    def control_tcp_address(self) -> str | None:
+        """The loopback TCP control listener as HOST:PORT (rpc.tcp_listen); None when off."""
+        return self._server.tcp_address_text
 
     def counters(self) -> dict[str, int]:
         return {**self.registry.counters, **self.network.counters()}
@@ -71,13 +79,19 @@ class Node:
         try:
             await self.network.start()
             assert self.network.transport is not None
-            StateSharing(self.network.transport, self.runs.find_by_key)
-            await self._server.start()
-            log.info("dedlocd_ready", peer_id=self.identity.peer_id, socket=str(self.socket_path))
+            StateSharing(self.network.transport, self.runs.find_by_key, self.network.membership)
+            try:
+                await self._server.start()
+            except AccessError as exc:
+                raise DaemonError(f"control API: {exc}") from exc
+            log.info("dedlocd_ready", peer_id=self.identity.peer_id, socket=str(self.socket_path),
+                     tcp=self._server.tcp_address_text)
             self.notifier.notify("READY=1", f"STATUS=serving on {self.socket_path}")
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(self.notifier.ping_watchdog(), name="watchdog"),
-                              tasks.create_task(self._report_status(), name="status")]
+                              tasks.create_task(self._report_status(), name="status"),
+                              tasks.create_task(self.runs.publish_revocations(), name="revocations"),
+                              tasks.create_task(self.runs.watch_idleness(), name="idleness")]
                 await self._shutdown.wait()
                 log.info("dedlocd_stopping", reason=self._shutdown_reason)
                 self.notifier.notify("STOPPING=1", f"STATUS=stopping ({self._shutdown_reason})")

@@ -99,3 +99,31 @@ async def test_join_a_run_by_name_as_aux(daemon_factory) -> None:  # type: ignor
     assert status["role"] == "aux" and status["fingerprint"] == started["fingerprint"]
     code, out, _ = await dedloc(second.socket_path, "status")
     assert code == 0 and "aux" in out
+
+
+async def test_tokens_and_pause_from_the_cli(daemon) -> None:  # type: ignore[no-untyped-def]
+    """The owner's token commands, pause/resume, and join's argument checks."""
+    from dedloc.daemon.identity import Identity
+
+    socket = daemon.socket_path
+    volunteer = Identity.generate().peer_id
+    code, out, err = await dedloc(socket, "token", "issue", "club", volunteer, "--days", "2")
+    assert code == 0, err
+    assert f"token for {volunteer} (trainer" in out and "dedloc join --token dlt1." in out
+    code, out, _ = await dedloc(socket, "--json", "token", "list", "club")
+    (issued,) = orjson.loads(out)["tokens"]
+    assert issued["peer"] == volunteer and not issued["revoked"]
+    code, out, err = await dedloc(socket, "token", "revoke", "club")
+    assert code == 2 and "--serial or --peer" in err
+    code, out, _ = await dedloc(socket, "token", "revoke", "club", "--serial", issued["serial"])
+    assert code == 0 and issued["serial"] in out
+    code, out, _ = await dedloc(socket, "token", "list", "club")
+    assert "revoked" in out
+    code, out, err = await dedloc(socket, "token", "issue", "club", "not-a-peer-id")
+    assert code == 1 and "peer id" in err
+    code, out, _ = await dedloc(socket, "pause")
+    assert code == 0 and "training waits: paused by the volunteer" in out
+    code, out, _ = await dedloc(socket, "resume")
+    assert code == 0 and "training goes on" in out
+    code, out, err = await dedloc(socket, "join")
+    assert code == 2 and "--token" in err

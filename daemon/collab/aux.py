@@ -41,7 +41,8 @@ class AuxRun:
         self.name = name
         self.manifest = published.manifest
         self.parameters = published.parameters
-        self.collab = Collaboration(network, name, self.manifest, "aux", self.parameters)
+        self.collab = Collaboration(network, name, self.manifest, "aux", self.parameters,
+                                    published.owner_signature)
         self.global_progress: GlobalProgress | None = None
         self.last_round: dict[str, Any] | None = None
         self.state: RunState = "starting"

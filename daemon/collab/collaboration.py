@@ -17,7 +17,14 @@ import structlog
 
 from ..averaging.errors import AveragingError
 from ..net import TransportError
-from .manifest import REFRESH_EVERY, RunManifest, publish_manifest
+from .manifest import REFRESH_EVERY, RunManifest, owner_signing_bytes, publish_manifest
+from .membership import (
+    REVOCATIONS_REFRESH,
+    MembershipError,
+    Revocations,
+    namespace,
+    revocations_key,
+)
 from .progress import GlobalProgress, PeerProgress, Role, estimate_global, reports_from_sub_keys
 
 if TYPE_CHECKING:
@@ -31,12 +38,13 @@ ROUND_WINDOW = 2.0  # at most this long to gather a round's peers (it ends early
 
 
 def run_key(name: str, manifest: RunManifest) -> str:
-    return f"collab/{name}/{manifest.fingerprint()}"
+    """The prefix of a run's DHT keys: its namespace (closed runs under their owner) and manifest."""
+    return f"{namespace(name, manifest.owner if manifest.closed else None)}/{manifest.fingerprint()}"
 
 
 class Collaboration:
     def __init__(self, network: PeerNetwork, name: str, manifest: RunManifest, role: Role,
-                 parameters: int) -> None:
+                 parameters: int, owner_signature: str | None = None) -> None:
         self.network = network
         self.name = name
         self.manifest = manifest
@@ -47,6 +55,46 @@ class Collaboration:
         self.rejected_reports = 0
         self.last_reports: list[PeerProgress] = []
         self._manifest_published = 0.0
+        self._owner_signature = owner_signature
+        self._revocations_checked = 0.0
+
+    @property
+    def owner_signature(self) -> str | None:
+        """The owner's signature of the manifest (hex): ours to make if we own the run."""
+        owner = self.manifest.owner
+        if owner is not None and owner == self.peer_id:
+            message = owner_signing_bytes(self.name, self.manifest.fingerprint())
+            return self.network.identity.sign(message).hex()
+        return self._owner_signature
+
+    async def check_membership(self) -> None:
+        """In a closed run: refresh the owner's revocation list (every REVOCATIONS_REFRESH s) and
+        raise MembershipError once our own token is revoked or expired (the run then stops)."""
+        manifest, dht = self.manifest, self.network.dht
+        if not manifest.closed or manifest.owner is None or manifest.owner == self.peer_id:
+            return
+        now = time.time()
+        if dht is not None and now - self._revocations_checked >= REVOCATIONS_REFRESH:
+            self._revocations_checked = now
+            try:
+                record = await dht.get(revocations_key(manifest.owner, self.name), timeout=5.0)
+            except (TransportError, TimeoutError) as exc:
+                log.debug("revocations_read_failed", run=self.name, error=str(exc))
+                record = None
+            entry = None if record is None else record.sub_keys.get(manifest.owner)
+            if entry is not None and entry.signer == manifest.owner:
+                try:
+                    revocations = Revocations.from_bytes(entry.value, manifest.owner, self.name)
+                except MembershipError as exc:
+                    log.warning("revocations_malformed", run=self.name, error=str(exc))
+                else:
+                    if self.network.membership.learn(revocations):
+                        log.info("revocations_updated", run=self.name, version=revocations.version,
+                                 serials=len(revocations.serials), peers=len(revocations.peers))
+        token = self.network.membership.held(manifest.owner, self.name)
+        if token is None:
+            raise MembershipError(f"this peer holds no token of closed run {self.name!r}")
+        self.network.membership.check_own(token)
 
     def own_progress(self, epoch: int, accumulated: int, samples_per_second: float | None,
                      total: int, step_overhead: float | None = None) -> PeerProgress:
@@ -64,6 +112,7 @@ class Collaboration:
         dht = self.network.dht
         if dht is None:
             return
+        await self.check_membership()
         try:
             await dht.store(self.key + "/progress", progress.to_bytes(), progress.expiration,
                             sub_key=self.peer_id, timeout=5.0)
@@ -71,7 +120,8 @@ class Collaboration:
             log.debug("progress_publish_failed", run=self.name, error=str(exc))
         if self.role == "trainer" and time.time() - self._manifest_published > REFRESH_EVERY:
             self._manifest_published = time.time()
-            await publish_manifest(dht, self.name, self.manifest, self.parameters, self.peer_id)
+            await publish_manifest(dht, self.name, self.manifest, self.parameters, self.peer_id,
+                                   self.owner_signature)
 
     async def leave(self, progress: PeerProgress) -> None:
         """Tell the run this peer is gone (a farewell report), so that its rounds stop expecting

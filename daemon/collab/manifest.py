@@ -21,8 +21,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import structlog
 
+from ..dht.records import is_peer_id
+from ..identity import verify
 from ..net import TransportError
 from .errors import ManifestError
+from .membership import namespace
 
 if TYPE_CHECKING:
     from ..dht import DHTNode
@@ -35,8 +38,16 @@ REFRESH_EVERY = 120.0
 MAX_MANIFEST_BYTES = 16 << 10
 
 
-def manifests_key(name: str) -> str:
-    return f"collab/{name}/manifests"
+def manifests_key(name: str, owner: str | None = None) -> str:
+    return f"{namespace(name, owner)}/manifests"
+
+
+_OWNER_DOMAIN = b"dedloc-run-manifest-v1\0"
+
+
+def owner_signing_bytes(name: str, fingerprint: str) -> bytes:
+    """What a run's owner signs: the run's name and its manifest's fingerprint."""
+    return _OWNER_DOMAIN + name.encode() + b"\0" + fingerprint.encode()
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,9 @@ class RunManifest:
     # What the config cannot pin but peers must share (the workload's task_fingerprint, e.g. a
     # tokenizer's vocabulary): the first trainer's worker fills it in; None when the workload has none.
     task: str | None = None
+    # The owner's peer id (it signs the manifest); a closed run admits only peers with its tokens.
+    owner: str | None = None
+    closed: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.workload, str) or not self.workload:
@@ -69,14 +83,19 @@ class RunManifest:
         if self.task is not None and (not isinstance(self.task, str) or not 0 < len(self.task) <= 128):
             raise ManifestError("task must be null or a string of 1 to 128 characters, "
                                 f"got {self.task!r:.80}")
+        if self.owner is not None and not is_peer_id(self.owner):
+            raise ManifestError(f"owner must be a peer id, got {self.owner!r:.80}")
+        if not isinstance(self.closed, bool) or (self.closed and self.owner is None):
+            raise ManifestError("closed must be a boolean, and a closed run needs an owner")
         if self.compression not in COMPRESSIONS:
             raise ManifestError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
                                 f"got {self.compression!r}")
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        if data["task"] is None:  # so that a workload without one keeps its fingerprint
-            del data["task"]
+        for key, unset in (("task", None), ("owner", None), ("closed", False)):
+            if data[key] == unset:  # so that a run without them keeps its fingerprint
+                del data[key]
         return data
 
     @classmethod
@@ -108,6 +127,7 @@ class PublishedManifest:
     parameters: int  # float32 elements of the gradient vector: what an aux peer averages
     publishers: tuple[str, ...]
     published_at: float
+    owner_signature: str | None = None  # hex; checked when the manifest names an owner
 
     def to_json(self) -> dict[str, Any]:
         return {"manifest": self.manifest.to_json(), "fingerprint": self.fingerprint,
@@ -116,22 +136,28 @@ class PublishedManifest:
 
 
 async def publish_manifest(dht: DHTNode, name: str, manifest: RunManifest, parameters: int,
-                           peer_id: str) -> None:
-    """Announce that this peer trains `manifest` under `name` (refresh every REFRESH_EVERY s)."""
+                           peer_id: str, owner_signature: str | None = None) -> None:
+    """Announce that this peer trains `manifest` under `name` (refresh every REFRESH_EVERY s).
+    A manifest with an owner travels with the owner's signature (`owner_signature`, hex)."""
     now = time.time()
-    value = orjson.dumps({"manifest": manifest.to_json(), "fingerprint": manifest.fingerprint(),
-                          "parameters": parameters, "published_at": now})
+    document: dict[str, Any] = {"manifest": manifest.to_json(), "fingerprint": manifest.fingerprint(),
+                                "parameters": parameters, "published_at": now}
+    if owner_signature is not None:
+        document["owner_signature"] = owner_signature
+    value = orjson.dumps(document)
     try:
-        await dht.store(manifests_key(name), value, now + MANIFEST_TTL, sub_key=peer_id, timeout=5.0)
+        await dht.store(manifests_key(name, manifest.owner if manifest.closed else None), value,
+                        now + MANIFEST_TTL, sub_key=peer_id, timeout=5.0)
     except (TransportError, TimeoutError) as exc:
         log.info("manifest_publish_failed", run=name, error=str(exc))
 
 
-async def find_manifests(dht: DHTNode, name: str) -> list[PublishedManifest]:
-    """The manifests published under `name`, the most widely published first. Malformed entries
-    (or ones whose fingerprint does not match their manifest) are skipped."""
+async def find_manifests(dht: DHTNode, name: str, owner: str | None = None) -> list[PublishedManifest]:
+    """The manifests published under `name` (of closed runs of `owner` when given), the most
+    widely published first. Malformed entries, ones whose fingerprint does not match their
+    manifest and ones naming an owner without that owner's valid signature are skipped."""
     try:
-        record = await dht.get(manifests_key(name), timeout=5.0)
+        record = await dht.get(manifests_key(name, owner), timeout=5.0)
     except (TransportError, TimeoutError) as exc:
         log.info("manifest_lookup_failed", run=name, error=str(exc))
         return []
@@ -146,21 +172,30 @@ async def find_manifests(dht: DHTNode, name: str) -> list[PublishedManifest]:
             manifest = RunManifest.from_json(data.get("manifest"))
             parameters = data.get("parameters")
             published_at = float(data.get("published_at", 0.0))
+            signature = data.get("owner_signature")
+            fingerprint = manifest.fingerprint()
+            if manifest.owner is not None and not (
+                    isinstance(signature, str)
+                    and verify(manifest.owner, bytes.fromhex(signature),
+                               owner_signing_bytes(name, fingerprint))):
+                raise ManifestError(f"not signed by its owner {manifest.owner[:16]}")
+            if manifest.closed != (owner is not None) or (owner is not None and manifest.owner != owner):
+                raise ManifestError("published under another run's keys")
         except (orjson.JSONDecodeError, ManifestError, AttributeError, TypeError, ValueError) as exc:
-            log.debug("manifest_entry_skipped", run=name, publisher=publisher[:12], error=str(exc))
+            log.info("manifest_entry_skipped", run=name, publisher=publisher[:12], error=str(exc))
             continue
-        fingerprint = manifest.fingerprint()
         if data.get("fingerprint") != fingerprint or isinstance(parameters, bool) \
                 or not isinstance(parameters, int) or parameters < 1:
             continue
         held = found.get(fingerprint)
         if held is None:
             found[fingerprint] = PublishedManifest(manifest, fingerprint, parameters, (publisher,),
-                                                   published_at)
+                                                   published_at, signature)
         else:
             found[fingerprint] = PublishedManifest(manifest, fingerprint, held.parameters,
                                                    (*held.publishers, publisher),
-                                                   max(held.published_at, published_at))
+                                                   max(held.published_at, published_at),
+                                                   held.owner_signature)
     return sorted(found.values(), key=lambda p: (-len(p.publishers), -p.published_at))
 
 

@@ -45,7 +45,8 @@ MAX_CHUNK_SECONDS = 0.5
 
 class PeerSync:
     def __init__(self, network: PeerNetwork, spec: RunSpec, run: Run, parameters: int) -> None:
-        self.collab = Collaboration(network, spec.name, spec.manifest, "trainer", parameters)
+        self.collab = Collaboration(network, spec.name, spec.manifest, "trainer", parameters,
+                                    spec.owner_signature)
         self.spec = spec
         self.run = run
         self.global_progress: GlobalProgress | None = None
@@ -172,7 +173,8 @@ class PeerSync:
             return
         run.phase = "downloading_state"
         try:
-            state = await download_state(transport, donor, self.key)
+            state = await download_state(transport, donor, self.key,
+                                         self.collab.network.membership.credential(self.key))
         except DonorBusy as exc:  # mid-round: its state is about to move on; ask again soon
             self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
             self._next_sync = 0.0

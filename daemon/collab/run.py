@@ -27,9 +27,11 @@ from dedloc.rpc import RpcCallError
 from ..errors import RunNotActiveError, WorkerError
 from ..workers.buffers import SharedBuffer
 from ..workers.process import WorkerProcess
+from .availability import Availability
 from .checkpoints import CheckpointStore
 from .errors import ManifestError
 from .manifest import RunManifest
+from .membership import MembershipError
 from .peer_sync import PeerSync
 from .state_sync import StateSnapshot
 from .status import run_status
@@ -41,10 +43,11 @@ log = structlog.get_logger(__name__)
 
 RunState = Literal["starting", "running", "finished", "stopping", "stopped", "crashed", "failed"]
 Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averaging_state",
-                "downloading_state", "checkpointing"]
+                "downloading_state", "checkpointing", "paused"]
 ACTIVE_STATES = ("starting", "running", "stopping")
 WorkerFactory = Callable[[str], Awaitable[WorkerProcess]]
 HISTORY = 200
+PAUSE_POLL_SECONDS = 2.0  # how often a paused run checks whether it may train again
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class RunSpec:
     checkpoint_every: int = 10
     seed: int = 0  # this peer's data order
     device: str = "auto"
+    owner_signature: str | None = None  # the owner's signature of the manifest, as published
 
     @property
     def target_batch_size(self) -> int:
@@ -114,6 +118,9 @@ class Run:
         # One entry per epoch this peer stepped: when the run reached its target, when the step
         # was applied, the round's group and this peer's samples in it.
         self.epoch_history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        # The volunteer's limits (pause, training hours, idle only): set by the run registry.
+        self.availability: Availability | None = None
+        self.paused_reason: str | None = None
         self._epoch_loss_sum = 0.0
         self._epoch_loss_samples = 0
         self._worker: WorkerProcess | None = None
@@ -241,6 +248,8 @@ class Run:
                     self.state = "finished"
                     await self.checkpoint()
                     break
+                if await self._wait_while_blocked():
+                    continue
                 await self._train_some()
                 if self.sync is not None:
                     self.phase = "syncing"
@@ -257,11 +266,42 @@ class Run:
             self.state = "failed"
             self.error = {"message": exc.message, "code": exc.code, "data": exc.data}
             self._log.error("run_failed", error=str(exc))
+        except MembershipError as exc:  # our token of a closed run expired or was revoked
+            self.state = "failed"
+            self.error = {"message": str(exc)}
+            self._log.error("run_membership_lost", error=str(exc))
         finally:
             if self.sync is not None:
                 await self.sync.close()
         if self.state in ("crashed", "failed", "finished"):
             await self._release(state=self.state)
+
+    async def _wait_while_blocked(self) -> bool:
+        """Paused by hand, outside the training hours or the machine busy: leave the run's rounds
+        (a farewell report) and wait. On resuming, a collaborative run drops the gradients it had
+        accumulated (the run has moved on) and catches up. True if it waited."""
+        reason = None if self.availability is None else self.availability.blocked()
+        if reason is None:
+            return False
+        self.phase = "paused"
+        self.paused_reason = reason
+        self._log.info("run_paused", reason=reason)
+        if self.sync is not None:
+            await self.sync.close()
+        while not self._stop_requested.is_set() and reason is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_requested.wait(), timeout=PAUSE_POLL_SECONDS)
+            reason = None if self.availability is None else self.availability.blocked()
+            self.paused_reason = reason or self.paused_reason
+        self.paused_reason = None
+        if self._stop_requested.is_set():
+            return True
+        if self.sync is not None and self.progress.accumulated:
+            await self.worker_call("worker.zero_grad")
+            self.progress.accumulated = 0
+        self._log.info("run_resumed", epoch=self.progress.epoch)
+        self.phase = "idle"
+        return True
 
     async def _train_some(self) -> None:
         assert self._worker is not None

@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from ..config import Config
+from ..dht.records import is_peer_id
 from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, UnknownRunError
 from ..workers.process import WorkerProcess
 from .aux import AuxRun
+from .availability import Availability, IdleMonitor, TrainingHours, own_process_tree
 from .errors import ManifestError
 from .manifest import PublishedManifest, RunManifest, choose_manifest, find_manifests
+from .membership import MembershipError, MembershipToken
+from .ownership import REPUBLISH_EVERY, OwnedRuns
 from .run import Run, RunSpec
 
 if TYPE_CHECKING:
@@ -23,6 +28,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+PAUSED_REASON = "paused by the volunteer (dedloc resume to go on)"
 
 
 class RunRegistry:
@@ -35,6 +41,15 @@ class RunRegistry:
         self._runs: dict[str, Run | AuxRun] = {}
         self._lock = asyncio.Lock()
         self._closing = False
+        self.owned = (None if network is None
+                      else OwnedRuns(network.identity, config.state_dir() / "owned"))
+        limits = config.limits
+        idle = (IdleMonitor(own_process_tree, limits.idle_cpu_share, limits.idle_seconds)
+                if limits.idle_only else None)
+        self.availability = Availability(TrainingHours.parse(limits.hours), idle)
+        self._paused_file = config.state_dir() / "paused"
+        if self._paused_file.is_file():  # a pause outlives restarts until `dedloc resume`
+            self.availability.paused_by = PAUSED_REASON
 
     def data_seed(self, run_name: str) -> int:
         """Each peer samples its own data: a seed from its peer id and the run's name."""
@@ -46,15 +61,26 @@ class RunRegistry:
         return await WorkerProcess.spawn(
             self.config.worker_command(), self.sockets_dir / f"{run_name}.sock",
             start_timeout=workers.start_timeout, call_timeout=workers.call_timeout,
-            log_lines=workers.log_lines, threads=workers.threads, label=run_name)
+            log_lines=workers.log_lines, threads=workers.threads,
+            gpu_memory_fraction=workers.gpu_memory_fraction, label=run_name)
 
     async def start(self, workload: str | None, config: dict[str, Any], name: str | None,
                     target_batch_size: int, epochs: int | None, checkpoint_every: int,
                     device: str | None, collaborative: bool = False, min_peers: int = 1,
                     role: str | None = None, average_state_every: int = 5,
-                    compression: str = "none") -> dict[str, Any]:
+                    compression: str = "none", closed: bool = False,
+                    token: str | None = None) -> dict[str, Any]:
         role = role or self.config.node.role
-        collaborative = collaborative or role == "aux" or workload is None
+        held = self._hold(token, name) if token is not None else None
+        if held is not None:  # a closed run of another owner: its manifest comes from the DHT
+            name, workload, collaborative = held.run, None, True
+            if held.role == "aux" and role != "aux":
+                raise MembershipError("this token admits an aux peer only; join with --aux "
+                                      "(role aux), or ask the run's owner for a trainer token")
+        if closed and (workload is None or held is not None):
+            raise ValueError("closed=true creates a run you own: give its workload (to join "
+                             "someone else's closed run, give the token they issued you)")
+        collaborative = collaborative or closed or role == "aux" or workload is None
         name = name or workload
         if name is None:
             raise ValueError("give a workload to start a run, or a run name to join one")
@@ -70,36 +96,50 @@ class RunRegistry:
                 raise RunExistsError(f"run {name!r} is already {existing.state}; stop it first "
                                      "(run.stop) or give the new run another name")
             run: Run | AuxRun
+            owner_signature = None
             if role == "aux" or workload is None:
-                published = await self._find(name, workload)
+                published = await self._find(name, workload, None if held is None else held.owner)
                 if role == "aux":
                     assert self.network is not None
                     run = AuxRun(self.network, name, published, self.config.workers.stop_timeout)
                     await run.start()
                     self._runs[name] = run
                     return run.status()
-                manifest = published.manifest
+                manifest, owner_signature = published.manifest, published.owner_signature
             else:
                 manifest = RunManifest(workload, config, target_batch_size, epochs, min_peers,
-                                       average_state_every, compression)
+                                       average_state_every, compression,
+                                       owner=self.peer_id if closed else None, closed=closed)
             spec = RunSpec(name=name, manifest=manifest, checkpoint_every=checkpoint_every,
-                           seed=self.data_seed(name), device=device or self.config.workers.device)
+                           seed=self.data_seed(name), device=device or self.config.workers.device,
+                           owner_signature=owner_signature)
             run = Run(spec, self.runs_dir, self._spawn_worker,
                       stop_timeout=self.config.workers.stop_timeout,
                       network=self.network if collaborative else None)
+            run.availability = self.availability
             await run.start()
             self._runs[name] = run
             status = run.status()
-        if collaborative:
+        if collaborative and not run.spec.manifest.closed:
             status["other_manifests"] = await self._others(name, run.spec.fingerprint())
         return status
 
-    async def _find(self, name: str, workload: str | None) -> PublishedManifest:
+    def _hold(self, token_text: str, name: str | None) -> MembershipToken:
+        """Decode and keep the token of a closed run this peer was given (MembershipError)."""
+        if self.network is None:
+            raise RunNotActiveError("closed runs need the peer network")
+        token = MembershipToken.decode(token_text)
+        if name is not None and name != token.run:
+            raise MembershipError(f"the token is for run {token.run!r}, not {name!r}")
+        self.network.membership.hold(token)
+        return token
+
+    async def _find(self, name: str, workload: str | None, owner: str | None = None) -> PublishedManifest:
         dht = None if self.network is None else self.network.dht
         if dht is None:
             raise ManifestError("this node has not joined the network yet, so it cannot look up "
                                 f"run {name!r}; try again in a few seconds")
-        found = await find_manifests(dht, name)
+        found = await find_manifests(dht, name, owner)
         if workload is not None:
             found = [f for f in found if f.manifest.workload == workload]
         return choose_manifest(name, found)
@@ -152,6 +192,84 @@ class RunRegistry:
                                         "crashed, failed or finished run can be restarted")
             await run.restart()
         return run.status()
+
+    # The volunteer's limits -----------------------------------------------------------------
+
+    def pause(self) -> dict[str, Any]:
+        """Stop training in every run (they leave their rounds) until resume(), restarts included."""
+        self._paused_file.parent.mkdir(parents=True, exist_ok=True)
+        self._paused_file.write_text(f"paused at {time.time():.0f}\n")
+        self.availability.paused_by = PAUSED_REASON
+        log.info("training_paused")
+        return self.availability_status()
+
+    def resume(self) -> dict[str, Any]:
+        self._paused_file.unlink(missing_ok=True)
+        self.availability.paused_by = None
+        log.info("training_resumed")
+        return self.availability_status()
+
+    def availability_status(self) -> dict[str, Any]:
+        idle = self.availability.idle
+        return {"paused": self.availability.paused_by is not None,
+                "blocked": self.availability.blocked(),
+                "hours": self.availability.hours.describe(),
+                "idle_only": idle is not None,
+                "others_cpu_share": None if idle is None else idle.others_share}
+
+    async def watch_idleness(self, every: float = 5.0) -> None:
+        """Sample the machine's CPU use by others (only when training waits for idleness)."""
+        while not self._closing:
+            if self.availability.idle is not None:
+                await asyncio.to_thread(self.availability.idle.sample)
+            await asyncio.sleep(every)
+
+    # The owner's side of closed runs ------------------------------------------------------
+
+    def _owned(self) -> OwnedRuns:
+        if self.owned is None:
+            raise RunNotActiveError("closed runs need the peer network")
+        return self.owned
+
+    def token_issue(self, name: str, peer: str, role: str, days: float) -> dict[str, Any]:
+        if not RUN_NAME.match(name):
+            raise ValueError(f"run name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        if not is_peer_id(peer):
+            raise ValueError(f"{peer!r} is not a peer id (the volunteer's `dedloc info` shows it)")
+        token = self._owned().issue(name, peer, role, days)
+        return {"token": token.encode(), "run": name, "owner": token.owner, "peer": peer,
+                "role": role, "serial": token.serial, "expires": token.expires}
+
+    async def token_revoke(self, name: str, serial: str | None, peer: str | None) -> dict[str, Any]:
+        owned = self._owned()
+        revocations = owned.revoke(name, serial, peer)
+        assert self.network is not None
+        self.network.membership.learn(revocations)  # this daemon refuses them at once
+        published = False
+        if self.network.dht is not None:
+            published = await owned.publish(self.network.dht, name)
+        return {"run": name, "revoked_serials": sorted(revocations.serials),
+                "revoked_peers": sorted(revocations.peers), "version": revocations.version,
+                "published": published}
+
+    def token_list(self, name: str) -> dict[str, Any]:
+        return self._owned().listing(name)
+
+    async def publish_revocations(self) -> None:
+        """Keep every owned run's revocation list in the DHT (on start, then periodically)."""
+        owned = self.owned
+        if owned is None or self.network is None:
+            return
+        for name in owned.names():
+            self.network.membership.learn(owned.ledger(name).revocations())
+        while not self._closing:
+            dht = self.network.dht
+            if dht is not None:
+                for name in owned.names():
+                    await owned.publish(dht, name)
+                await asyncio.sleep(REPUBLISH_EVERY)
+            else:
+                await asyncio.sleep(5.0)
 
     def statuses(self) -> list[dict[str, Any]]:
         return [run.status() for run in self._runs.values()]

@@ -20,6 +20,7 @@ import structlog
 from ..net import Message, PeerTransport, RequestContext, Stream, TransportError
 from ..workers.buffers import SharedBuffer
 from .errors import DonorBusy, StateSyncError
+from .membership import MembershipRegistry, NotAMember
 
 if TYPE_CHECKING:
     from .run import Run
@@ -44,15 +45,24 @@ class StateSnapshot:
 class StateSharing:
     """Serves the state of this daemon's collaborative runs to peers that ask by run key."""
 
-    def __init__(self, transport: PeerTransport, find_run: Callable[[str], Run | None]) -> None:
+    def __init__(self, transport: PeerTransport, find_run: Callable[[str], Run | None],
+                 membership: MembershipRegistry | None = None) -> None:
         self._find_run = find_run
+        self._membership = membership
         self.served = 0
         self.refused_busy = 0
         self._serving = 0
         transport.add_stream_handler(METHOD, self._serve)
 
     async def _serve(self, ctx: RequestContext, stream: Stream) -> None:
-        key = getattr(stream, "header", {}).get("key")
+        header = getattr(stream, "header", {})
+        key = header.get("key")
+        if isinstance(key, str) and self._membership is not None:
+            try:  # a closed run's state goes to its members only
+                self._membership.check_key(ctx.peer_id, key, header.get("token"), "state_download")
+            except NotAMember as exc:
+                await stream.abort(str(exc))
+                return
         run = self._find_run(key) if isinstance(key, str) else None
         if run is None or not run.active:
             await stream.abort("this peer has no active run of that key")
@@ -92,10 +102,13 @@ class StateSharing:
             exported.buffer.close()
 
 
-async def download_state(transport: PeerTransport, donor: str, key: str) -> StateSnapshot:
-    """Fetch a run's state from `donor`; StateSyncError (and nothing half-loaded) on failure."""
+async def download_state(transport: PeerTransport, donor: str, key: str,
+                         token: str | None = None) -> StateSnapshot:
+    """Fetch a run's state from `donor` (a closed run's with our membership `token`);
+    StateSyncError (and nothing half-loaded) on failure."""
+    header = {"key": key} if token is None else {"key": key, "token": token}
     try:
-        stream = await transport.open_stream(donor, METHOD, {"key": key}, timeout=15)
+        stream = await transport.open_stream(donor, METHOD, header, timeout=15)
         first = await stream.receive(timeout=60)
     except (TransportError, TimeoutError) as exc:
         raise StateSyncError(f"state download from {donor[:12]} failed: {exc}") from exc

@@ -67,6 +67,7 @@ def run_status(run: Run) -> dict[str, Any]:
         "restarts": p.restarts,
         "resumed_from": run.resumed_from,
         "checkpoints_rejected": 0 if run.store is None else run.store.rejected,
+        "paused": run.paused_reason,
         "device": run.description.get("device"),
         "devices": run.description.get("devices"),
         "parameters": run.description.get("total_numel"),

@@ -1,6 +1,7 @@
 """Kademlia DHT: signed, expiring, sub-keyed records over a `PeerTransport`."""
 
 from .errors import (
+    AccessDenied,
     BadSignature,
     DHTError,
     ForbiddenWrite,
@@ -19,6 +20,7 @@ from .routing import KBucket, NodeInfo, RoutingTable
 from .storage import RecordStore
 
 __all__ = [
+    "AccessDenied",
     "BadSignature",
     "Contact",
     "DHTConfig",

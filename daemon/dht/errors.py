@@ -38,5 +38,9 @@ class StorageFull(DHTError):
     """This node holds as much as its limits allow; the record was not stored."""
 
 
+class AccessDenied(DHTError):
+    """The key belongs to a closed run and the caller (or the record's writer) is not a member."""
+
+
 class MalformedMessage(DHTError):
     """A DHT request or reply does not have the expected shape (the sending peer's fault)."""

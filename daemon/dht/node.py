@@ -15,12 +15,15 @@ module wires them to the network and owns the background tasks:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -29,7 +32,7 @@ from ..net.addresses import PeerAddress
 from ..net.errors import RemoteError, TransportError
 from ..net.interface import Message, PeerTransport, RequestContext
 from . import protocol
-from .errors import DHTError, InvalidRecord
+from .errors import AccessDenied, DHTError, InvalidRecord, MalformedMessage
 from .ids import key_id_of, node_id_of
 from .lookup import LookupResult, QueryReply, iterative_lookup
 from .protocol import Contact
@@ -61,9 +64,49 @@ class DHTConfig:
     limits: RecordLimits = field(default_factory=RecordLimits)
 
 
+class KeyAccess(Protocol):
+    """Who may read and write which keys (closed runs' keys; see daemon/collab/membership.py).
+    `authorize_*` raise AccessDenied (or a subclass) to refuse."""
+
+    def credential(self, key: str) -> str | None: ...
+
+    def authorize_read(self, peer_id: str, key: str, token: Any) -> None: ...
+
+    def authorize_write(self, signer: str, key: str, proof: Any) -> None: ...
+
+    def stored(self, entry: Entry) -> None:
+        """`entry` was stored here (a revocation list, say, is worth learning from)."""
+
+
+# Set while this node's RPC is under way in the current task. A lookup started inside one (the
+# transport resolving the address of the peer being called, through this DHT) would call peers,
+# which may need resolving in turn: with address-less contacts that never ends (it flooded the
+# loop), so such a nested lookup finds nothing instead.
+_IN_CALL: ContextVar[bool] = ContextVar("dht_in_call", default=False)
+
+_Handler = Callable[["DHTNode", RequestContext, Message], Awaitable[Message]]
+_Query = Callable[[Contact], Awaitable[QueryReply]]
+
+
+def _counts_malformed(handler: _Handler) -> _Handler:
+    """A request the handler cannot read is refused (MalformedMessage) and counted."""
+
+    @functools.wraps(handler)
+    async def counted(self: DHTNode, ctx: RequestContext, message: Message) -> Message:
+        try:
+            return await handler(self, ctx, message)
+        except MalformedMessage as exc:
+            self.stats["malformed_requests"] += 1
+            self._log.info("dht_malformed_request", sender=ctx.peer_id[:12], error=str(exc)[:200])
+            raise
+
+    return counted
+
+
 class DHTNode:
     def __init__(self, transport: PeerTransport, identity: Identity, config: DHTConfig | None = None,
-                 *, clock: Callable[[], float] = time.time, rng: random.Random | None = None) -> None:
+                 *, clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 access: KeyAccess | None = None) -> None:
         if transport.peer_id != identity.peer_id:
             raise ValueError("the transport and the identity name different peers")
         self.transport = transport
@@ -74,6 +117,7 @@ class DHTNode:
         self.routing_table = RoutingTable(self.node_id, k=self.config.k)
         self.storage = RecordStore(self.config.limits)
         self.stats: Counter[str] = Counter()
+        self.access = access
         self._clock = clock
         self._rng = rng or random.Random()
         self._bootstrap: list[PeerAddress] = []
@@ -151,6 +195,8 @@ class DHTNode:
         key, this one included when it is among them. Returns how many nodes accepted it (0: none).
         Raises an InvalidRecord subclass (e.g. ForbiddenWrite) if no honest node would take it."""
         entry = Entry.create(self.identity, key, bytes(value), expiration, sub_key)
+        if self.access is not None and (proof := self.access.credential(key)) is not None:
+            entry = dataclasses.replace(entry, proof=proof)
         validate(entry, self._clock(), self.config.limits)
         self._own[(key, sub_key)] = entry
         return await self._replicate(entry, self._deadline(timeout))
@@ -211,26 +257,40 @@ class DHTNode:
             self.transport.learn_addresses(ctx.peer_id, list(addresses))
         self._seen(ctx.peer_id, addresses)
 
+    @_counts_malformed
     async def _on_ping(self, ctx: RequestContext, message: Message) -> Message:
         self._note_caller(ctx, message.header)
         return Message({})
 
+    @_counts_malformed
     async def _on_find_node(self, ctx: RequestContext, message: Message) -> Message:
         self._note_caller(ctx, message.header)
         target = protocol.decode_target(message.header)
         return Message({"nodes": protocol.encode_contacts(self._nearest(target, exclude={ctx.peer_id}))})
 
+    @_counts_malformed
     async def _on_find_value(self, ctx: RequestContext, message: Message) -> Message:
         self._note_caller(ctx, message.header)
         key = protocol.decode_key(message.header)
+        if self.access is not None:
+            try:
+                self.access.authorize_read(ctx.peer_id, key, message.header.get("token"))
+            except AccessDenied:
+                self.stats["reads_refused"] += 1
+                raise
         entries = self.storage.get(key, self._clock())
         return protocol.encode_values(entries, self._nearest(key_id_of(key), exclude={ctx.peer_id}))
 
+    @_counts_malformed
     async def _on_store(self, ctx: RequestContext, message: Message) -> Message:
         self._note_caller(ctx, message.header)
         entry = protocol.decode_store(message)
         try:
+            if self.access is not None:
+                self.access.authorize_write(entry.signer, entry.key, entry.proof)
             stored = self.storage.store(entry, self._clock())
+            if stored and self.access is not None:
+                self.access.stored(entry)
         except DHTError as exc:
             self.stats["stores_refused"] += 1
             self._log.info("dht_store_refused", sender=ctx.peer_id[:12], key=entry.key,
@@ -278,6 +338,7 @@ class DHTNode:
     async def _call(self, contact: Contact, method: str, message: Message, timeout: float) -> Message:
         if contact.addresses:
             self.transport.learn_addresses(contact.peer_id, list(contact.addresses))
+        in_call = _IN_CALL.set(True)
         try:
             reply = await self.transport.call(contact.peer_id, method, message,
                                               timeout=max(timeout, 0.001))
@@ -288,6 +349,8 @@ class DHTNode:
             self.stats["rpc_failed"] += 1
             self.routing_table.mark_failed(contact.peer_id)
             raise
+        finally:
+            _IN_CALL.reset(in_call)
         self._seen(contact.peer_id, contact.addresses)
         return reply
 
@@ -307,6 +370,9 @@ class DHTNode:
     async def _lookup(self, target: int, deadline: float, *, key: str | None = None,
                       stop: Callable[[LookupResult], bool] | None = None,
                       count: int | None = None) -> LookupResult:
+        if _IN_CALL.get():  # see _IN_CALL
+            self.stats["nested_lookups_refused"] += 1
+            return LookupResult([], {}, False, 0, 0)
         header = self._caller_header()
 
         async def find_node(contact: Contact) -> QueryReply:
@@ -314,19 +380,36 @@ class DHTNode:
             reply = await self._call(contact, protocol.FIND_NODE, message, self._rpc_timeout(deadline))
             return QueryReply(protocol.decode_contacts(reply.header.get("nodes", [])))
 
+        token = None if key is None or self.access is None else self.access.credential(key)
+
         async def find_value(contact: Contact) -> QueryReply:
             assert key is not None
-            message = Message({**header, "key": key})
+            message = Message({**header, "key": key} if token is None
+                              else {**header, "key": key, "token": token})
             reply = await self._call(contact, protocol.FIND_VALUE, message, self._rpc_timeout(deadline))
             entries, contacts = protocol.decode_values(key, reply)
             return QueryReply(contacts, self._checked(contact.peer_id, entries))
 
         result = await iterative_lookup(
-            target, self._nearest(target), find_value if key is not None else find_node,
+            target, self._nearest(target),
+            self._counts_malformed(find_value if key is not None else find_node),
             k=count or self.config.k, alpha=self.config.alpha, deadline=deadline,
             exclude=frozenset({self.peer_id, *self._banned}), stop=stop)
         self.routing_table.touch(target, asyncio.get_running_loop().time())
         return result
+
+    def _counts_malformed(self, query: _Query) -> _Query:
+        """A reply that cannot be read is counted; the lookup counts its sender as failed."""
+
+        async def counted(contact: Contact) -> QueryReply:
+            try:
+                return await query(contact)
+            except MalformedMessage as exc:
+                self.stats["malformed_replies"] += 1
+                self._log.info("dht_malformed_reply", sender=contact.peer_id[:12], error=str(exc)[:200])
+                raise
+
+        return counted
 
     def _ban(self, peer_id: str) -> None:
         self.routing_table.remove(peer_id)
@@ -347,6 +430,11 @@ class DHTNode:
         """The entries that pass validation; a peer that returns a forged one leaves our table."""
         now, good = self._clock(), []
         for entry in entries:
+            if entry.expiration <= now:
+                # It expired on its way here (the sender checked it at its own "now"): an honest
+                # race, not a forgery. Drop it without blaming the sender.
+                self.stats["expired_in_transit"] += 1
+                continue
             try:
                 validate(entry, now, self.config.limits)
             except InvalidRecord as exc:

@@ -5,10 +5,14 @@ added to routing tables) and `addresses` (where the caller can be dialed). Metho
 
 - `dht.ping`        {}                                -> {}
 - `dht.find_node`   {"target": <64 hex>}              -> {"nodes": [{"peer_id", "addresses"}]}
-- `dht.find_value`  {"key": str}                      -> {"nodes": [...], "entries": [{"sub_key",
-                     "expiration", "signer", "signature": <hex>, "size": int}]}, payload = values
-- `dht.store`       {"key", "sub_key", "expiration", "signer", "signature": <hex>}, payload = value
-                                                      -> {"stored": bool} (False: already held)
+- `dht.find_value`  {"key": str, "token"?: str}      -> {"nodes": [...], "entries": [{"sub_key",
+                     "expiration", "signer", "signature": <hex>, "proof"?: str, "size": int}]},
+                     payload = values
+- `dht.store`       {"key", "sub_key", "expiration", "signer", "signature": <hex>, "proof"?: str},
+                     payload = value                  -> {"stored": bool} (False: already held)
+
+Keys under a closed run (`closed/<owner>/<run>/...`) need the reader's membership token
+(`token`) and the writer's (`proof`, which stays with the record); see daemon/collab/membership.py.
 
 Values travel in the payload (concatenated in the order of `entries`), never in JSON. A refused
 store raises at the server, so the caller gets a RemoteError whose `kind` is the DHT error class
@@ -33,6 +37,11 @@ FIND_VALUE = "dht.find_value"
 STORE = "dht.store"
 MAX_NODES_IN_REPLY = 64
 MAX_ADDRESSES_PER_NODE = 8
+# Peer ids are about 48 characters and addresses rarely 200: the bounds keep a peer from making us
+# base58-decode (quadratic) or cache long texts.
+MAX_PEER_ID_CHARS = 128
+MAX_ADDRESS_CHARS = 512
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,11 @@ def _expect(condition: bool, what: str) -> None:
         raise MalformedMessage(what)
 
 
+def _is_hex(text: str) -> bool:
+    """Only hex digits (int(_, 16) also takes a sign, "0x", "_" and spaces; bytes.fromhex spaces)."""
+    return _HEX_DIGITS.issuperset(text)
+
+
 _parse_address = functools.lru_cache(maxsize=8192)(PeerAddress.parse)
 _address_text = functools.lru_cache(maxsize=8192)(PeerAddress.__str__)
 
@@ -66,7 +80,8 @@ def _parse_addresses(raw: Any) -> tuple[PeerAddress, ...]:
     _expect(isinstance(raw, list) and len(raw) <= MAX_ADDRESSES_PER_NODE, "bad address list")
     addresses = []
     for text in raw:
-        _expect(isinstance(text, str), "an address is not a string")
+        _expect(isinstance(text, str) and len(text) <= MAX_ADDRESS_CHARS,
+                f"an address is not a string of at most {MAX_ADDRESS_CHARS} characters")
         try:
             addresses.append(_parse_address(text))
         except ValueError as exc:
@@ -90,7 +105,8 @@ def decode_contacts(raw: Any) -> list[Contact]:
     _expect(isinstance(raw, list) and len(raw) <= MAX_NODES_IN_REPLY, "bad node list")
     contacts = []
     for item in raw:
-        _expect(isinstance(item, dict) and isinstance(item.get("peer_id"), str), "bad node")
+        _expect(isinstance(item, dict) and isinstance(item.get("peer_id"), str)
+                and len(item["peer_id"]) <= MAX_PEER_ID_CHARS, "bad node")
         contacts.append(Contact(item["peer_id"], _parse_addresses(item.get("addresses", []))))
     return contacts
 
@@ -101,7 +117,7 @@ def encode_target(target: int) -> str:
 
 def decode_target(header: dict[str, Any]) -> int:
     raw = header.get("target")
-    _expect(isinstance(raw, str) and len(raw) == 64, "'target' must be 64 hex digits")
+    _expect(isinstance(raw, str) and len(raw) == 64 and _is_hex(raw), "'target' must be 64 hex digits")
     try:
         return int(raw, 16)
     except ValueError:
@@ -115,24 +131,30 @@ def decode_key(header: dict[str, Any]) -> str:
 
 
 def _entry_meta(entry: Entry) -> dict[str, Any]:
-    return {"sub_key": entry.sub_key, "expiration": entry.expiration, "signer": entry.signer,
+    meta = {"sub_key": entry.sub_key, "expiration": entry.expiration, "signer": entry.signer,
             "signature": entry.signature.hex()}
+    if entry.proof is not None:
+        meta["proof"] = entry.proof
+    return meta
 
 
 def _decode_entry(key: str, meta: Any, value: bytes) -> Entry:
     _expect(isinstance(meta, dict), "an entry is not an object")
     sub_key, expiration = meta.get("sub_key"), meta.get("expiration")
     signer, signature = meta.get("signer"), meta.get("signature")
+    proof = meta.get("proof")
+    _expect(proof is None or isinstance(proof, str), "'proof' must be a string or null")
     _expect(sub_key is None or isinstance(sub_key, str), "'sub_key' must be a string or null")
     _expect(isinstance(expiration, int | float) and not isinstance(expiration, bool)
             and math.isfinite(expiration), "'expiration' must be a number")
-    _expect(isinstance(signer, str), "'signer' must be a string")
-    _expect(isinstance(signature, str) and len(signature) == 128, "'signature' must be 128 hex digits")
+    _expect(isinstance(signer, str) and len(signer) <= MAX_PEER_ID_CHARS, "'signer' must be a peer id")
+    _expect(isinstance(signature, str) and len(signature) == 128 and _is_hex(signature),
+            "'signature' must be 128 hex digits")
     try:
         signature_bytes = bytes.fromhex(signature)
     except ValueError:
         raise MalformedMessage("'signature' must be hex") from None
-    return Entry(key, sub_key, value, float(expiration), signer, signature_bytes)
+    return Entry(key, sub_key, value, float(expiration), signer, signature_bytes, proof)
 
 
 def encode_store(entry: Entry, caller: dict[str, Any]) -> Message:

@@ -20,6 +20,7 @@ from ..identity import Identity, public_key_of, verify
 from .errors import BadSignature, ForbiddenWrite, RecordExpired, RecordTooLarge
 
 _DOMAIN = b"dedloc-dht-record-v1\0"
+MAX_PROOF_CHARS = 2048
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,13 @@ class Entry:
     expiration: float
     signer: str
     signature: bytes
+    # A closed run's membership token of the signer (not signed here: it is signed by the run's
+    # owner and names the signer); nodes that store the entry check it and pass it on.
+    proof: str | None = None
 
     @property
     def size(self) -> int:
-        return len(self.value) + len(self.key) + len(self.sub_key or "") + 160
+        return len(self.value) + len(self.key) + len(self.sub_key or "") + len(self.proof or "") + 160
 
     @classmethod
     def create(cls, identity: Identity, key: str, value: bytes, expiration: float,
@@ -91,6 +95,8 @@ def validate(entry: Entry, now: float, limits: RecordLimits) -> None:
         raise RecordTooLarge(f"key is over {limits.max_key_bytes} bytes")
     if entry.sub_key is not None and len(entry.sub_key.encode()) > limits.max_sub_key_bytes:
         raise RecordTooLarge(f"sub-key is over {limits.max_sub_key_bytes} bytes")
+    if entry.proof is not None and len(entry.proof) > MAX_PROOF_CHARS:
+        raise RecordTooLarge(f"proof is over {MAX_PROOF_CHARS} characters")
     if len(entry.value) > limits.max_value_bytes:
         raise RecordTooLarge(f"value of {len(entry.value)} bytes is over {limits.max_value_bytes}")
     if not entry.expiration > now:  # also refuses NaN

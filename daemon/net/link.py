@@ -16,7 +16,11 @@ frame carrying the header and the total payload length, then continuation frames
 - Hard limits: frame payload, message size, open streams (new ones are refused with an ERROR
   frame), pending inbound bytes (the link is closed: LimitExceeded).
 - Cancellation: a caller that gives up sends CANCEL; the handler task is cancelled.
-- Keepalive: PING/PONG measures the round-trip time; a peer that stops answering is dropped.
+- Keepalive: PING/PONG measures the round-trip time; a peer that stops answering (no PONG and no
+  other bytes for `ping_timeout`) is dropped.
+- Bandwidth caps (ratelimit.py, optional): data frames go out in quanta booked on the daemon's
+  upload bucket, control frames are booked but never wait (they go out while data waits); each
+  read books on the download bucket and the next read waits for it.
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ from .errors import (
     TransportError,
     UnknownMethod,
 )
-from .frames import F_CONT, F_MORE, Frame, FrameDecoder, FrameType, encode_head
+from .frames import F_CONT, F_MORE, Frame, FrameDecoder, FrameType, encode_head, encode_header
 from .interface import LinkInfo, Message, RequestContext, StreamHandler, UnaryHandler
 from .pipes import Pipe
+from .ratelimit import Bandwidth
 from .sockio import SocketIO
 
 log = structlog.get_logger(__name__)
@@ -84,14 +89,15 @@ class Dispatcher:
 
 
 class _Job:
-    """One message to send: a first frame then continuation frames."""
+    """One message to send: a first frame then continuation frames. The header is encoded here,
+    so that one that cannot be sent fails its sender (TypeError, ValueError), not the writer."""
 
     __slots__ = ("cancelled", "ftype", "future", "header", "offset", "payload", "started")
 
     def __init__(self, ftype: FrameType, header: dict[str, Any] | None, payload: memoryview,
                  future: asyncio.Future[None] | None) -> None:
         self.ftype = ftype
-        self.header = header
+        self.header = encode_header(header)
         self.payload = payload
         self.offset = 0
         self.started = False
@@ -319,6 +325,7 @@ class LinkStream:
                 self._current = _Assembly(header.get("h", {}), total, into[:total], owned=False)
                 self._into = None
             else:
+                self._link._reserve(total)
                 self._current = _Assembly(header.get("h", {}), total,
                                           memoryview(bytearray(total)), owned=True)
             self._current_consumed = 0
@@ -388,6 +395,12 @@ def _same_buffer(a: memoryview, b: memoryview) -> bool:
     return a.obj is b.obj
 
 
+def _text(value: Any, limit: int) -> str:
+    """A peer's free-text field (an error kind, a reason), cut to `limit`. Only a string is taken:
+    str() of a JSON value nested a thousand deep raises RecursionError."""
+    return value[:limit] if isinstance(value, str) else ""
+
+
 def _total(header: dict[str, Any], length: int, flags: int, limit: int) -> int:
     total = header.get("n", length)
     if not isinstance(total, int) or isinstance(total, bool) or total < length:
@@ -408,7 +421,7 @@ class Link:
     def __init__(self, io: SocketIO | Pipe, *, peer_id: str, peer_addresses: tuple[PeerAddress, ...],
                  outbound: bool, address: str | None, limits: LinkLimits, dispatcher: Dispatcher,
                  on_closed: Callable[[Link], None], counters: dict[str, int],
-                 local_peer_id: str = "") -> None:
+                 local_peer_id: str = "", bandwidth: Bandwidth | None = None) -> None:
         self.io = io
         self.peer_id = peer_id
         self.peer_addresses = peer_addresses
@@ -441,6 +454,8 @@ class Link:
         self._scratch = bytearray(0)
         self._last_activity = time.monotonic()
         self._last_pong = time.monotonic()
+        self._last_heard = time.monotonic()  # bytes came in (a throttled peer's pongs come late)
+        self._bandwidth = bandwidth  # this daemon's caps (ratelimit.py); None: not metered here
         self._ping_sent: dict[int, int] = {}
         self._ping_seq = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -629,10 +644,16 @@ class Link:
             await self._write_loop()
         except TransportClosed as exc:
             self.begin_close(str(exc))
+        except Exception as exc:  # a bug of ours: close this link now rather than leave it mute
+            self._counters["link_errors"] = self._counters.get("link_errors", 0) + 1
+            self._log.error("link_writer_failed", error=repr(exc), exc_info=exc)
+            self.begin_close(f"internal error: {type(exc).__name__}")
 
     async def _write_loop(self) -> None:
-        chunk_limit = self.limits.chunk_bytes
+        bandwidth = self._bandwidth
         while True:
+            chunk_limit = self.limits.chunk_bytes
+            throttled = bandwidth is not None and bandwidth.up.rate > 0
             buffers: list[bytes | memoryview] = []
             size = 0
             finished: list[_Job] = []
@@ -640,7 +661,11 @@ class Link:
                 frame = self._ctrl.popleft()
                 buffers.append(frame)
                 size += len(frame)
-            while self._ready and size < _BATCH_BYTES:
+            ctrl_count, ctrl_size, limit = len(buffers), size, _BATCH_BYTES
+            if bandwidth is not None and throttled:  # data in quanta: control frames pass between
+                quantum = bandwidth.quantum("up")
+                chunk_limit, limit = min(chunk_limit, quantum), size + quantum
+            while self._ready and size < limit:
                 outbox = self._ready.popleft()
                 outbox.queued = False
                 job = outbox.jobs[0] if outbox.jobs else None
@@ -678,13 +703,50 @@ class Link:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self.io.send_all(buffers)
+            if bandwidth is None:
+                await self.io.send_all(buffers)
+            elif throttled and size > ctrl_size:
+                if ctrl_count:
+                    bandwidth.up.take(ctrl_size)
+                    await self.io.send_all(buffers[:ctrl_count])
+                await bandwidth.pay_up(size - ctrl_size, self._wake, self._flush_ctrl)
+                await self.io.send_all(buffers[ctrl_count:])
+            else:
+                bandwidth.up.take(size)
+                await self.io.send_all(buffers)
             self.bytes_out += size
             for job in finished:
                 if job.future is not None and not job.future.done():
                     job.future.set_result(None)
 
+    async def _flush_ctrl(self) -> None:
+        """Send the control frames queued now (while data waits for the upload cap)."""
+        frames = list(self._ctrl)
+        self._ctrl.clear()
+        if frames:
+            size = sum(map(len, frames))
+            if self._bandwidth is not None:
+                self._bandwidth.up.take(size)
+            await self.io.send_all(frames)
+            self.bytes_out += size
+
     # --- inbound ------------------------------------------------------------------------------
+    def _reserve(self, total: int) -> None:
+        """Before a buffer for an inbound message is allocated: the bytes still to come into the
+        buffers of messages under way count with the pending ones against `max_pending_bytes`
+        (a peer may announce 256 MiB in a 60-byte frame and never send them)."""
+        if not total:
+            return
+        due = self._pending_in + total
+        due += sum(a.total - a.filled for a in self._assembling.values() if a.buffer is not None)
+        for stream in self._streams.values():
+            current = stream._current
+            if current is not None and current.owned and current.buffer is not None:
+                due += current.total - current.filled
+        if due > self.limits.max_pending_bytes:
+            raise LimitExceeded(f"peer announced messages of {due} bytes in all, over the limit of "
+                                f"{self.limits.max_pending_bytes} pending bytes")
+
     def _add_pending(self, count: int) -> None:
         self._pending_in += count
         if self._pending_in > self.limits.max_pending_bytes:
@@ -725,6 +787,10 @@ class Link:
             self.begin_close(f"{type(exc).__name__}: {exc}")
         except TransportClosed as exc:
             self.begin_close(str(exc))
+        except Exception as exc:  # a bug of ours: close this link now rather than leave it deaf
+            self._counters["link_errors"] = self._counters.get("link_errors", 0) + 1
+            self._log.error("link_reader_failed", error=repr(exc), exc_info=exc)
+            self.begin_close(f"internal error: {type(exc).__name__}")
 
     async def _read_frames(self) -> None:
         decoder = FrameDecoder(max_payload=self.limits.max_payload, allocate=self._allocate)
@@ -732,23 +798,33 @@ class Link:
         view = memoryview(stage)
         start = end = 0
         io = self.io
+        bandwidth = self._bandwidth
+        owed = 0  # bytes of the last read, booked on the download cap before the next read
         while True:
             target = decoder.next_target()
             if end > start:
                 count = min(len(target), end - start)
                 target[:count] = view[start:start + count]
                 start += count
-            elif len(target) >= _DIRECT_MIN:
-                count = await io.recv_into(target)
-                if not count:
-                    raise TransportClosed("the peer closed the connection")
-                self.bytes_in += count
             else:
-                start, end = 0, await io.recv_into(view)
-                if not end:
-                    raise TransportClosed("the peer closed the connection")
-                self.bytes_in += end
-                continue
+                read_limit: int | None = None
+                if bandwidth is not None and bandwidth.down.rate > 0:
+                    await bandwidth.pay_down(owed)
+                    read_limit = bandwidth.quantum("down")
+                if len(target) >= _DIRECT_MIN:
+                    count = owed = await io.recv_into(target[:read_limit])
+                    if not count:
+                        raise TransportClosed("the peer closed the connection")
+                    self.bytes_in += count
+                    self._last_heard = time.monotonic()
+                else:
+                    start, end = 0, await io.recv_into(view[:read_limit])
+                    if not end:
+                        raise TransportClosed("the peer closed the connection")
+                    owed = end
+                    self.bytes_in += end
+                    self._last_heard = time.monotonic()
+                    continue
             frame = decoder.advance(count)
             if frame is not None:
                 self._on_frame(frame)
@@ -779,7 +855,7 @@ class Link:
         elif ftype == FrameType.ABORT:
             stream = self._streams.get(sid)
             if stream is not None:
-                reason = str(frame.header.get("e", ""))[:500]
+                reason = _text(frame.header.get("e"), 500)
                 stream._fail(StreamAborted(f"stream aborted by {self.peer_id}: {reason}"))
         elif ftype == FrameType.CANCEL:
             self._on_cancel(sid)
@@ -807,6 +883,8 @@ class Link:
         """The first frame of a request or a reply: validate it and set up its assembly."""
         total = _total(header, length, flags, self.limits.max_message_bytes)
         if ftype == FrameType.RESPONSE:
+            if sid in self._calls:
+                self._reserve(total)
             buffer = memoryview(bytearray(total)) if sid in self._calls else None
             self._assembling[sid] = _Assembly(header, total, buffer, owned=True)
             return
@@ -824,6 +902,7 @@ class Link:
                 "k": "LimitExceeded", "e": f"too many open calls/streams (max {self.limits.max_streams})"})
             self._assembling[sid] = _Assembly(header, total, None, owned=True)
             return
+        self._reserve(total)
         deadline = None if deadline_ms is None else self.loop.time() + deadline_ms / 1000
         self._served[sid] = _Served(method, deadline)
         self._assembling[sid] = _Assembly(header, total, memoryview(bytearray(total)), owned=True)
@@ -894,8 +973,16 @@ class Link:
                 self._send_ctrl(FrameType.ERROR, sid, {"k": "LimitExceeded",
                                                        "e": "reply over max_message_bytes"})
                 return
-            job = _Job(FrameType.RESPONSE, {"h": reply.header, "n": len(payload)}, payload,
-                       self.loop.create_future())
+            try:
+                job = _Job(FrameType.RESPONSE, {"h": reply.header, "n": len(payload)}, payload,
+                           self.loop.create_future())
+            except (TypeError, ValueError) as exc:  # e.g. a header echoed from a hostile request
+                self._log.info("handler_reply_unsendable", method=served.method, error=repr(exc))
+                self._send_ctrl(FrameType.ERROR, sid, {"k": type(exc).__name__,
+                                                       "e": f"reply header cannot be sent: {exc}"[:2000]})
+                return
+            if self.closed:  # closed while the handler ran: nobody to answer
+                return
             self._submit(_Outbox(sid, _INF), job)
             try:
                 async with asyncio.timeout(self.limits.send_timeout):
@@ -922,8 +1009,8 @@ class Link:
 
     def _on_error(self, frame: Frame) -> None:
         sid = frame.stream_id
-        kind = str(frame.header.get("k", "Error"))[:100]
-        text = str(frame.header.get("e", ""))[:2000]
+        kind = _text(frame.header.get("k"), 100) or "Error"
+        text = _text(frame.header.get("e"), 2000)
         error: TransportError
         if kind == "UnknownMethod":
             error = UnknownMethod(kind, text)
@@ -977,7 +1064,7 @@ class Link:
             self._log.info("stream_handler_failed", method=stream.method, error=repr(exc))
             stream._abort_now(f"{type(exc).__name__}: {exc}")
         else:
-            if stream._error is None:
+            if stream._error is None and not self.closed:  # (a closed link fails its streams soon)
                 await stream.close()
                 stream._discard_inbound()
 
@@ -1019,7 +1106,7 @@ class Link:
         while True:
             await asyncio.sleep(self.limits.ping_interval)
             now = time.monotonic()
-            if now - self._last_pong > self.limits.ping_timeout:
+            if now - max(self._last_pong, self._last_heard) > self.limits.ping_timeout:
                 self.begin_close(f"no keepalive answer for {self.limits.ping_timeout}s")
                 return
             idle = self.limits.idle_timeout

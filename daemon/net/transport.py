@@ -8,6 +8,10 @@ Inbound connections each get one handshake task under `handshake_timeout` (TLS +
 `max_handshakes` at once; garbage, silence, half-done handshakes and slowloris clients are dropped
 and counted without disturbing established links. `counters()` gives the counts for metrics.
 
+Bandwidth caps: `bandwidth` (ratelimit.py) is one pair of token buckets that every link of this
+transport books its frames on (relayed links excepted: the link to the relay carries and meters
+their bytes); `transport.bandwidth.set(...)` changes the caps at once.
+
 Link events: `add_link_listener(callback)`; the callback gets a `LinkEvent` ("up" when the first
 link to a peer opens, "down" when its last link closes), synchronously from the event loop.
 """
@@ -37,6 +41,7 @@ from .errors import (
 from .handshake import Handshaken, client_handshake, server_handshake
 from .interface import LinkInfo, Message, StreamHandler, UnaryHandler
 from .link import Dispatcher, Link, LinkLimits, LinkStream
+from .ratelimit import Bandwidth
 from .tls import Certificate, client_context, server_context
 
 log = structlog.get_logger(__name__)
@@ -86,10 +91,13 @@ def _local_ipv4_addresses() -> list[str]:
 class TlsTransport:
     """Start with `await TlsTransport.start(identity, [PeerAddress...])`; close with `close()`."""
 
-    def __init__(self, identity: Identity, *, limits: TransportLimits, tls: bool) -> None:
+    def __init__(self, identity: Identity, *, limits: TransportLimits, tls: bool,
+                 bandwidth: Bandwidth | None = None) -> None:
         self._identity = identity
         self.limits = limits
         self.tls = tls
+        # the caps on all links together (ratelimit.py); set_rate on its buckets acts at once
+        self.bandwidth = bandwidth if bandwidth is not None else Bandwidth()
         self._loop = asyncio.get_running_loop()
         self._certificate = Certificate.generate(identity.peer_id) if tls else None
         self._server_ctx: ssl.SSLContext | None = (
@@ -120,9 +128,11 @@ class TlsTransport:
     # --- start / stop -------------------------------------------------------------------------
     @classmethod
     async def start(cls, identity: Identity, listen: list[PeerAddress] | None = None, *,
-                    limits: TransportLimits | None = None, tls: bool = True) -> TlsTransport:
-        """Bind the listen addresses (port 0: any free port) and start accepting."""
-        transport = cls(identity, limits=limits or TransportLimits(), tls=tls)
+                    limits: TransportLimits | None = None, tls: bool = True,
+                    bandwidth: Bandwidth | None = None) -> TlsTransport:
+        """Bind the listen addresses (port 0: any free port) and start accepting; `bandwidth`:
+        caps shared by every link (default: none)."""
+        transport = cls(identity, limits=limits or TransportLimits(), tls=tls, bandwidth=bandwidth)
         try:
             for address in listen or []:
                 transport._listen(address)
@@ -499,7 +509,9 @@ class TlsTransport:
         link = Link(done.io, peer_id=peer_id, peer_addresses=done.peer.addresses, outbound=outbound,
                     address=address, limits=self.limits.link, dispatcher=self._dispatcher,
                     on_closed=self._on_link_closed, counters=self._counters,
-                    local_peer_id=self.peer_id)
+                    local_peer_id=self.peer_id,
+                    # a relayed link's bytes are metered on the link to the relay that carries them
+                    bandwidth=None if done.io.kind == "relay" else self.bandwidth)
         existing = self._links.setdefault(peer_id, [])
         first = not any(not other.closed for other in existing)
         existing.append(link)

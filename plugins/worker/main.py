@@ -31,6 +31,7 @@ from ..catalog import WorkloadCatalog
 log = structlog.get_logger(__name__)
 
 PR_SET_PDEATHSIG = 1
+GPU_MEMORY_ENV = "DEDLOC_GPU_MEMORY_FRACTION"
 PARENT_POLL_SECONDS = 0.5
 CLOSE_TIMEOUT_SECONDS = 30.0
 
@@ -40,6 +41,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--socket", type=Path, help="unix socket path to serve the worker protocol on")
     parser.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.0,
+                        help="most of each GPU's memory this worker (and its replicas) may take, "
+                             "as a fraction; 0: no cap")
     parser.add_argument("--list-workloads", action="store_true",
                         help="print the installed workloads as one JSON object and exit")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -49,6 +53,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--socket is required (or --list-workloads)")
     if args.threads < 0:
         parser.error("--threads must be 0 or more")
+    if not 0.0 <= args.gpu_memory_fraction <= 1.0:
+        parser.error("--gpu-memory-fraction must be between 0 and 1")
     return args
 
 
@@ -75,6 +81,22 @@ def list_workloads() -> int:
     sys.stdout.write(orjson.dumps(listing).decode() + "\n")
     sys.stdout.flush()
     return 0
+
+
+def cap_gpu_memory() -> float | None:
+    """Apply the GPU memory cap of $DEDLOC_GPU_MEMORY_FRACTION to every visible GPU (torch's
+    per-process fraction: an allocation beyond it fails with an out-of-memory error)."""
+    text = os.environ.get(GPU_MEMORY_ENV)
+    if not text:
+        return None
+    import torch
+
+    fraction = float(text)
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.set_per_process_memory_fraction(fraction, index)
+        log.info("gpu_memory_capped", fraction=fraction, devices=torch.cuda.device_count())
+    return fraction
 
 
 def die_with_parent(parent_pid: int | None) -> bool:
@@ -170,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         with contextlib.suppress(RuntimeError):  # only settable before any parallel work
             torch.set_num_interop_threads(args.threads)
+    if args.gpu_memory_fraction > 0:
+        os.environ[GPU_MEMORY_ENV] = repr(args.gpu_memory_fraction)  # replicas inherit it
+    cap_gpu_memory()
     if not die_with_parent(args.parent_pid):
         log.info("worker_parent_gone", parent_pid=args.parent_pid)
         return 0

@@ -327,6 +327,9 @@ def replica_main(spec: ReplicaSpec, pipe: Connection) -> None:
                         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr))
     bound = log.bind(rank=spec.rank, device=spec.device)
     torch.set_num_threads(spec.threads)
+    from .main import cap_gpu_memory
+
+    cap_gpu_memory()  # the worker's cap, inherited through the environment
     try:
         device = torch.device(spec.device)
         if device.type == "cuda":

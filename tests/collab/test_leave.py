@@ -9,7 +9,7 @@ import signal
 import time
 from typing import Any
 
-from support import start_swarm, wait_until
+from support import DaemonProcess, p2p_address, start_swarm, wait_until
 
 
 async def test_a_trainer_killed_during_averaging(daemon_factory: Any) -> None:
@@ -55,3 +55,70 @@ async def test_a_trainer_killed_during_averaging(daemon_factory: Any) -> None:
     await wait_until(lambda: dead_peer_gone(first), timeout=90)
     # The survivors stayed together: the same epoch, or one step apart while a round ends.
     assert abs(statuses[0]["epoch"] - statuses[1]["epoch"]) <= 1
+
+
+async def test_a_paused_peer_leaves_the_rounds_and_catches_up_on_resume(daemon_factory: Any) -> None:
+    """node.pause: the peer's run leaves its rounds (the other goes on alone) and waits;
+    node.resume: it drops its stale gradients, downloads the run's state and takes part in
+    rounds again."""
+    first = await daemon_factory()
+    address = await p2p_address(first)
+    second = await daemon_factory("--net.bootstrap", address)
+    params = {"workload": "tiny", "name": "pause", "target_batch_size": 256, "collaborative": True,
+              "min_peers": 1, "checkpoint_every": 0}
+    await asyncio.gather(first.call("run.start", params), second.call("run.start", params))
+
+    async def status(daemon: Any) -> dict[str, Any]:
+        (found,) = await daemon.call("run.status", {"name": "pause"})
+        return found
+
+    async def both_in_rounds() -> bool:
+        last = (await status(second))["last_round"]
+        return bool(last and last["senders"] == 2)
+
+    await wait_until(both_in_rounds, timeout=120)
+    paused = await second.call("node.pause")
+    assert paused["paused"] is True and "paused by the volunteer" in paused["blocked"]
+
+    async def waiting() -> dict[str, Any] | None:
+        found = await status(second)
+        return found if found["phase"] == "paused" else None
+
+    held = await wait_until(waiting, timeout=60)
+    assert "paused" in held["paused"]
+    epoch = (await status(first))["epoch"]
+
+    async def alone_ahead() -> bool:
+        found = await status(first)
+        return found["epoch"] >= epoch + 3 and found["last_round"]["senders"] == 1
+
+    await wait_until(alone_ahead, timeout=120)
+    assert (await status(second))["phase"] == "paused"
+    assert (await second.call("node.availability"))["paused"] is True
+    resumed = await second.call("node.resume")
+    assert resumed["paused"] is False and resumed["blocked"] is None
+
+    async def back() -> dict[str, Any] | None:
+        found = await status(second)
+        last = found["last_round"]
+        ahead = found["epoch"] >= epoch + 3
+        return found if ahead and last and last["senders"] == 2 and found["phase"] != "paused" else None
+
+    found = await wait_until(back, timeout=120)
+    # It caught up with the run by a state download or a state-averaging round, not by training.
+    assert found["paused"] is None
+    assert found["state_downloads"] >= 1 or found["last_state_round"] is not None, found
+
+
+async def test_a_pause_outlives_a_restart(daemon_factory: Any) -> None:
+    daemon = await daemon_factory()
+    assert (await daemon.call("node.availability"))["paused"] is False
+    await daemon.call("node.pause")
+    assert await daemon.terminate() == 0
+    again = await DaemonProcess.start(daemon.root)
+    try:
+        state = await again.call("node.availability")
+        assert state["paused"] is True and "dedloc resume" in state["blocked"]
+        assert (await again.call("node.resume"))["paused"] is False
+    finally:
+        await again.terminate()

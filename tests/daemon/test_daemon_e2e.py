@@ -10,7 +10,9 @@ from support import wait_until
 CONTROL_METHODS = {"node.info", "node.shutdown", "node.peers", "node.connect", "dht.store", "dht.get",
                    "averaging.average", "averaging.status",
                    "workloads.list", "run.start", "run.status", "run.stop", "run.restart",
-                   "rpc.discover"}
+                   "token.issue", "token.revoke", "token.list",
+                   "node.pause", "node.resume", "node.availability", "rpc.discover",
+                   "node.bandwidth", "node.set_bandwidth"}
 
 
 def pid_alive(pid: int) -> bool:

@@ -214,3 +214,20 @@ async def test_new_node_close_to_a_key_receives_it(swarm: Swarm) -> None:
     # up later): most, not necessarily all, of the records due reach the newcomers.
     assert due and received >= due // 2
     assert node_id_of(nodes[0].peer_id) == nodes[0].node_id
+
+
+async def test_a_record_that_expires_in_transit_is_dropped_without_blaming_its_holder(swarm: Swarm) -> None:
+    """A holder checks expiry at its own "now"; a record that expires while the reply travels is
+    an honest race (it happened under load in the chaos test): the reader drops it and keeps the
+    holder, where a forged record gets the holder banned."""
+    nodes = await grow(swarm, 6)
+    writer, reader = nodes[1], nodes[2]
+    key = "run/short-lived"
+    await writer.store(key, b"brief", time.time() + 60, sub_key=writer.peer_id)
+    reader.storage.remove(key, writer.peer_id)
+    writer.storage.remove(key, writer.peer_id)
+    reader._clock = lambda: time.time() + 120  # the reader sees every reply after it expired
+    assert await reader.get(key) is None
+    assert reader.stats["expired_in_transit"] >= 1
+    assert reader.stats["forged_records"] == 0
+    assert sum(1 for n in nodes if n.peer_id in reader.routing_table) == len(nodes) - 1

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from dedloc.rpc import ErrorCode, RpcCallError
 
@@ -89,3 +90,17 @@ async def test_no_shared_memory_left_behind(launch: Callable[..., Any], buffers:
     ours = (f"torch_{worker.process.pid}_", "dedloc", "psm_")
     assert {n for n in set(os.listdir(SHM)) - before if n.startswith(ours)} == set()
     assert "resource_tracker" not in worker.log()
+
+
+def test_the_gpu_memory_cap_reaches_the_worker_and_its_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cap travels in the environment (replicas inherit it); on a machine without a GPU it
+    is a no-op that still reports the fraction. Whether torch enforces it needs a GPU."""
+    from dedloc.plugins.worker.main import GPU_MEMORY_ENV, cap_gpu_memory, parse_args
+
+    monkeypatch.delenv(GPU_MEMORY_ENV, raising=False)
+    assert cap_gpu_memory() is None
+    assert parse_args(["--socket", "/tmp/s", "--gpu-memory-fraction", "0.5"]).gpu_memory_fraction == 0.5
+    monkeypatch.setenv(GPU_MEMORY_ENV, "0.5")
+    assert cap_gpu_memory() == 0.5
+    with pytest.raises(SystemExit):
+        parse_args(["--socket", "/tmp/s", "--gpu-memory-fraction", "1.5"])

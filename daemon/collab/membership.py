@@ -1,0 +1,329 @@
+"""Membership of closed runs: owner-signed tokens, the owner's revocation list, and the checks.
+
+A **closed** run has an owner: the daemon that created it, whose peer id (an Ed25519 public key)
+is in the run's manifest. Only peers holding a token the owner signed may take part:
+
+    MembershipToken(owner, run, peer, role, issued, expires, serial) + the owner's signature
+
+A token names the one peer id it is for, so it is useless to anyone else (every peer-to-peer call
+is made over a link authenticated by the caller's peer id), and it travels openly: with every DHT
+request and record under the run's keys, with matchmaking messages and state requests.
+
+The run's DHT keys live under `closed/<owner>/<run>/`, so that any DHT node, member or not, knows
+from a key alone whose tokens it needs and checks them: a read needs the reader's token; a write
+needs its signer's token, which travels with the record (replicas pass it on). The owner's
+revocation list is the one record under a closed run's keys that anyone may read and only the
+owner may write (`closed/<owner>/<run>/revoked`); members fetch it every `REVOCATIONS_REFRESH`
+seconds, and a newer list (by `version`) replaces an older one, never the reverse.
+
+Open runs keep their keys under `collab/<run>/` and check nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+import structlog
+
+from ..dht import AccessDenied, Entry
+from ..identity import Identity, verify
+from .errors import CollaborationError
+
+log = structlog.get_logger(__name__)
+
+TOKEN_PREFIX = "dlt1"
+_TOKEN_DOMAIN = b"dedloc-run-token-v1\0"
+_REVOCATIONS_DOMAIN = b"dedloc-run-revocations-v1\0"
+MAX_TOKEN_CHARS = 2048
+ROLES = ("trainer", "aux")
+REVOCATIONS_REFRESH = 30.0
+CLOSED_PREFIX = "closed/"
+NESTING_PREFIXES = ("averaging/",)  # daemon/averaging/matchmaking.py's DHT_PREFIX
+OPEN_PREFIX = "collab/"
+
+
+class MembershipError(CollaborationError):
+    """A token is malformed, forged, expired or revoked, or a peer is not a member of a run."""
+
+
+class NotAMember(MembershipError, AccessDenied):
+    """A peer without a valid token asked for something of a closed run."""
+
+
+def namespace(name: str, owner: str | None) -> str:
+    """Where a run's DHT keys live: `collab/<name>` (open) or `closed/<owner>/<name>` (closed)."""
+    return f"{CLOSED_PREFIX}{owner}/{name}" if owner else f"{OPEN_PREFIX}{name}"
+
+
+def closed_run_of(key: str) -> tuple[str, str] | None:
+    """(owner, run name) of a key under a closed run's namespace, else None. Keys that another
+    layer files under its own prefix (matchmaking's `averaging/`) count as the run's too."""
+    for prefix in NESTING_PREFIXES:
+        if key.startswith(prefix + CLOSED_PREFIX):
+            key = key[len(prefix):]
+            break
+    if not key.startswith(CLOSED_PREFIX):
+        return None
+    parts = key.split("/", 3)
+    if len(parts) < 3 or not parts[1] or not parts[2]:
+        return None
+    return parts[1], parts[2]
+
+
+def revocations_key(owner: str, name: str) -> str:
+    return f"{namespace(name, owner)}/revoked"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+@dataclass(frozen=True)
+class MembershipToken:
+    """An owner's permission for one peer to take part in one run, until `expires`."""
+
+    owner: str
+    run: str
+    peer: str
+    role: str
+    issued: float
+    expires: float
+    serial: str
+    signature: bytes = field(default=b"", repr=False)
+
+    def _claims(self) -> dict[str, Any]:
+        claims = asdict(self)
+        del claims["signature"]
+        return claims
+
+    def signing_bytes(self) -> bytes:
+        return _TOKEN_DOMAIN + orjson.dumps(self._claims(), option=orjson.OPT_SORT_KEYS)
+
+    @classmethod
+    def issue(cls, owner: Identity, run: str, peer: str, role: str, seconds: float) -> MembershipToken:
+        if role not in ROLES:
+            raise MembershipError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise MembershipError(f"a token must be valid for a positive time, not {seconds!r} s")
+        now = time.time()
+        unsigned = cls(owner.peer_id, run, peer, role, now, now + seconds, os.urandom(8).hex())
+        return cls(**{**unsigned._claims(), "signature": owner.sign(unsigned.signing_bytes())})
+
+    def encode(self) -> str:
+        return ".".join((TOKEN_PREFIX, _b64(orjson.dumps(self._claims())), _b64(self.signature)))
+
+    @classmethod
+    def decode(cls, text: str) -> MembershipToken:
+        """Parse and check the owner's signature (not expiry or revocation); MembershipError."""
+        if not isinstance(text, str) or len(text) > MAX_TOKEN_CHARS:
+            raise MembershipError("a token is a string of at most 2048 characters")
+        parts = text.strip().split(".")
+        if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+            raise MembershipError(f"not a dedloc run token (it starts with {TOKEN_PREFIX}.)")
+        try:
+            claims = orjson.loads(_unb64(parts[1]))
+            signature = _unb64(parts[2])
+        except (orjson.JSONDecodeError, binascii.Error, ValueError) as exc:
+            raise MembershipError(f"the token is garbled ({exc})") from None
+        expected = {"owner": str, "run": str, "peer": str, "role": str, "issued": (int, float),
+                    "expires": (int, float), "serial": str}
+        if not isinstance(claims, dict) or set(claims) != set(expected) or any(
+                not isinstance(claims[k], kind) or isinstance(claims[k], bool)
+                for k, kind in expected.items()):
+            raise MembershipError("the token's fields are wrong (was it made by another version?)")
+        token = cls(**claims, signature=signature)
+        if token.role not in ROLES:
+            raise MembershipError(f"the token's role {token.role!r} is unknown")
+        if not verify(token.owner, signature, token.signing_bytes()):
+            raise MembershipError(f"the token is not signed by the run's owner {token.owner[:16]}")
+        return token
+
+
+@dataclass(frozen=True)
+class Revocations:
+    """The owner's list of revoked token serials and peers of one run; `version` orders lists."""
+
+    owner: str
+    run: str
+    version: float
+    serials: frozenset[str] = frozenset()
+    peers: frozenset[str] = frozenset()
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps({"owner": self.owner, "run": self.run, "version": self.version,
+                             "serials": sorted(self.serials), "peers": sorted(self.peers)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, owner: str, run: str) -> Revocations:
+        try:
+            raw = orjson.loads(data)
+            if (not isinstance(raw, dict) or raw.get("owner") != owner or raw.get("run") != run
+                    or not isinstance(raw.get("version"), int | float)
+                    or not all(isinstance(s, str) for s in raw.get("serials", []))
+                    or not all(isinstance(p, str) for p in raw.get("peers", []))):
+                raise ValueError("wrong fields")
+        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
+            raise MembershipError(f"malformed revocation list of run {run!r}: {exc}") from None
+        return cls(owner, run, float(raw["version"]), frozenset(raw.get("serials", [])),
+                   frozenset(raw.get("peers", [])))
+
+    def revokes(self, token: MembershipToken) -> bool:
+        return token.serial in self.serials or token.peer in self.peers
+
+
+class MembershipRegistry:
+    """This daemon's side of closed runs: the tokens it holds, the revocation lists it knows, and
+    the check every handler of a closed run's traffic calls (refusals counted per peer)."""
+
+    def __init__(self, identity: Identity, clock: Callable[[], float] = time.time) -> None:
+        self.identity = identity
+        self._clock = clock
+        self._held: dict[tuple[str, str], MembershipToken] = {}
+        self._revocations: dict[tuple[str, str], Revocations] = {}
+        self._decoded: collections.OrderedDict[str, MembershipToken | MembershipError] = (
+            collections.OrderedDict())
+        self.refusals: collections.Counter[str] = collections.Counter()  # by peer id
+        self.refusals_by_reason: collections.Counter[str] = collections.Counter()
+
+    # --- our own credentials --------------------------------------------------------------------
+
+    def hold(self, token: MembershipToken) -> None:
+        """Use `token` for run (owner, run) from now on (it must name this peer)."""
+        if token.peer != self.identity.peer_id:
+            raise MembershipError(f"this token is for peer {token.peer}, not for this node "
+                                  f"({self.identity.peer_id}); ask the run's owner for one")
+        self._check_fresh(token)
+        self._held[(token.owner, token.run)] = token
+
+    def held(self, owner: str, run: str) -> MembershipToken | None:
+        return self._held.get((owner, run))
+
+    def credential(self, key: str) -> str | None:
+        """The token to present with a request about `key` (None: open run, or we own it)."""
+        closed = closed_run_of(key)
+        if closed is None or closed[0] == self.identity.peer_id:
+            return None
+        token = self._held.get(closed)
+        return None if token is None else token.encode()
+
+    # --- revocations ----------------------------------------------------------------------------
+
+    def learn(self, revocations: Revocations) -> bool:
+        """Keep `revocations` unless a list of the same run with a higher version is known."""
+        key = (revocations.owner, revocations.run)
+        known = self._revocations.get(key)
+        if known is not None and known.version >= revocations.version:
+            return False
+        self._revocations[key] = revocations
+        return True
+
+    def revocations(self, owner: str, run: str) -> Revocations | None:
+        return self._revocations.get((owner, run))
+
+    # --- checks ---------------------------------------------------------------------------------
+
+    def _token(self, text: str) -> MembershipToken:
+        found = self._decoded.get(text)
+        if found is None:
+            try:
+                found = MembershipToken.decode(text)
+            except MembershipError as exc:
+                found = exc
+            self._decoded[text] = found
+            while len(self._decoded) > 4096:
+                self._decoded.popitem(last=False)
+        if isinstance(found, MembershipError):
+            raise found
+        return found
+
+    def check_own(self, token: MembershipToken) -> None:
+        """MembershipError if a token we hold has expired or was revoked."""
+        self._check_fresh(token)
+
+    def _check_fresh(self, token: MembershipToken) -> None:
+        now = self._clock()
+        if token.expires <= now:
+            raise MembershipError(f"the token (serial {token.serial}) of run {token.run!r} expired "
+                                  f"{now - token.expires:.0f} s ago; ask the run's owner for a new one")
+        revoked = self._revocations.get((token.owner, token.run))
+        if revoked is not None and revoked.revokes(token):
+            raise MembershipError(f"the token (serial {token.serial}) of run {token.run!r} was "
+                                  "revoked by the run's owner")
+
+    def check(self, peer_id: str, owner: str, run: str, token_text: Any, what: str) -> MembershipToken | None:
+        """Pass if `peer_id` may do `what` in closed run (owner, run); raise NotAMember, counted."""
+        if peer_id == owner:
+            return None
+        try:
+            if not isinstance(token_text, str) or not token_text:
+                raise MembershipError("no token was presented")
+            token = self._token(token_text)
+            if token.owner != owner or token.run != run:
+                raise MembershipError(f"the token is for run {token.run!r} of owner "
+                                      f"{token.owner[:16]}, not this one")
+            if token.peer != peer_id:
+                raise MembershipError(f"the token is for peer {token.peer[:16]}, not for the caller")
+            self._check_fresh(token)
+        except MembershipError as exc:
+            self.refusals[peer_id] += 1
+            self.refusals_by_reason[what] += 1
+            log.info("membership_refused", peer=peer_id[:16], run=run, what=what, reason=str(exc))
+            raise NotAMember(f"peer {peer_id[:16]} is not a member of closed run {run!r} ({what}): "
+                             f"{exc}") from None
+        return token
+
+    def check_key(self, peer_id: str, key: str, token_text: Any, what: str) -> None:
+        """`check` for a request about DHT-style `key`; nothing to check for open runs' keys."""
+        closed = closed_run_of(key)
+        if closed is not None:
+            self.check(peer_id, closed[0], closed[1], token_text, what)
+
+    def authorize_read(self, peer_id: str, key: str, token_text: Any) -> None:
+        """May `peer_id` read DHT `key`? The revocation list is public; the rest needs a token."""
+        closed = closed_run_of(key)
+        if closed is None or key == revocations_key(*closed):
+            return
+        self.check(peer_id, closed[0], closed[1], token_text, "dht_read")
+
+    def authorize_write(self, signer: str, key: str, proof: Any) -> None:
+        """May a record of `signer` be stored under `key`? Only the owner writes the revocations."""
+        closed = closed_run_of(key)
+        if closed is None:
+            return
+        if key == revocations_key(*closed):
+            if signer != closed[0]:
+                self.refusals[signer] += 1
+                self.refusals_by_reason["dht_write"] += 1
+                raise NotAMember(f"only the run's owner writes the revocation list of {closed[1]!r}")
+            return
+        self.check(signer, closed[0], closed[1], proof, "dht_write")
+
+    def stored(self, entry: Entry) -> None:
+        """A DHT record stored on this node: learn a run's revocation list from its owner."""
+        closed = closed_run_of(entry.key)
+        if closed is None or entry.key != revocations_key(*closed) or entry.signer != closed[0]:
+            return
+        try:
+            self.learn(Revocations.from_bytes(entry.value, *closed))
+        except MembershipError as exc:
+            log.info("revocations_malformed", run=closed[1], error=str(exc))
+
+    def stats(self) -> dict[str, Any]:
+        return {"held": [{"owner": o, "run": r, "serial": t.serial, "role": t.role,
+                          "expires": t.expires} for (o, r), t in self._held.items()],
+                "refusals": sum(self.refusals.values()),
+                "refusals_by_peer": dict(self.refusals.most_common(20)),
+                "refusals_by_reason": dict(self.refusals_by_reason)}

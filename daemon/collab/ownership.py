@@ -1,0 +1,158 @@
+"""The owner's side of a closed run: the tokens it issued and the ones it revoked, kept on disk.
+
+A daemon owns the closed runs it creates (its identity signs their manifests and tokens). Its
+ledger of each run, `<state_dir>/owned/<run>.json`, lists every token issued (serial, peer, role,
+expiry) and what was revoked, so that `dedloc token list` can show them and `dedloc token revoke`
+survives restarts. The revocation list is published in the DHT under the run's `revoked` key (the
+owner's peer id as sub-key: nobody else may write it) whenever it changes, when the daemon starts
+and then every `REPUBLISH_EVERY` seconds, with a long expiry so that it outlives short absences.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import structlog
+
+from ..identity import Identity
+from ..net import TransportError
+from .membership import MembershipError, MembershipToken, Revocations, revocations_key
+
+if TYPE_CHECKING:
+    from ..dht import DHTNode
+
+log = structlog.get_logger(__name__)
+
+REVOCATIONS_TTL = 3 * 24 * 3600.0
+REPUBLISH_EVERY = 6 * 3600.0
+MAX_TOKEN_DAYS = 3650.0
+
+
+@dataclass
+class RunLedger:
+    """What the owner issued and revoked for one closed run."""
+
+    run: str
+    owner: str
+    issued: list[dict[str, Any]] = field(default_factory=list)
+    revoked_serials: set[str] = field(default_factory=set)
+    revoked_peers: set[str] = field(default_factory=set)
+    version: float = 0.0
+
+    def revocations(self) -> Revocations:
+        return Revocations(self.owner, self.run, self.version, frozenset(self.revoked_serials),
+                           frozenset(self.revoked_peers))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": self.run, "owner": self.owner, "issued": self.issued,
+                "revoked_serials": sorted(self.revoked_serials),
+                "revoked_peers": sorted(self.revoked_peers), "version": self.version}
+
+    @classmethod
+    def from_json(cls, data: Any) -> RunLedger:
+        return cls(str(data["run"]), str(data["owner"]), list(data.get("issued", [])),
+                   set(data.get("revoked_serials", [])), set(data.get("revoked_peers", [])),
+                   float(data.get("version", 0.0)))
+
+
+class OwnedRuns:
+    """The ledgers of the closed runs this daemon owns."""
+
+    def __init__(self, identity: Identity, directory: Path) -> None:
+        self.identity = identity
+        self.directory = directory
+        self._ledgers: dict[str, RunLedger] = {}
+        self._load()
+
+    def _path(self, run: str) -> Path:
+        return self.directory / f"{run}.json"
+
+    def _load(self) -> None:
+        if not self.directory.is_dir():
+            return
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                ledger = RunLedger.from_json(orjson.loads(path.read_bytes()))
+            except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                log.error("owned_run_ledger_unreadable", path=str(path), error=str(exc))
+                continue
+            if ledger.owner == self.identity.peer_id:
+                self._ledgers[ledger.run] = ledger
+
+    def _save(self, ledger: RunLedger) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self._path(ledger.run)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as handle:
+            handle.write(orjson.dumps(ledger.to_json(), option=orjson.OPT_INDENT_2))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+
+    def ledger(self, run: str) -> RunLedger:
+        ledger = self._ledgers.get(run)
+        if ledger is None:
+            ledger = self._ledgers[run] = RunLedger(run, self.identity.peer_id)
+        return ledger
+
+    def names(self) -> list[str]:
+        return sorted(self._ledgers)
+
+    def issue(self, run: str, peer: str, role: str, days: float) -> MembershipToken:
+        if not 0 < days <= MAX_TOKEN_DAYS:
+            raise MembershipError(f"days must be in (0, {MAX_TOKEN_DAYS:.0f}], not {days}")
+        token = MembershipToken.issue(self.identity, run, peer, role, days * 86400.0)
+        ledger = self.ledger(run)
+        ledger.issued.append({"serial": token.serial, "peer": peer, "role": role,
+                              "issued": token.issued, "expires": token.expires})
+        self._save(ledger)
+        log.info("token_issued", run=run, peer=peer[:16], role=role, serial=token.serial,
+                 expires=token.expires)
+        return token
+
+    def revoke(self, run: str, serial: str | None, peer: str | None) -> Revocations:
+        if run not in self._ledgers:
+            raise MembershipError(f"this node has issued no token of run {run!r}")
+        if serial is None and peer is None:
+            raise MembershipError("name a token serial or a peer id to revoke")
+        ledger = self._ledgers[run]
+        if serial is not None:
+            if serial not in {item["serial"] for item in ledger.issued}:
+                raise MembershipError(f"no token of run {run!r} has serial {serial!r} "
+                                      "(see dedloc token list)")
+            ledger.revoked_serials.add(serial)
+        if peer is not None:
+            ledger.revoked_peers.add(peer)
+        ledger.version = max(time.time(), ledger.version + 1e-3)  # strictly newer than the last
+        self._save(ledger)
+        log.info("token_revoked", run=run, serial=serial, peer=None if peer is None else peer[:16])
+        return ledger.revocations()
+
+    def listing(self, run: str) -> dict[str, Any]:
+        ledger = self._ledgers.get(run)
+        if ledger is None:
+            return {"run": run, "owner": self.identity.peer_id, "tokens": [], "revoked_peers": []}
+        now = time.time()
+        tokens = [{**item, "revoked": item["serial"] in ledger.revoked_serials
+                   or item["peer"] in ledger.revoked_peers, "expired": item["expires"] <= now}
+                  for item in ledger.issued]
+        return {"run": run, "owner": ledger.owner, "tokens": tokens,
+                "revoked_peers": sorted(ledger.revoked_peers)}
+
+    async def publish(self, dht: DHTNode, run: str) -> bool:
+        """Store run's revocation list in the DHT (nothing to do if nothing was revoked)."""
+        ledger = self._ledgers.get(run)
+        if ledger is None or ledger.version == 0.0:
+            return True
+        try:
+            stored = await dht.store(revocations_key(ledger.owner, run), ledger.revocations().to_bytes(),
+                                     time.time() + REVOCATIONS_TTL, sub_key=ledger.owner, timeout=10.0)
+        except (TransportError, TimeoutError) as exc:
+            log.warning("revocations_publish_failed", run=run, error=str(exc))
+            return False
+        return stored > 0
