@@ -70,8 +70,10 @@ class MethodRegistry:
     """The methods one JSON-RPC server answers, and the counters of what it answered."""
 
     def __init__(self, title: str, version: str, description: str = "",
-                 error_map: dict[type[BaseException], ErrorCode] | None = None) -> None:
+                 error_map: dict[type[BaseException], ErrorCode] | None = None,
+                 max_batch: int = 1000) -> None:
         self.title = title
+        self.max_batch = max_batch
         self.version = version
         self.description = description
         self._methods: dict[str, RegisteredMethod] = {}
@@ -158,11 +160,40 @@ class MethodRegistry:
         elif not parsed:
             self.counters["error.invalid_request"] += 1
             return error_response(ErrorCode.INVALID_REQUEST, "Invalid request", "empty batch")
+        elif len(parsed) > self.max_batch:  # each element costs a task and an answer: bound them
+            self.counters["error.batch_too_large"] += 1
+            return error_response(ErrorCode.INVALID_REQUEST, "Invalid request",
+                                  f"batch of {len(parsed)} requests is over the limit of {self.max_batch}")
         else:
             # Each element on its own, so one bad element does not spoil the others' answers.
-            answers = await asyncio.gather(*(self._dispatch_one(item) for item in parsed))
+            answers = await asyncio.gather(*(self._dispatch_one(item) if not isinstance(item, list)
+                                             else self._nested_batch() for item in parsed))
             answer = [a for a in answers if a is not None] or None
-        return None if answer is None else orjson.dumps(answer)
+        if answer is None:
+            return None
+        if isinstance(answer, list):
+            return b"[" + b",".join(self._encode(a) for a in answer) + b"]"
+        return self._encode(answer)
+
+    def _encode(self, answer: Any) -> bytes:
+        """One answer as JSON; a result orjson cannot encode (e.g. a DHT value a peer nested 300
+        deep) becomes an internal error for that request alone, not a broken connection."""
+        try:
+            return orjson.dumps(answer)
+        except TypeError as exc:
+            self.counters["error.unencodable_result"] += 1
+            log.error("rpc_result_unencodable", error=str(exc))
+            request_id = answer.get("id") if isinstance(answer, dict) else None
+            return orjson.dumps({"jsonrpc": "2.0", "id": request_id, "error": {
+                "code": int(ErrorCode.INTERNAL_ERROR), "message": "Internal error",
+                "data": f"the result cannot be encoded as JSON: {exc}"}})
+
+    async def _nested_batch(self) -> Any:
+        """A batch inside a batch is not a request (jsonrpcserver would run it as a batch)."""
+        self.counters["requests"] += 1
+        self.counters["error.invalid_request"] += 1
+        return orjson.loads(error_response(ErrorCode.INVALID_REQUEST, "Invalid request",
+                                           "a batch may not contain a batch"))
 
     async def _dispatch_one(self, request: Any) -> Any:
         answer = await dispatch_to_serializable(request, self._callables, deserializer=_identity)

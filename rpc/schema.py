@@ -18,6 +18,10 @@ import jsonschema
 
 from .errors import InvalidParams
 
+# Parameters nested deeper are refused: jsonschema's messages repr() the value (RecursionError near
+# 1000 levels) and orjson encodes at most 255 levels; no method needs more than a few.
+MAX_PARAM_DEPTH = 128
+
 _SCALARS: dict[Any, dict[str, Any]] = {
     str: {"type": "string"},
     int: {"type": "integer"},
@@ -140,10 +144,27 @@ class Signature:
             given = {spec.name: value for spec, value in zip(self.params, args, strict=False)}
         else:
             given = dict(kwargs or {})
+        for name, value in given.items():
+            if _deeper_than(value, MAX_PARAM_DEPTH):
+                raise InvalidParams(name, f"nested deeper than {MAX_PARAM_DEPTH} levels")
         error = jsonschema.exceptions.best_match(self._validator.iter_errors(given))
         if error is not None:
             raise InvalidParams(_culprit(error), _reason(error))
         return {spec.name: given.get(spec.name, spec.default) for spec in self.params}
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` levels in `value` (without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _culprit(error: jsonschema.ValidationError) -> str | None:

@@ -75,12 +75,20 @@ class Frame:
     flags: int = 0
 
 
-def encode_head(ftype: int, stream_id: int, header: dict[str, Any] | None, payload_len: int,
-                flags: int = 0) -> bytes:
-    """Prefix + header bytes of a frame whose payload (sent separately) is `payload_len` long."""
+def encode_header(header: dict[str, Any] | None) -> bytes:
+    """A frame header's bytes: TypeError if it is not JSON-able (orjson stops at 255 levels of
+    nesting, and a peer may send 1000), ValueError if it is over MAX_HEADER."""
     header_bytes = orjson.dumps(header) if header else b""
     if len(header_bytes) > MAX_HEADER:
         raise ValueError(f"frame header of {len(header_bytes)} bytes is over {MAX_HEADER}")
+    return header_bytes
+
+
+def encode_head(ftype: int, stream_id: int, header: dict[str, Any] | bytes | None, payload_len: int,
+                flags: int = 0) -> bytes:
+    """Prefix + header bytes of a frame whose payload (sent separately) is `payload_len` long.
+    `header` may be already encoded (`encode_header`)."""
+    header_bytes = header if isinstance(header, bytes) else encode_header(header)
     return PREFIX.pack(ftype, flags, stream_id, len(header_bytes), payload_len) + header_bytes
 
 
