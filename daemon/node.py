@@ -24,6 +24,7 @@ from .errors import DaemonError
 from .identity import Identity
 from .network import PeerNetwork
 from .sdnotify import SystemdNotifier
+from .workers.buffers import sweep_orphans
 from .workers.catalog import WorkloadListing
 
 log = structlog.get_logger(__name__)
@@ -77,6 +78,7 @@ class Node:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown, sig.name)
         try:
+            sweep_orphans()  # segments of an earlier daemon that was killed before it cleaned up
             await self.network.start()
             assert self.network.transport is not None
             StateSharing(self.network.transport, self.runs.find_by_key, self.network.membership)

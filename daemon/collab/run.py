@@ -43,11 +43,13 @@ log = structlog.get_logger(__name__)
 
 RunState = Literal["starting", "running", "finished", "stopping", "stopped", "crashed", "failed"]
 Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averaging_state",
-                "downloading_state", "checkpointing", "paused"]
+                "downloading_state", "checkpointing", "paused", "lingering"]
 ACTIVE_STATES = ("starting", "running", "stopping")
 WorkerFactory = Callable[[str], Awaitable[WorkerProcess]]
 HISTORY = 200
-PAUSE_POLL_SECONDS = 2.0  # how often a paused run checks whether it may train again
+PAUSE_POLL_SECONDS = 2.0
+LINGER_SECONDS = 120.0  # a finished run donates its final state to laggards this long at most
+LINGER_POLL_SECONDS = 1.0  # how often a paused run checks whether it may train again
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,10 @@ class Run:
 
     async def stop(self, checkpoint: bool = True) -> None:
         """Finish the current train call, checkpoint, stop the worker. Safe in any state."""
+        if self.lingering and self._task is not None:  # finished, still donating: stop that
+            self._stop_requested.set()
+            await finish_or_cancel(self._task, self._stop_timeout)
+            return
         if self.state not in ACTIVE_STATES:
             return
         self.state = "stopping"
@@ -247,6 +253,8 @@ class Run:
                 if self.spec.epochs is not None and self.progress.epoch >= self.spec.epochs:
                     self.state = "finished"
                     await self.checkpoint()
+                    if self.sync is not None:
+                        await self._linger()
                     break
                 if await self._wait_while_blocked():
                     continue
@@ -275,6 +283,34 @@ class Run:
                 await self.sync.close()
         if self.state in ("crashed", "failed", "finished"):
             await self._release(state=self.state)
+
+    @property
+    def lingering(self) -> bool:
+        """Finished, but still donating the final state to trainers that are behind."""
+        return self.phase == "lingering"
+
+    async def _linger(self) -> None:
+        """A finished collaborative run stays visible (its progress at the last epoch) and serves
+        its final state for up to LINGER_SECONDS, while some live trainer of the run is behind:
+        without it, a trainer that fell behind near the end would wait forever for peers that
+        have all finished and left."""
+        assert self.sync is not None
+        self.phase = "lingering"
+        deadline = time.monotonic() + LINGER_SECONDS
+        try:
+            while not self._stop_requested.is_set() and time.monotonic() < deadline:
+                own = self.sync._own()
+                await self.sync.collab.publish(own)
+                await self.sync.collab.global_progress(own)
+                behind = [r for r in self.sync.collab.last_reports
+                          if r.role == "trainer" and not r.left and r.peer_id != own.peer_id
+                          and r.epoch < self.progress.epoch]
+                if not behind:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop_requested.wait(), timeout=LINGER_POLL_SECONDS)
+        finally:
+            self.phase = "idle"
 
     async def _wait_while_blocked(self) -> bool:
         """Paused by hand, outside the training hours or the machine busy: leave the run's rounds

@@ -158,7 +158,8 @@ class RunRegistry:
     def find_by_key(self, key: str) -> Run | None:
         """The active collaborative run whose peer-to-peer key is `key` (for state donations)."""
         for run in self._runs.values():
-            if isinstance(run, Run) and run.sync is not None and run.sync.key == key and run.active:
+            if isinstance(run, Run) and run.sync is not None and run.sync.key == key and (
+                    run.active or run.lingering):
                 return run
         return None
 

@@ -64,7 +64,7 @@ class StateSharing:
                 await stream.abort(str(exc))
                 return
         run = self._find_run(key) if isinstance(key, str) else None
-        if run is None or not run.active:
+        if run is None or not (run.active or run.lingering):
             await stream.abort("this peer has no active run of that key")
             return
         busy = None

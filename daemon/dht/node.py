@@ -336,8 +336,8 @@ class DHTNode:
         task.add_done_callback(lambda _: self._busy.discard(peer_id))
 
     async def _call(self, contact: Contact, method: str, message: Message, timeout: float) -> Message:
-        if contact.addresses:
-            self.transport.learn_addresses(contact.peer_id, list(contact.addresses))
+        if contact.addresses:  # second-hand: other nodes' (or our table's) view of the peer
+            self.transport.learn_addresses(contact.peer_id, list(contact.addresses), first_hand=False)
         in_call = _IN_CALL.set(True)
         try:
             reply = await self.transport.call(contact.peer_id, method, message,
@@ -345,9 +345,11 @@ class DHTNode:
         except RemoteError:
             self.routing_table.mark_seen(contact.peer_id)  # it is alive, it refused
             raise
-        except TransportError:
+        except TransportError as exc:
             self.stats["rpc_failed"] += 1
             self.routing_table.mark_failed(contact.peer_id)
+            self._log.debug("dht_rpc_failed", peer=contact.peer_id[:12], method=method,
+                            kind=type(exc).__name__, error=str(exc)[:200], timeout=round(timeout, 3))
             raise
         finally:
             _IN_CALL.reset(in_call)

@@ -90,8 +90,10 @@ class PeerTransport(Protocol):
     def add_stream_handler(self, method: str, handler: StreamHandler) -> None:
         """Serve streams opened with `method`."""
 
-    def learn_addresses(self, peer_id: str, addresses: list[PeerAddress]) -> None:
-        """Remember how to dial `peer_id` (from the DHT, bootstrap lists, ...)."""
+    def learn_addresses(self, peer_id: str, addresses: list[PeerAddress], *,
+                        first_hand: bool = True) -> None:
+        """Remember how to dial `peer_id`. First-hand addresses (the peer's own word) go first;
+        second-hand ones (what others' routing tables say) only fill in after them."""
 
     async def connect(self, address: PeerAddress, *, timeout: float) -> str:
         """Open (or reuse) a link to the peer at `address`; return its authenticated peer id.

@@ -125,8 +125,11 @@ class MemoryTransport:
     def add_stream_handler(self, method: str, handler: StreamHandler) -> None:
         raise TransportError("streams not supported by MemoryTransport")
 
-    def learn_addresses(self, peer_id: str, addresses: list[PeerAddress]) -> None:
-        if peer_id != self._peer_id and addresses:
+    def learn_addresses(self, peer_id: str, addresses: list[PeerAddress], *,
+                        first_hand: bool = True) -> None:
+        if peer_id == self._peer_id or not addresses:
+            return
+        if first_hand or peer_id not in self._known:
             self._known[peer_id] = list(addresses)
 
     async def connect(self, address: PeerAddress, *, timeout: float) -> str:

@@ -277,7 +277,8 @@ class TlsTransport:
         with contextlib.suppress(ValueError):
             self._link_listeners.remove(listener)
 
-    def learn_addresses(self, peer_id: str, addresses: list[PeerAddress]) -> None:
+    def learn_addresses(self, peer_id: str, addresses: list[PeerAddress], *,
+                        first_hand: bool = True) -> None:
         if peer_id == self.peer_id:
             return
         book = self._book.setdefault(peer_id, [])
@@ -287,10 +288,24 @@ class TlsTransport:
             if address.circuit is not None and address.peer_id in (peer_id, self.peer_id):
                 continue  # a circuit through the peer itself, or through us, leads nowhere
             address = address.with_peer(peer_id)
+            if not first_hand:  # hearsay (a restarted peer's old port, say) never jumps the queue
+                if address not in book:
+                    book.append(address)
+                continue
             if address in book:
                 book.remove(address)
             book.insert(0, address)  # newest first
         del book[_MAX_BOOK_ADDRESSES:]
+
+    def _forget_address(self, address: PeerAddress) -> None:
+        """A direct address whose host refused the connection: nobody listens there any more
+        (a restarted peer took a new port); dialing it again would only fail again."""
+        if address.target is None or address.circuit is not None:
+            return
+        book = self._book.get(address.target, [])
+        if address in book:
+            book.remove(address)
+            self._counters["addresses_forgotten"] = self._counters.get("addresses_forgotten", 0) + 1
 
     def known_addresses(self, peer_id: str) -> list[PeerAddress]:
         return list(self._book.get(peer_id, []))
@@ -443,6 +458,8 @@ class TlsTransport:
         except OSError as exc:
             sock.close()
             self._counters["dial_failures"] += 1
+            if isinstance(exc, ConnectionRefusedError):
+                self._forget_address(address)
             raise PeerUnreachableError(f"cannot connect to {address}: {exc}") from exc
         except BaseException:
             sock.close()

@@ -345,3 +345,28 @@ async def test_probe_and_announced_addresses(make_transport: Any) -> None:
     assert PeerAddress.parse(f"/ip4/127.0.0.1/tcp/9/p2p/{a.peer_id}") in c.known_addresses(a.peer_id)
     with pytest.raises(PeerUnreachableError):
         await c.probe(PeerAddress.parse(f"/ip4/127.0.0.1/tcp/9/p2p/{a.peer_id}"), timeout=2)
+
+
+async def test_a_refused_address_is_forgotten_and_hearsay_never_jumps_the_queue(make_transport: Any) -> None:
+    """A restarted peer listens on a new port: its old address (refused) is dropped from the
+    book, and the old address repeated by others (second hand) goes after the peer's own word."""
+    a, b = await make_transport(), await make_transport()
+    (new,) = b.listen_addresses()
+    old = PeerAddress.parse(f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{b.peer_id}")
+    a.learn_addresses(b.peer_id, [old])
+    with pytest.raises(PeerUnreachableError):
+        await a.call(b.peer_id, "x", Message({}), timeout=5)
+    assert a.known_addresses(b.peer_id) == []
+    assert a.counters()["addresses_forgotten"] == 1
+    a.learn_addresses(b.peer_id, [new])
+    a.learn_addresses(b.peer_id, [old], first_hand=False)
+    assert a.known_addresses(b.peer_id) == [new.with_peer(b.peer_id), old]
+
+
+def _free_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -287,7 +287,7 @@ async def test_tcp_silent_and_waiting_connections_are_bounded(tcp_server) -> Non
     server, token = tcp_server
     silent = [await asyncio.open_connection(*server.tcp_address) for _ in range(2)]
     async with asyncio.timeout(10):
-        while server.counters.get("tcp_connections", 0) < 2:  # both accepted, neither answered
+        while server.counters.get("tcp_connections", 0) < 2:  # both accepted, neither answered  # noqa: ASYNC110 - the server state is only visible by polling
             await asyncio.sleep(0.01)
     answers = await tcp_exchange(server, authenticate(token), closed=True)
     assert "too many connections are waiting" in answers[0]["error"]["data"]
