@@ -173,3 +173,14 @@ async def start_swarm(daemon_factory: Any, count: int, *args: str) -> list[Daemo
 
     await wait_until(joined, timeout=60)
     return daemons
+
+
+async def dedloc_cli(socket: Path, *args: str) -> tuple[int, str, str]:
+    """Run the `dedloc` CLI against the daemon at `socket`: (exit code, stdout, stderr)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dedloc.cli", "--socket", str(socket), *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(300):
+        out, err = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()

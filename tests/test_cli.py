@@ -8,16 +8,9 @@ import sys
 from pathlib import Path
 
 import orjson
+from support import dedloc_cli
 
-
-async def dedloc(socket: Path, *args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dedloc.cli", "--socket", str(socket), *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    async with asyncio.timeout(300):
-        out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+dedloc = dedloc_cli
 
 
 async def test_no_daemon_tells_how_to_start_it(short_tmp: Path) -> None:

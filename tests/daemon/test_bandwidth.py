@@ -4,15 +4,13 @@ whose upload a cap set at run time holds back."""
 from __future__ import annotations
 
 import asyncio
-import sys
 from multiprocessing import shared_memory
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 import pytest
-from support import DaemonProcess, p2p_address, wait_until
+from support import DaemonProcess, dedloc_cli, p2p_address, wait_until
 
 from dedloc.daemon.config import build_config, render_default_config
 from dedloc.daemon.errors import ConfigError
@@ -21,14 +19,7 @@ from dedloc.rpc import RpcCallError
 MB = 1_000_000
 
 
-async def dedloc(socket: Path, *args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dedloc.cli", "--socket", str(socket), *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    async with asyncio.timeout(300):
-        out, err = await process.communicate()
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
+dedloc = dedloc_cli
 
 
 async def test_caps_from_config_and_json_rpc(daemon_factory: Any) -> None:
