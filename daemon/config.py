@@ -250,6 +250,8 @@ class RelaySection:
         "Bytes per second this relay carries for one relayed peer (all its circuits together).",
         default=4 * 1024 * 1024)
     max_circuit_seconds: float = _doc("Longest life of one relayed link, in seconds.", default=3600.0)
+    members_only: bool = _doc("Relay only for members of the closed runs this node takes part in "
+                              "(they present their tokens); false: for any peer.", default=False)
 
 
 @dataclass(frozen=True)

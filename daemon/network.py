@@ -93,8 +93,10 @@ class PeerNetwork:
             bytes_per_second_per_peer=relay.bytes_per_second_per_peer,
             burst_bytes=int(max(relay.bytes_per_second_per_peer * 2, 1 << 20)),
             max_circuit_seconds=relay.max_circuit_seconds),
-            reachable=lambda: self.status.reachable)
-        self.relay_client = RelayClient(self.transport, handshake_timeout=net.handshake_timeout)
+            reachable=lambda: self.status.reachable,
+            admit=self.membership.admit_relay if relay.members_only else None)
+        self.relay_client = RelayClient(self.transport, handshake_timeout=net.handshake_timeout,
+                                        credentials=self.membership.tokens)
         self.upgrader = PathUpgrader(self.transport, self.ice_servers, webrtc=net.webrtc)
         if net.holepunch:
             self.puncher = TcpPuncher(self.transport, self._stun_servers)

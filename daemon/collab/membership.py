@@ -311,6 +311,33 @@ class MembershipRegistry:
             return
         self.check(signer, closed[0], closed[1], proof, "dht_write")
 
+    def tokens(self) -> list[str]:
+        """Every token we hold (a relay that serves members only asks for them)."""
+        return [token.encode() for token in self._held.values()]
+
+    def admit_relay(self, peer_id: str, tokens: Any) -> None:
+        """relay.members_only: `peer_id` must hold a valid token of a closed run this node takes
+        part in (one it owns, or one it holds a token of). PermissionError (counted) if not."""
+        for text in tokens if isinstance(tokens, list) else []:
+            try:
+                token = self._token(text) if isinstance(text, str) else None
+            except MembershipError:
+                continue
+            if token is None or token.peer != peer_id:
+                continue
+            ours = token.owner == self.identity.peer_id or (token.owner, token.run) in self._held
+            if not ours:
+                continue
+            try:
+                self._check_fresh(token)
+            except MembershipError:
+                continue
+            return
+        self.refusals[peer_id] += 1
+        self.refusals_by_reason["relay"] += 1
+        raise PermissionError(f"peer {peer_id[:16]} presented no valid token of a closed run "
+                              "this relay takes part in")
+
     def stored(self, entry: Entry) -> None:
         """A DHT record stored on this node: learn a run's revocation list from its owner."""
         closed = closed_run_of(entry.key)

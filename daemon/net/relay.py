@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 RESERVE = "relay.reserve"
+MAX_TOKENS = 16  # closed runs' tokens a peer presents to a relay
 CONNECT = "relay.connect"
 INCOMING = "relay.incoming"
 ADDRESSES = "net.addresses"  # a peer's addresses changed (e.g. it reserved a relay slot)
@@ -84,17 +85,21 @@ class RelayService:
     """The relay side: reservations and circuits, with limits and counters."""
 
     def __init__(self, transport: TlsTransport, limits: RelayLimits | None = None,
-                 reachable: Callable[[], bool | None] = lambda: True) -> None:
+                 reachable: Callable[[], bool | None] = lambda: True,
+                 admit: Callable[[str, Any], None] | None = None) -> None:
         self._transport = transport
         self.limits = limits or RelayLimits()
         self._reachable = reachable
+        # Who may use this relay (relay.members_only: members of our closed runs, by the tokens
+        # in the request's "tokens"); raises to refuse. None: anyone.
+        self._admit_peer = admit
         self._reservations: dict[str, float] = {}  # peer id -> expiry (monotonic)
         self._circuits: dict[str, int] = {}  # relayed peer id -> open circuits
         self._buckets: dict[str, _Bucket] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters: dict[str, int] = {
             "reservations": 0, "reservations_refused": 0, "circuits": 0, "circuits_refused": 0,
-            "circuits_expired": 0, "bytes_relayed": 0}
+            "circuits_expired": 0, "bytes_relayed": 0, "refused_not_member": 0}
         transport.add_unary_handler(RESERVE, self._on_reserve)
         transport.add_stream_handler(CONNECT, self._on_connect)
 
@@ -105,6 +110,7 @@ class RelayService:
     async def _on_reserve(self, ctx: RequestContext, message: Message) -> Message:
         if not self.limits.enabled or self._reachable() is False:
             raise self._refuse("reservations_refused", "this peer is not a relay")
+        self._check_member(ctx.peer_id, message.header.get("tokens"))
         now = time.monotonic()
         for peer, expiry in list(self._reservations.items()):
             if expiry <= now:
@@ -125,9 +131,11 @@ class RelayService:
         return bucket
 
     async def _on_connect(self, ctx: RequestContext, stream: Stream) -> None:
-        target = getattr(stream, "header", {}).get("target")
+        header = getattr(stream, "header", {})
+        target = header.get("target")
         source = ctx.peer_id
         try:
+            self._check_member(source, header.get("tokens"))
             self._admit(source, target)
         except RelayRefused as exc:
             await stream.abort(str(exc))
@@ -149,6 +157,15 @@ class RelayService:
                 if not self._circuits[peer]:
                     del self._circuits[peer]
                     self._buckets.pop(peer, None)
+
+    def _check_member(self, peer_id: str, tokens: Any) -> None:
+        if self._admit_peer is None:
+            return
+        try:
+            self._admit_peer(peer_id, tokens)
+        except (ValueError, PermissionError) as exc:
+            raise self._refuse("refused_not_member", f"this relay serves its closed runs' members "
+                                                     f"only: {exc}") from None
 
     def _admit(self, source: str, target: Any) -> None:
         limits = self.limits
@@ -204,9 +221,11 @@ class RelayService:
 class RelayClient:
     """The peer side: dial circuit addresses; accept circuits; reserve slots when unreachable."""
 
-    def __init__(self, transport: TlsTransport, *, handshake_timeout: float = 10.0) -> None:
+    def __init__(self, transport: TlsTransport, *, handshake_timeout: float = 10.0,
+                 credentials: Callable[[], list[str]] = list) -> None:
         self._transport = transport
         self._handshake_timeout = handshake_timeout
+        self._credentials = credentials  # our closed runs' tokens, for relays that ask
         self.relays: dict[str, PeerAddress] = {}  # relay peer id -> its address, while reserved
         self.counters: dict[str, int] = {"circuits_dialed": 0, "circuits_accepted": 0,
                                          "circuit_failures": 0}
@@ -228,7 +247,7 @@ class RelayClient:
         if client_ctx is None:
             raise PeerUnreachableError("relayed links need TLS")
         try:
-            stream = await transport.open_stream(relay, CONNECT, {"target": target},
+            stream = await transport.open_stream(relay, CONNECT, self._header({"target": target}),
                                                  timeout=self._handshake_timeout)
             async with asyncio.timeout(self._handshake_timeout):
                 done = await pipe_client_handshake(StreamPipe(stream), transport.identity, client_ctx,
@@ -272,10 +291,14 @@ class RelayClient:
         transport = self._transport
         assert relay.peer_id is not None
         await transport.connect(relay, timeout=timeout)
-        reply = await transport.call(relay.peer_id, RESERVE, Message({}), timeout=timeout)
+        reply = await transport.call(relay.peer_id, RESERVE, Message(self._header({})), timeout=timeout)
         self.relays[relay.peer_id] = relay
         self._announce()
         return float(reply.header.get("seconds", 0.0))
+
+    def _header(self, header: dict[str, Any]) -> dict[str, Any]:
+        tokens = self._credentials()
+        return {**header, "tokens": tokens[:MAX_TOKENS]} if tokens else header
 
     def forget(self, relay_id: str) -> None:
         if self.relays.pop(relay_id, None) is not None:

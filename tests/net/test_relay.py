@@ -37,8 +37,8 @@ async def hidden() -> AsyncIterator[Any]:
     """Transports that listen nowhere: nobody can dial them."""
     made: list[TlsTransport] = []
 
-    async def make() -> TlsTransport:
-        transport = await TlsTransport.start(Identity.generate(), [], limits=FAST)
+    async def make(identity: Identity | None = None) -> TlsTransport:
+        transport = await TlsTransport.start(identity or Identity.generate(), [], limits=FAST)
         made.append(transport)
         return transport
 
@@ -238,3 +238,35 @@ async def test_a_peer_known_only_by_id_is_found_through_the_resolver(make_transp
     a.set_address_resolver(resolve)
     reply = await a.call(b.peer_id, "echo", Message({}, b"by id"), timeout=10)
     assert reply.header["kind"] == "relay" and asked == [b.peer_id]
+
+
+async def test_a_members_only_relay_serves_its_closed_runs_members(make_transport: Any,
+                                                                   hidden: Any) -> None:
+    """relay.members_only: reservations and circuits need a valid token of a closed run the relay
+    takes part in (here: one it owns); others are refused and counted."""
+    from dedloc.daemon.collab.membership import MembershipRegistry, MembershipToken
+
+    relay_identity = Identity.generate()
+    registry = MembershipRegistry(relay_identity)
+    relay = await make_transport(identity=relay_identity)
+    relay.service = RelayService(relay, RelayLimits(), admit=registry.admit_relay)  # type: ignore[attr-defined]
+    RelayClient(relay)
+    member_id, stranger_id = Identity.generate(), Identity.generate()
+    member, stranger = await hidden(identity=member_id), await hidden(identity=stranger_id)
+    member_registry, stranger_registry = MembershipRegistry(member_id), MembershipRegistry(stranger_id)
+    member_registry.hold(MembershipToken.issue(relay_identity, "club", member_id.peer_id, "trainer", 600))
+    # The stranger holds a token too, but of a run whose owner is someone else.
+    stranger_registry.hold(MembershipToken.issue(Identity.generate(), "other", stranger_id.peer_id,
+                                                 "trainer", 600))
+    client_m = RelayClient(member, credentials=member_registry.tokens)
+    client_s = RelayClient(stranger, credentials=stranger_registry.tokens)
+    address = relay.listen_addresses()[0]
+    with pytest.raises(Exception, match="members only"):
+        await client_s.reserve(address)
+    assert await client_m.reserve(address) > 0
+    # A circuit to the member from a peer without tokens is refused as well.
+    outsider = await make_transport()
+    with pytest.raises(PeerUnreachableError, match="members only"):
+        await RelayClient(outsider).dial(address.via(member_id.peer_id))
+    assert relay.service.counters["refused_not_member"] == 2  # type: ignore[attr-defined]
+    assert registry.refusals_by_reason["relay"] == 2
