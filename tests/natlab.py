@@ -29,6 +29,14 @@ natlab_delay.py (user space: this kernel has no netem) and routed onward. So `de
 one-way: a round trip through one router takes 2 x delay_ms more, and `loss` applies once in
 each direction. Packets on the LAN side of the stage are untracked (raw notrack) so that
 connection tracking and NAT see each packet once, on the WAN side.
+A public host can have a stage on its own link (`add_public_host(name, delay_ms=, loss=)`): its
+cable then runs through a transparent hop, the namespace `<name>-link` (no NAT, no address in
+the lab's ranges; proxy ARP on both sides, so the host keeps its public address and /24), whose
+stage delays and drops that host's packets only, once in each direction.
+
+Cuts: `host.disconnect()` drops every frame to or from the host where its cable plugs into the
+lab (the internet's bridge, or its router's LAN bridge): no carrier loss, no error, no answer,
+as in an outage upstream; `host.reconnect()` undoes it.
 
 Nothing is done in the root namespace: no address, no route; veth pairs are created directly
 inside the lab's namespaces. All names start with the lab's prefix `dl<6 hex>-`; close() kills
@@ -355,15 +363,49 @@ def _wait_ready(process: subprocess.Popen, what: str) -> None:
 class Host(Node):
     """A machine: on the internet (`router` None) or behind a router."""
 
-    def __init__(self, lab: NatLab, name: str, address: str, router: Router | None) -> None:
+    def __init__(self, lab: NatLab, name: str, address: str, router: Router | None,
+                 uplink: tuple[str, str]) -> None:
         super().__init__(lab, name)
         self.address = address
         self.router = router
+        self.uplink = uplink  # (namespace, bridge port) where the host's cable plugs in
+        self.connected = True
 
     @property
     def public_address(self) -> str:
         """Where the internet sees this host's packets come from."""
         return self.router.wan_address if self.router else self.address
+
+    def _cut_table(self) -> str:
+        return "cut_" + self.uplink[1].removeprefix(self.lab.prefix)
+
+    def disconnect(self) -> None:
+        """Drop every frame to or from this host at its bridge port (see the module's docstring)."""
+        self.lab._check_open()
+        if not self.connected:
+            return
+        namespace, port = self.uplink
+        ruleset = "\n".join([
+            f"table bridge {self._cut_table()} {{",
+            "  chain from_host { type filter hook prerouting priority filter; policy accept;",
+            f'    iifname "{port}" drop',
+            "  }",
+            "  chain to_host { type filter hook postrouting priority filter; policy accept;",
+            f'    oifname "{port}" drop',
+            "  }",
+            "}",
+        ]) + "\n"
+        _run(["ip", "netns", "exec", namespace, _bin("nft"), "-f", "-"], input=ruleset)
+        self.connected = False
+
+    def reconnect(self) -> None:
+        """Undo `disconnect()`."""
+        self.lab._check_open()
+        if self.connected:
+            return
+        _run(["ip", "netns", "exec", self.uplink[0], _bin("nft"), "delete", "table", "bridge",
+              self._cut_table()])
+        self.connected = True
 
 
 class Router(Node):
@@ -438,23 +480,66 @@ class NatLab:
 
     # -- building ----------------------------------------------------------------------------
 
-    def add_public_host(self, name: str) -> Host:
-        """A host on the internet with its own public address and a default route."""
+    def add_public_host(self, name: str, *, delay_ms: float = 0, loss: float = 0.0) -> Host:
+        """A host on the internet with its own public address and a default route. With
+        `delay_ms` or `loss`, its link has its own delay/loss stage (see the module's docstring)."""
         self._check_open()
+        if not 0.0 <= loss < 1.0 or delay_ms < 0:
+            raise ValueError("need 0 <= loss < 1 and delay_ms >= 0")
         public = [h for h in self.hosts.values() if h.router is None]
         if len(public) >= 90:
             raise NatLabError("at most 90 public hosts")
         address = str(self.public_network[10 + len(public)])
         self._add_namespace(name, {})
-        self._plug_into_internet(name, "eth0")
+        if delay_ms or loss:
+            uplink = self._add_link_stage(name, address, delay_ms, loss)
+        else:
+            uplink = (self.prefix + _INET, self._plug_into_internet(name, "eth0"))
         _ip_batch(self.prefix + name, [
             f"addr add {address}/24 dev eth0",
             "link set dev eth0 up",
             f"route add default via {self.gateway}",
         ])
-        host = Host(self, name, address, None)
+        host = Host(self, name, address, None, uplink)
         self.hosts[name] = host
         return host
+
+    def _add_link_stage(self, name: str, address: str, delay_ms: float, loss: float) -> tuple[str, str]:
+        """The transparent hop `<name>-link` between the host's eth0 (its `lan`) and the internet
+        (its `wan`), with a delay/loss stage; returns the host's uplink (namespace, port)."""
+        link = f"{name}-link"
+        self._add_namespace(link, {
+            "net.ipv4.ip_forward": 1,
+            "net.ipv4.conf.all.rp_filter": 0,
+            "net.ipv4.conf.default.rp_filter": 0,
+        }, internal=True)
+        _run(["ip", "link", "add", "name", "eth0", "netns", self.prefix + name, "type", "veth",
+              "peer", "name", "lan", "netns", self.prefix + link])
+        port = self._plug_into_internet(link, "wan")
+        _ip_batch(self.prefix + link, [
+            # an address of its own (outside the lab's ranges) is the source of its ARP requests:
+            # a proxy answers none from 0.0.0.0 (two staged hosts would not find each other)
+            f"addr add 169.254.{self.index}.{address.rsplit('.', 1)[1]}/32 dev wan",
+            "link set dev lan up",
+            "link set dev wan up",
+            f"route add {address}/32 dev lan",
+            f"route add {self.public_network} dev wan",
+            "tuntap add dev dly mode tun",
+            "link set dev dly up",
+            f"route add default dev dly table {_STAGE_TABLE}",
+            # only the host's packets enter the stage (and so only its address is proxied on the
+            # internet's side: an ARP request is answered where its route leaves by another device)
+            f"rule add iif lan from {address} lookup {_STAGE_TABLE}",
+            f"rule add iif wan to {address} lookup {_STAGE_TABLE}",
+        ])
+        _sysctl(self.prefix + link, {
+            "net.ipv4.conf.lan.proxy_arp": 1,
+            "net.ipv4.conf.wan.proxy_arp": 1,
+            "net.ipv4.neigh.lan.proxy_delay": 0,
+            "net.ipv4.neigh.wan.proxy_delay": 0,
+        })
+        self._start_stage(Node(self, link), delay_ms, loss)
+        return self.prefix + _INET, port
 
     def add_nat(self, name: str, kind: NatKind, *, upload_mbit: float | None = None,
                 download_mbit: float | None = None, delay_ms: float = 0, loss: float = 0.0) -> Router:
@@ -503,7 +588,7 @@ class NatLab:
                 _run(["tc", "-n", ns, "qdisc", "add", "dev", device, "root", "tbf",
                       "rate", f"{rate}mbit", "burst", str(burst), "latency", "50ms"])
         if router.has_stage:
-            self._start_stage(router)
+            self._start_stage(router, router.delay_ms, router.loss)
         return router
 
     def add_host_behind(self, router: Router, name: str) -> Host:
@@ -524,13 +609,14 @@ class NatLab:
             "link set dev eth0 up",
             f"route add default via {router.lan_address}",
         ])
-        host = Host(self, name, address, router)
+        host = Host(self, name, address, router, (router.namespace, port))
         router.hosts.append(host)
         self.hosts[name] = host
         return host
 
-    def _add_namespace(self, name: str, settings: Mapping[str, object]) -> None:
-        if not _NAME_RE.match(name) or (name == _INET and self._names):
+    def _add_namespace(self, name: str, settings: Mapping[str, object], *, internal: bool = False) -> None:
+        """`internal`: a name the lab makes itself (with a dash, so no node's name can take it)."""
+        if not (internal or _NAME_RE.match(name)) or (name == _INET and self._names):
             raise ValueError(f"node names are [a-z][a-z0-9]{{0,19}}, not {name!r}")
         if name in self._names:
             raise ValueError(f"{name!r} is taken in this lab")
@@ -546,19 +632,20 @@ class NatLab:
         })
         _ip_batch(namespace, ["link set dev lo up"])
 
-    def _plug_into_internet(self, name: str, device: str) -> None:
+    def _plug_into_internet(self, name: str, device: str) -> str:
+        """A veth from the node's `device` to a port of the internet's bridge; returns the port."""
         port = f"{self.prefix}p{next(self._links)}"  # <= 15 characters
         _run(["ip", "link", "add", "name", device, "netns", self.prefix + name, "type", "veth",
               "peer", "name", port, "netns", self.prefix + _INET])
         _ip_batch(self.prefix + _INET, [f"link set dev {port} master br", f"link set dev {port} up"])
+        return port
 
-    def _start_stage(self, router: Router) -> None:
+    def _start_stage(self, node: Node, delay_ms: float, loss: float) -> None:
         # rp_filter is off (the stage re-injects packets from a device they were not routed to)
-        _sysctl(router.namespace, {"net.ipv4.conf.dly.rp_filter": 0})
-        process = router.run(sys.executable, DELAY_PROGRAM, "--dev", "dly",
-                             "--delay-ms", router.delay_ms, "--loss", router.loss,
-                             stdout=subprocess.PIPE, text=True)
-        _wait_ready(process, f"the delay stage of {router.name}")
+        _sysctl(node.namespace, {"net.ipv4.conf.dly.rp_filter": 0})
+        process = node.run(sys.executable, DELAY_PROGRAM, "--dev", "dly",
+                           "--delay-ms", delay_ms, "--loss", loss, stdout=subprocess.PIPE, text=True)
+        _wait_ready(process, f"the delay stage of {node.name}")
 
     # -- closing -----------------------------------------------------------------------------
 

@@ -34,7 +34,6 @@ log = structlog.get_logger(__name__)
 
 STALE_AFTER = 30.0  # seconds a progress report stays believable
 ROUND_TIMEOUT = 60.0
-ROUND_WINDOW = 2.0  # at most this long to gather a round's peers (it ends early once all are seen)
 
 
 def run_key(name: str, manifest: RunManifest) -> str:
@@ -165,9 +164,13 @@ class Collaboration:
         averager = self.network.averager
         if averager is None:
             return None
+        # No window of our own: the node's averaging.window (5 s by default) bounds the gathering,
+        # which ends as soon as the expected peers are seen. A shorter one loses peers far away: on
+        # a 200 ms, lossy link, announcing takes a peer about 2 s, and the join's acknowledgement
+        # (half the window) runs out.
         options = RoundOptions(key=f"{self.key}/{round_key}", weight=weight, role=self.role,
                                deadline=time.time() + ROUND_TIMEOUT, expected=expected,
-                               window=ROUND_WINDOW, compression=compression)
+                               compression=compression)
         try:
             return await averager.average(vector, options)
         except AveragingError as exc:
