@@ -52,6 +52,7 @@ class Collaboration:
         self.peer_id = network.identity.peer_id
         self.key = run_key(name, manifest)
         self.rejected_reports = 0
+        self.started_at = time.time()  # published in every report: peers show our time online
         self.last_reports: list[PeerProgress] = []
         self._manifest_published = 0.0
         self._owner_signature = owner_signature
@@ -99,7 +100,8 @@ class Collaboration:
                      total: int, step_overhead: float | None = None) -> PeerProgress:
         now = time.time()
         return PeerProgress(self.peer_id, epoch, accumulated, float(samples_per_second or 0.0), now,
-                            now + STALE_AFTER, self.role, total, step_overhead)
+                            now + STALE_AFTER, self.role, total, step_overhead,
+                            started_at=self.started_at)
 
     async def prepare(self) -> None:
         """Get averaging ready before the run's first round (if the node has joined already)."""
@@ -152,8 +154,10 @@ class Collaboration:
                     {sub: entry.value for sub, entry in record.sub_keys.items()})
                 self.rejected_reports += len(rejected)
         self.last_reports = reports
+        # A run whose trainers may step alone confirms an epoch by one trainer (progress.py).
         return estimate_global(reports, target_batch_size=self.manifest.target_batch_size,
-                               now=time.time(), own=own, stale_after=STALE_AFTER)
+                               now=time.time(), own=own, stale_after=STALE_AFTER,
+                               confirmations=min(2, self.manifest.min_peers))
 
     async def average(self, vector: np.ndarray, round_key: str, weight: float, expected: int,
                       compression: str = "none") -> dict[str, Any] | None:

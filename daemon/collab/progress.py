@@ -12,11 +12,16 @@ Rules of `estimate_global`:
   `own`, the local peer's freshest state, replaces whatever the DHT holds for that peer and is
   never dropped as stale (it is not hearsay). A peer whose latest report is its farewell
   (`left`) is not live.
-- The run's epoch is the highest epoch that at least `min(2, live trainers)` live trainers have
-  reached: the second-highest trainer epoch when two or more trainers are live, the only one's
-  otherwise. One lying or buggy peer therefore cannot move the run ahead (a real step moves every
-  peer of the round, so two peers normally confirm a new epoch); it can only delay confirmation
-  while it is alone ahead. With no live trainer, the same rule over the aux peers, else 0.
+- The run's epoch is the highest epoch that at least `min(confirmations, live trainers)` live
+  trainers have reached. A run whose steps need two or more trainers (its `min_peers`) passes
+  `confirmations=2`: the second-highest trainer epoch when two or more trainers are live, the
+  only one's otherwise. One lying or buggy peer therefore cannot move such a run ahead (a real
+  step moves every trainer of its round, at least two); it can only delay confirmation while it
+  is alone ahead. A run that lets one trainer step alone (`min_peers` 1) passes
+  `confirmations=1`: its epoch is the highest any live trainer reached, since a lone step is
+  confirmed by nobody else (with 2, a peer coming back from a pause would pull the run's epoch
+  down to its own and train alone from there instead of catching up). With no live trainer, the
+  same rule over the aux peers, else 0.
 - Samples. Only trainers at exactly the run's epoch count; peers behind are out of date (they
   will resynchronise) and peers ahead are unconfirmed. A counted trainer contributes its reported
   samples plus `samples_per_second * elapsed`, where `elapsed = now - time` is clamped to
@@ -104,6 +109,7 @@ class PeerProgress:
     total_samples: int = 0
     step_overhead: float | None = None  # seconds from the run's target to this peer's last step
     left: bool = False  # the peer's farewell: it stopped (its earlier reports no longer count)
+    started_at: float | None = None  # when the peer started (or restarted) taking part in the run
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not self.peer_id:
@@ -130,6 +136,12 @@ class PeerProgress:
         if self.step_overhead is not None:
             object.__setattr__(self, "step_overhead",
                                _check_float("step_overhead", self.step_overhead, MAX_OVERHEAD))
+        if self.started_at is not None:
+            object.__setattr__(self, "started_at",
+                               _check_float("started_at", self.started_at, MAX_TIME))
+            if self.started_at > self.time:
+                raise InvalidProgress("started_at", f"{self.started_at} is after the report's "
+                                                    f"time {self.time}")
 
     def to_bytes(self) -> bytes:
         return orjson.dumps({
@@ -143,6 +155,7 @@ class PeerProgress:
             "total_samples": self.total_samples,
             "step_overhead": self.step_overhead,
             "left": self.left,
+            "started_at": self.started_at,
         })
 
     @classmethod
@@ -168,7 +181,8 @@ class PeerProgress:
                                              f"under {peer_id!r}")
         return cls(**{name: payload[name] for name in names},  # the optional fields: older peers
                    step_overhead=payload.get("step_overhead"),  # omit them
-                   left=payload.get("left", False))
+                   left=payload.get("left", False),
+                   started_at=payload.get("started_at"))
 
 
 def reports_from_sub_keys(values: Mapping[str, bytes]) -> tuple[list[PeerProgress], dict[str, str]]:
@@ -187,7 +201,9 @@ def reports_from_sub_keys(values: Mapping[str, bytes]) -> tuple[list[PeerProgres
 @dataclass(frozen=True)
 class GlobalProgress:
     """The run's progress as one peer estimates it at `now` (see the module's rules).
-    `contributions` maps every live peer to its `total_samples`, for status displays."""
+    `contributions` maps every live peer to its `total_samples`, for status displays, and
+    `live_peers` describes each live peer (role, epoch, throughput, samples, since when it takes
+    part, when it last reported), for the dashboard's tables."""
 
     epoch: int
     samples_accumulated: int
@@ -201,6 +217,7 @@ class GlobalProgress:
     contributions: dict[str, int] = field(default_factory=dict)
     trainers_at_epoch: int = 0  # live trainers at exactly `epoch`: the ones that average now
     step_overhead: float | None = None  # the worst `step_overhead` reported at the run's epoch
+    live_peers: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def remaining(self) -> int:
@@ -211,16 +228,17 @@ def _newer(a: PeerProgress, b: PeerProgress) -> bool:
     return (a.time, a.expiration) > (b.time, b.expiration)
 
 
-def _robust_epoch(epochs: list[int]) -> int:
-    """The highest epoch reached by at least min(2, len(epochs)) peers; 0 if none."""
+def _robust_epoch(epochs: list[int], confirmations: int) -> int:
+    """The highest epoch reached by at least min(confirmations, len(epochs)) peers; 0 if none."""
     if not epochs:
         return 0
     ranked = sorted(epochs, reverse=True)
-    return ranked[min(2, len(ranked)) - 1]
+    return ranked[min(confirmations, len(ranked)) - 1]
 
 
 def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, now: float,
-                    own: PeerProgress | None = None, stale_after: float) -> GlobalProgress:
+                    own: PeerProgress | None = None, stale_after: float,
+                    confirmations: int = 2) -> GlobalProgress:
     """Fold the peers' reports into the run's progress at `now` (rules in the module docstring)."""
     if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) \
             or target_batch_size < 1:
@@ -229,6 +247,8 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         raise ValueError(f"now must be finite, got {now!r}")
     if not stale_after > 0 or not math.isfinite(stale_after):
         raise ValueError(f"stale_after must be positive and finite, got {stale_after!r}")
+    if confirmations not in (1, 2):
+        raise ValueError(f"confirmations must be 1 or 2, got {confirmations!r}")
 
     latest: dict[str, PeerProgress] = {}
     for report in reports:
@@ -245,7 +265,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
 
     trainers = [r for r in latest.values() if r.role == "trainer"]
     aux = [r for r in latest.values() if r.role == "aux"]
-    epoch = _robust_epoch([r.epoch for r in trainers] or [r.epoch for r in aux])
+    epoch = _robust_epoch([r.epoch for r in trainers] or [r.epoch for r in aux], confirmations)
 
     samples = 0.0
     rate = 0.0
@@ -281,6 +301,10 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         contributions={peer_id: r.total_samples for peer_id, r in sorted(latest.items())},
         trainers_at_epoch=at_epoch,
         step_overhead=max(overheads) if overheads else None,
+        live_peers=[{"peer_id": peer_id, "role": r.role, "epoch": r.epoch,
+                     "samples_per_second": r.samples_per_second, "total_samples": r.total_samples,
+                     "started_at": r.started_at, "reported_at": r.time}
+                    for peer_id, r in sorted(latest.items())],
     )
 
 
