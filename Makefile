@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip --disable-pip-version-check
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml tests/example_plugin/pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint venv system-deps clean
+.PHONY: demo test lint docs venv system-deps clean
 
 # The virtual environment with dedloc (editable), the worker's torch (pinned: pip takes it from
 # this machine's disk), the test tools and the example third-party plugin the tests load.
@@ -21,12 +21,15 @@ $(STAMP): pyproject.toml tests/example_plugin/pyproject.toml
 venv: $(STAMP)
 
 # What the tests need from the system: systemd-analyze to check the service unit; for the NAT lab
-# (tests/natlab.py, network namespaces): ip and tc, nft, conntrack, iptables and coturn's turnserver.
+# (tests/natlab.py, network namespaces): ip and tc, nft, conntrack, iptables and coturn's turnserver;
+# for the shell example client (examples/dedloc-client.sh, tests/test_example_client.py): socat, jq.
 NATLAB_TOOLS := ip:iproute2 tc:iproute2 nft:nftables iptables:iptables conntrack:conntrack \
-	turnserver:coturn sysctl:procps
+	turnserver:coturn sysctl:procps socat:socat jq:jq
+# Headless chromium renders the daemon's dashboard in tests/web.
+BROWSER_TOOLS := chromium:chromium
 system-deps:
 	@command -v systemd-analyze >/dev/null || { apt-get update -q && apt-get install -y -q systemd; }
-	@missing=$$(for pair in $(NATLAB_TOOLS); do PATH=$$PATH:/usr/sbin:/sbin command -v $${pair%%:*} >/dev/null || \
+	@missing=$$(for pair in $(NATLAB_TOOLS) $(BROWSER_TOOLS); do PATH=$$PATH:/usr/sbin:/sbin command -v $${pair%%:*} >/dev/null || \
 		echo $${pair#*:}; done | sort -u); \
 	if [ -n "$$missing" ]; then \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
@@ -44,6 +47,10 @@ test: venv system-deps
 
 lint: venv
 	$(VENV)/bin/ruff check .
+
+# The control API's reference, generated from rpc.discover (tests/rpc/test_reference.py checks it).
+docs: venv
+	$(PY) -m dedloc.daemon.reference --output docs/rpc-reference.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info tests/example_plugin/build

@@ -184,11 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
     call = commands.add_parser("call", help="call any JSON-RPC method (see `dedloc call rpc.discover`)")
     call.add_argument("method")
     call.add_argument("params", nargs="?", help="parameters as a JSON object or array")
+    from .run_create import add_run_commands
+    from .service import add_service_commands
+
+    add_run_commands(commands)
+    add_service_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "service":  # no daemon involved
+        from .service import main as service_main
+
+        return service_main(args)
     socket = args.socket or default_socket()
     where = f"tcp:{args.tcp}" if args.tcp else str(socket)
     try:
@@ -238,6 +247,10 @@ async def _run(args: argparse.Namespace, socket: Path) -> int:
     async with await _connect(args, socket) as client:
         if args.command == "status" and args.watch:
             return await _watch(client, args)
+        if args.command == "run":
+            from .run_create import run_create
+
+            return await run_create(client, args)
         method, params = _request(args)
         result = await client.call(method, params)
         if args.json or args.command == "call":

@@ -70,6 +70,8 @@ class NodeInfo(TypedDict):
     counters: Annotated[dict[str, int], "Requests served and errors answered, by kind; refused "
                         "control connections as error.access_denied and access_denied.uid.<uid>, "
                         "wrong TCP tokens as error.bad_token."]
+    dashboard: Annotated[str | None, "The web dashboard's URL, like http://127.0.0.1:8470/ "
+                         "(null: off; dashboard.listen)."]
 
 
 class ShutdownAnswer(TypedDict):
@@ -86,7 +88,7 @@ RunStatus = Annotated[dict[str, Any], "A run's state: name, role, workload, mani
                       "loss, epoch_losses, samples_per_second, error, worker {state, pid, exit_code, "
                       "last_log_lines}; collaborative runs add run_epoch, run_peers, run_aux_peers, "
                       "run_samples_accumulated, run_samples_per_second, run_eta_seconds, "
-                      "contributions, last_round, epoch_overhead_seconds, "
+                      "contributions, live_peers, last_round, epoch_overhead_seconds, "
                       "run_epoch_overhead_seconds and epoch_history (docs/collaboration.md)."]
 
 
@@ -127,6 +129,7 @@ class ControlApi:
             "dht": node.network.dht_status(),
             "runs": node.runs.counts(),
             "counters": node.counters(),
+            "dashboard": node.dashboard_url,
         }
 
     @rpc_method("node.shutdown")

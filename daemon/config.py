@@ -255,6 +255,45 @@ class RelaySection:
 
 
 @dataclass(frozen=True)
+class DashboardSection:
+    listen: str = _doc(
+        "Serve a read-only web dashboard (/), its data (/api/snapshot) and Prometheus metrics "
+        "(/metrics) on this loopback address (127.0.0.1:PORT or [::1]:PORT; port 0 picks a free "
+        "one, node.info shows it). Empty: off. Other addresses are refused.", default="")
+
+
+@dataclass(frozen=True)
+class RunSection:
+    join: str = _doc(
+        "Join the collaborative run of this name whenever the daemon starts (as `dedloc join NAME` "
+        "does), retrying with backoff until a peer publishes it. A run the volunteer stops "
+        "(dedloc stop) stays stopped, restarts included, until it is started again. Empty: none.",
+        default="")
+    token: str = _doc("The membership token of a closed run (from its owner's `dedloc token "
+                      "issue`): join that run at start. token_file keeps it private.", default="")
+    token_file: str = _doc("A file holding that token (mode 0600, readable by the daemon's user); "
+                           "`dedloc service install --token` writes /etc/dedloc/run-token.",
+                           default="")
+    aux: bool = _doc("Join that run as an aux peer (no worker: it reduces in the run's rounds).",
+                     default=False)
+    device: str = _doc("Device for that run's worker; empty: workers.device.", default="")
+    manifest: str = _doc(
+        "The run owner's side: a manifest file written by `dedloc run create`; the run it "
+        "describes is started (resumed from its checkpoint) whenever the daemon starts. Empty: "
+        "none.", default="")
+    retry_max_seconds: float = _doc("Longest wait between two attempts to join (the waits grow "
+                                    "from 2 s, with jitter).", default=60.0)
+
+    def __post_init__(self) -> None:
+        from .collab.autojoin import check_run_section
+
+        try:
+            check_run_section(self)
+        except ValueError as exc:
+            raise ConfigError(f"run.{exc.args[0]}", exc.args[1]) from None
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeSection = field(default_factory=NodeSection)
     log: LogSection = field(default_factory=LogSection)
@@ -265,6 +304,8 @@ class Config:
     averaging: AveragingSection = field(default_factory=AveragingSection)
     workers: WorkersSection = field(default_factory=WorkersSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
+    run: RunSection = field(default_factory=RunSection)
+    dashboard: DashboardSection = field(default_factory=DashboardSection)
 
     # Derived paths (environment applied) -------------------------------------------------
 
@@ -391,6 +432,7 @@ def build_config(file_values: typing.Mapping[str, Any] | None = None,
     config = Config(**{s: hints[s](**per_section[s]) for s in sections})
     _check_addresses(config)
     _check_rpc(config)
+    _check_dashboard(config)
     return config
 
 
@@ -407,6 +449,16 @@ def _check_rpc(config: Config) -> None:
             loopback_address(config.rpc.tcp_listen)
         except ValueError as exc:
             raise ConfigError("rpc.tcp_listen", str(exc)) from None
+
+
+def _check_dashboard(config: Config) -> None:
+    if config.dashboard.listen:
+        from .web.server import loopback_listen_address
+
+        try:
+            loopback_listen_address(config.dashboard.listen)
+        except ValueError as exc:
+            raise ConfigError("dashboard.listen", str(exc)) from None
 
 
 def _check_addresses(config: Config) -> None:

@@ -17,6 +17,7 @@ import structlog
 from dedloc.rpc import AccessError, JsonRpcServer
 
 from .api import build_registry
+from .collab.autojoin import RunAutoJoin
 from .collab.runs import RunRegistry
 from .collab.state_sync import StateSharing
 from .config import Config
@@ -24,6 +25,7 @@ from .errors import DaemonError
 from .identity import Identity
 from .network import PeerNetwork
 from .sdnotify import SystemdNotifier
+from .web import Dashboard
 from .workers.buffers import sweep_orphans
 from .workers.catalog import WorkloadListing
 
@@ -41,6 +43,7 @@ class Node:
         self.identity = Identity.load_or_create(config.state_dir())
         self.network = PeerNetwork(config, self.identity)
         self.runs = RunRegistry(config, self.identity.peer_id, self.network)
+        self.autojoin = RunAutoJoin(self.runs, config.run, config.state_dir())
         self.workloads = WorkloadListing(config.worker_command(),
                                          cache_seconds=config.workers.list_cache_seconds,
                                          timeout=config.workers.start_timeout)
@@ -51,6 +54,8 @@ class Node:
             max_connections=config.rpc.max_connections, idle_timeout=config.rpc.idle_timeout,
             tcp_listen=config.rpc.tcp_listen or None,
             token_file=config.rpc_token_path() if config.rpc.tcp_listen else None)
+        self.dashboard = (Dashboard(self.registry, config.dashboard.listen)
+                          if config.dashboard.listen else None)
         self._shutdown: asyncio.Event | None = None
         self._shutdown_reason: str | None = None
 
@@ -59,8 +64,15 @@ class Node:
         """The loopback TCP control listener as HOST:PORT (rpc.tcp_listen); None when off."""
         return self._server.tcp_address_text
 
+    @property
+    def dashboard_url(self) -> str | None:
+        """The dashboard's URL (dashboard.listen); None when off."""
+        return None if self.dashboard is None else self.dashboard.url
+
     def counters(self) -> dict[str, int]:
-        return {**self.registry.counters, **self.network.counters()}
+        dashboard = {} if self.dashboard is None else {
+            f"dashboard.{k}": v for k, v in self.dashboard.counters.items()}
+        return {**self.registry.counters, **self.network.counters(), **dashboard}
 
     def request_shutdown(self, reason: str) -> None:
         if self._shutdown is None:
@@ -86,17 +98,24 @@ class Node:
                 await self._server.start()
             except AccessError as exc:
                 raise DaemonError(f"control API: {exc}") from exc
+            if self.dashboard is not None:
+                try:
+                    await self.dashboard.start()
+                except (ValueError, OSError) as exc:
+                    raise DaemonError(f"dashboard: {exc}") from exc
             log.info("dedlocd_ready", peer_id=self.identity.peer_id, socket=str(self.socket_path),
-                     tcp=self._server.tcp_address_text)
+                     tcp=self._server.tcp_address_text, dashboard=self.dashboard_url)
             self.notifier.notify("READY=1", f"STATUS=serving on {self.socket_path}")
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(self.notifier.ping_watchdog(), name="watchdog"),
                               tasks.create_task(self._report_status(), name="status"),
                               tasks.create_task(self.runs.publish_revocations(), name="revocations"),
                               tasks.create_task(self.runs.watch_idleness(), name="idleness")]
+                autojoin = tasks.create_task(self.autojoin.run(), name="autojoin")  # [run]
                 await self._shutdown.wait()
                 log.info("dedlocd_stopping", reason=self._shutdown_reason)
                 self.notifier.notify("STOPPING=1", f"STATUS=stopping ({self._shutdown_reason})")
+                autojoin.cancel()  # first: the runs stopping now is no stop by the volunteer
                 await self.runs.close()
                 await self.network.close()
                 for task in background:
@@ -104,6 +123,8 @@ class Node:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+            if self.dashboard is not None:
+                await self.dashboard.close()
             await self._server.close()
             await self.network.close()
             self.notifier.close()

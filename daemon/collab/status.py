@@ -25,6 +25,7 @@ def _run_level(sync: Any) -> dict[str, Any]:
         "run_eta_seconds": None if gp is None else gp.eta_seconds,
         "run_epoch_overhead_seconds": None if gp is None else gp.step_overhead,
         "contributions": {} if gp is None else gp.contributions,
+        "live_peers": [] if gp is None else gp.live_peers,
         "last_round": None if sync is None else sync.last_round,
     }
 
