@@ -133,7 +133,11 @@ class Averager:
                                compression=options.compression,
                                window=window, deadline=options.deadline, expected=options.expected,
                                max_group_size=self.config.max_group_size)
-        group = await self.matchmaker.form_group(request)
+        try:
+            group = await self.matchmaker.form_group(request)
+        except AveragingError:
+            self.counters["rounds_not_formed"] += 1
+            raise
         matched = time.time()
         log.info("averaging_group_ready", key=options.key, group=group.group_id[:12],
                  group_size=len(group.members), part=list(group.part_bounds[group.index_of(self.peer_id)]))
@@ -147,6 +151,10 @@ class Averager:
         self.history.append(summary)
         self.counters["rounds"] += 1
         self.counters["rounds_failed" if summary["failed_parts"] else "rounds_ok"] += 1
+        # Running totals (the history keeps only the last rounds): for /metrics' counters.
+        self.counters["round_milliseconds"] += round(1000 * (finished - started))
+        self.counters["bytes_sent"] += summary["bytes_sent"]
+        self.counters["bytes_received"] += summary["bytes_received"]
         log.info("averaging_round", key=options.key, group_size=summary["group_size"],
                  seconds=summary["seconds"], failed_parts=len(summary["failed_parts"]))
         return summary

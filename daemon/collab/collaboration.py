@@ -154,10 +154,8 @@ class Collaboration:
                     {sub: entry.value for sub, entry in record.sub_keys.items()})
                 self.rejected_reports += len(rejected)
         self.last_reports = reports
-        # A run whose trainers may step alone confirms an epoch by one trainer (progress.py).
         return estimate_global(reports, target_batch_size=self.manifest.target_batch_size,
-                               now=time.time(), own=own, stale_after=STALE_AFTER,
-                               confirmations=min(2, self.manifest.min_peers))
+                               now=time.time(), own=own, stale_after=STALE_AFTER)
 
     async def average(self, vector: np.ndarray, round_key: str, weight: float, expected: int,
                       compression: str = "none") -> dict[str, Any] | None:

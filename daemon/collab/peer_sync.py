@@ -96,9 +96,18 @@ class PeerSync:
             self._ahead_since = None
             await self._catch_up(gp.epoch)
             return
+        if gp.live_trainers == 2 and gp.highest_epoch > p.epoch:
+            # Two trainers: the run's epoch is the lower one's (no third peer confirms either),
+            # and that is us. We are back from a pause, a restart or a failed round, or new: take
+            # the other's state rather than train alone from ours while it waits for us.
+            self._ahead_since = None
+            await self._catch_up(gp.highest_epoch)
+            return
         if gp.epoch < p.epoch:
             self._ahead_since = self._ahead_since or now
-            if now - self._ahead_since > STALE_AFTER and gp.trainers_at_epoch > 0:
+            # With two trainers the one behind catches up to us (above): never take its state.
+            if now - self._ahead_since > STALE_AFTER and gp.trainers_at_epoch > 0 \
+                    and gp.live_trainers != 2:
                 self._log.info("ahead_of_the_run_taking_its_state", own=p.epoch, run=gp.epoch)
                 await self._catch_up(gp.epoch)
             return

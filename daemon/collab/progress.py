@@ -12,16 +12,15 @@ Rules of `estimate_global`:
   `own`, the local peer's freshest state, replaces whatever the DHT holds for that peer and is
   never dropped as stale (it is not hearsay). A peer whose latest report is its farewell
   (`left`) is not live.
-- The run's epoch is the highest epoch that at least `min(confirmations, live trainers)` live
-  trainers have reached. A run whose steps need two or more trainers (its `min_peers`) passes
-  `confirmations=2`: the second-highest trainer epoch when two or more trainers are live, the
-  only one's otherwise. One lying or buggy peer therefore cannot move such a run ahead (a real
-  step moves every trainer of its round, at least two); it can only delay confirmation while it
-  is alone ahead. A run that lets one trainer step alone (`min_peers` 1) passes
-  `confirmations=1`: its epoch is the highest any live trainer reached, since a lone step is
-  confirmed by nobody else (with 2, a peer coming back from a pause would pull the run's epoch
-  down to its own and train alone from there instead of catching up). With no live trainer, the
-  same rule over the aux peers, else 0.
+- The run's epoch is the highest epoch that at least `min(2, live trainers)` live trainers have
+  reached: the second-highest trainer epoch when two or more trainers are live, the only one's
+  otherwise. One lying or buggy peer therefore cannot move the run ahead (a real step moves every
+  peer of the round, so two peers normally confirm a new epoch); it can only delay confirmation
+  while it is alone ahead. With no live trainer, the same rule over the aux peers, else 0.
+  `highest_epoch` is the highest any live trainer reports, confirmed or not: a peer that comes
+  back (new, restarted, resumed, or after a failed round) catches up to it (PeerSync), since with
+  two trainers the run's epoch is the lower one's and the peer behind would otherwise train alone
+  from its stale state while the other waits.
 - Samples. Only trainers at exactly the run's epoch count; peers behind are out of date (they
   will resynchronise) and peers ahead are unconfirmed. A counted trainer contributes its reported
   samples plus `samples_per_second * elapsed`, where `elapsed = now - time` is clamped to
@@ -218,6 +217,7 @@ class GlobalProgress:
     trainers_at_epoch: int = 0  # live trainers at exactly `epoch`: the ones that average now
     step_overhead: float | None = None  # the worst `step_overhead` reported at the run's epoch
     live_peers: list[dict[str, Any]] = field(default_factory=list)
+    highest_epoch: int = 0  # the highest epoch a live trainer reports (confirmed or not)
 
     @property
     def remaining(self) -> int:
@@ -228,17 +228,16 @@ def _newer(a: PeerProgress, b: PeerProgress) -> bool:
     return (a.time, a.expiration) > (b.time, b.expiration)
 
 
-def _robust_epoch(epochs: list[int], confirmations: int) -> int:
-    """The highest epoch reached by at least min(confirmations, len(epochs)) peers; 0 if none."""
+def _robust_epoch(epochs: list[int]) -> int:
+    """The highest epoch reached by at least min(2, len(epochs)) peers; 0 if none."""
     if not epochs:
         return 0
     ranked = sorted(epochs, reverse=True)
-    return ranked[min(confirmations, len(ranked)) - 1]
+    return ranked[min(2, len(ranked)) - 1]
 
 
 def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, now: float,
-                    own: PeerProgress | None = None, stale_after: float,
-                    confirmations: int = 2) -> GlobalProgress:
+                    own: PeerProgress | None = None, stale_after: float) -> GlobalProgress:
     """Fold the peers' reports into the run's progress at `now` (rules in the module docstring)."""
     if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) \
             or target_batch_size < 1:
@@ -247,8 +246,6 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         raise ValueError(f"now must be finite, got {now!r}")
     if not stale_after > 0 or not math.isfinite(stale_after):
         raise ValueError(f"stale_after must be positive and finite, got {stale_after!r}")
-    if confirmations not in (1, 2):
-        raise ValueError(f"confirmations must be 1 or 2, got {confirmations!r}")
 
     latest: dict[str, PeerProgress] = {}
     for report in reports:
@@ -265,7 +262,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
 
     trainers = [r for r in latest.values() if r.role == "trainer"]
     aux = [r for r in latest.values() if r.role == "aux"]
-    epoch = _robust_epoch([r.epoch for r in trainers] or [r.epoch for r in aux], confirmations)
+    epoch = _robust_epoch([r.epoch for r in trainers] or [r.epoch for r in aux])
 
     samples = 0.0
     rate = 0.0
@@ -300,6 +297,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         now=now,
         contributions={peer_id: r.total_samples for peer_id, r in sorted(latest.items())},
         trainers_at_epoch=at_epoch,
+        highest_epoch=max((r.epoch for r in trainers), default=epoch),
         step_overhead=max(overheads) if overheads else None,
         live_peers=[{"peer_id": peer_id, "role": r.role, "epoch": r.epoch,
                      "samples_per_second": r.samples_per_second, "total_samples": r.total_samples,

@@ -150,6 +150,14 @@ def _averaging(out: Exposition, status: Mapping[str, Any]) -> None:
                 "part in.", counters.get("rounds", 0))
         out.add("dedloc_averaging_rounds_failed_total", "counter", "Rounds with a part left at the "
                 "local value (a reducer vanished).", counters.get("rounds_failed", 0))
+        out.add("dedloc_averaging_rounds_not_formed_total", "counter", "Rounds whose group could "
+                "not be formed (matchmaking failed before the deadline).",
+                counters.get("rounds_not_formed", 0))
+        out.add("dedloc_averaging_seconds_total", "counter", "Time spent in averaging rounds "
+                "(matchmaking and all-reduce), summed.", counters.get("round_milliseconds", 0) / 1000)
+        for direction, key in (("sent", "bytes_sent"), ("received", "bytes_received")):
+            out.add("dedloc_averaging_bytes_total", "counter", "Bytes this node sent and received "
+                    "in averaging rounds.", counters.get(key, 0), direction=direction)
         out.add("dedloc_averaging_rejected_contributions_total", "counter", "Contributions this "
                 "node's reducer rejected (screening: NaN, too large, norm outlier).",
                 counters.get("offences", 0))

@@ -328,19 +328,16 @@ def test_two_peers_confirm_a_new_epoch() -> None:
     assert estimate([report("a", epoch=6)]).epoch == 6  # alone, a peer is the run
 
 
-def test_a_run_of_lone_steps_follows_its_highest_trainer() -> None:
-    """min_peers 1 (confirmations=1): a trainer stepping alone moves the run; a peer behind it
-    (back from a pause) sees the run ahead and catches up instead of training alone from its own
-    epoch. With confirmations=2 the same reports give the lower epoch."""
+def test_the_highest_epoch_is_reported_apart_from_the_confirmed_one() -> None:
+    """Two trainers: the run's epoch is the lower one's (unconfirmed), `highest_epoch` the other's,
+    which a peer coming back catches up to."""
     own = report("back", epoch=4, samples=0)
     ahead = report("ahead", epoch=21, samples=100)
-    lone = estimate_global([ahead], target_batch_size=1000, now=NOW, own=own, stale_after=STALE,
-                           confirmations=1)
-    assert (lone.epoch, lone.trainers_at_epoch, lone.samples_accumulated) == (21, 1, 100)
-    assert estimate([ahead], own=own).epoch == 4
-    seen_by_ahead = estimate_global([own], target_batch_size=1000, now=NOW, own=ahead,
-                                    stale_after=STALE, confirmations=1)
-    assert seen_by_ahead.epoch == 21
+    progress = estimate([ahead], own=own)
+    assert (progress.epoch, progress.highest_epoch, progress.trainers_at_epoch) == (4, 21, 1)
+    assert estimate([report("a", epoch=6), report("b", epoch=6)]).highest_epoch == 6
+    assert estimate([report("x", role="aux", epoch=9)]).highest_epoch == 9  # no trainer: the epoch
+    assert estimate([]).highest_epoch == 0
 
 
 def test_aux_peers_counted_apart() -> None:
@@ -384,8 +381,6 @@ def test_eta_monotonic_in_samples(a: int, b: int, sps: float) -> None:
     ({"target_batch_size": 0}, "target_batch_size"),
     ({"stale_after": 0.0}, "stale_after"),
     ({"now": float("nan")}, "now"),
-    ({"confirmations": 0}, "confirmations"),
-    ({"confirmations": 3}, "confirmations"),
 ])
 def test_estimate_arguments_checked(kwargs: dict[str, object], name: str) -> None:
     arguments: dict[str, object] = {"target_batch_size": 10, "now": NOW, "stale_after": STALE}

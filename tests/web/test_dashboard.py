@@ -156,6 +156,8 @@ async def test_the_dashboard_of_a_two_peer_run(daemon_factory: Any, tmp_path: Pa
     for name in ("dedloc_run_epoch", "dedloc_run_global_epoch", "dedloc_run_samples_total"):
         assert after[(name, run_label)] > before[(name, run_label)], name
     assert after[("dedloc_averaging_rounds_total", ())] > before[("dedloc_averaging_rounds_total", ())]
+    sent = ("dedloc_averaging_bytes_total", (("direction", "sent"),))
+    assert after[sent] > before[sent]
     assert after[("dedloc_run_peers", (("role", "trainer"), ("run", "dash")))] == 2
     assert after[("dedloc_links", (("kind", "tcp"),))] >= 1
     assert after[("dedloc_rpc_requests_total", ())] > before[("dedloc_rpc_requests_total", ())]

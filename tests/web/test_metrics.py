@@ -25,7 +25,8 @@ SNAPSHOT: dict[str, Any] = {
                   "throttled_seconds_up": 1.5, "throttled_seconds_down": 0.0,
                   "throttled_bytes_up": 4096, "throttled_bytes_down": 0},
     "averaging": {"counters": {"rounds": 9, "rounds_ok": 8, "rounds_failed": 1, "offences": 2,
-                               "bans": 1},
+                               "round_milliseconds": 2500, "bytes_sent": 7000, "bytes_received": 6000,
+                               "rounds_not_formed": 3, "bans": 1},
                   "rounds": [{"seconds": 0.5}, {"seconds": 0.25, "matchmaking_seconds": 0.1,
                                                 "group_size": 2, "bytes_sent": 800,
                                                 "bytes_received": 900}],
@@ -77,6 +78,9 @@ def test_the_snapshot_as_prometheus_text() -> None:
     assert value(parsed, "dedloc_averaging_rounds_failed_total") == 1
     assert value(parsed, "dedloc_averaging_rejected_contributions_total") == 2
     assert value(parsed, "dedloc_averaging_last_round_seconds") == 0.25
+    assert value(parsed, "dedloc_averaging_seconds_total") == 2.5
+    assert value(parsed, "dedloc_averaging_bytes_total", direction="received") == 6000
+    assert value(parsed, "dedloc_averaging_rounds_not_formed_total") == 3
     assert value(parsed, "dedloc_averaging_last_round_bytes", direction="sent") == 800
     assert value(parsed, "dedloc_links", kind="tcp") == 2
     assert value(parsed, "dedloc_links", kind="relay") == 1
