@@ -229,8 +229,13 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def loopback_address(text: str) -> tuple[str, int]:
+CONTROL_API_EXPOSURE = ("the control API gives full control of the daemon and must never be "
+                        "reachable from the network")
+
+
+def loopback_address(text: str, exposure: str = CONTROL_API_EXPOSURE) -> tuple[str, int]:
     """`HOST:PORT` whose host is a loopback IP literal; ValueError (a clear message) otherwise.
+    `exposure` says, in the message, why the listener must stay on loopback.
 
     Names such as `localhost` are refused: what they resolve to is not the daemon's to decide.
     """
@@ -241,8 +246,7 @@ def loopback_address(text: str) -> tuple[str, int]:
         raise ValueError(f"{host!r} is not an IP address; give a loopback address such as "
                          "127.0.0.1:PORT or [::1]:PORT") from None
     if not address.is_loopback:
-        raise ValueError(f"{host} is not a loopback address: the control API gives full control "
-                         "of the daemon and must never be reachable from the network. Listen on "
+        raise ValueError(f"{host} is not a loopback address: {exposure}. Listen on "
                          "127.0.0.1:PORT or [::1]:PORT, and use an SSH tunnel to reach it from "
                          "another machine")
     return str(address), port

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import structlog
 
-from dedloc.rpc.access import parse_host_port
+from dedloc.rpc.access import loopback_address
 
 log = structlog.get_logger(__name__)
 
@@ -44,18 +43,8 @@ SECURITY_HEADERS = {
 
 def loopback_listen_address(text: str) -> tuple[str, int]:
     """`HOST:PORT` (or `[HOST]:PORT`) whose host is a loopback IP literal; ValueError otherwise."""
-    host, port = parse_host_port(text)
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"{host!r} is not an IP address; give a loopback address such as "
-                         "127.0.0.1:PORT or [::1]:PORT") from None
-    if not address.is_loopback:
-        raise ValueError(f"{host} is not a loopback address: the dashboard shows this node's "
-                         "runs, peers and paths without asking who looks, so it only listens on "
-                         "127.0.0.1:PORT or [::1]:PORT (use an SSH tunnel to see it from another "
-                         "machine)")
-    return str(address), port
+    return loopback_address(text, "the dashboard shows this node's runs, peers and paths without "
+                                  "asking who looks, so it only listens on loopback")
 
 
 @dataclass
