@@ -4,12 +4,14 @@ run's latest state from a peer that has it.
 The donor exports its worker's full state (parameters, optimizer state, buffers) into shared
 memory and streams it in chunks; the receiver loads it into its own worker. Donors are picked at
 random among the trainers at the run's epoch, so newcomers spread over them, and a donor streams
-to at most `MAX_CONCURRENT_SERVES` peers at once (it refuses more as busy). Every step has a
+to at most `MAX_CONCURRENT_SERVES` peers at once (it refuses more as busy); a donor in the middle of
+a round serves the state it steps to, once the round is over. Every step has a
 deadline; a failed download is retried after a backoff with another donor (`DonorChoice`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +34,8 @@ CHUNK_BYTES = 4 << 20
 MAX_STATE_BYTES = 64 << 30
 MAX_CONCURRENT_SERVES = 2  # a donor streams its state to at most this many peers at once
 BUSY_RETRY_SECONDS = 0.2
+ROUND_WAIT_SECONDS = 20.0  # a donor mid-round serves its state after the round, waiting this long
+ROUND_POLL_SECONDS = 0.01
 
 
 @dataclass
@@ -67,21 +71,37 @@ class StateSharing:
         if run is None or not (run.active or run.lingering):
             await stream.abort("this peer has no active run of that key")
             return
-        busy = None
         if self._serving >= MAX_CONCURRENT_SERVES:
-            busy = "already sending its state to others"
-        elif run.in_round:  # its state is about to change with the round's step: not yet
-            busy = "in an averaging round"
-        if busy is not None:
-            self.refused_busy += 1
-            await stream.send(Message({"busy": busy, "retry_after": BUSY_RETRY_SECONDS}), timeout=10)
-            await stream.close()
+            await self._refuse(stream, "already sending its state to others")
             return
         self._serving += 1
         try:
+            # Mid-round, the state is about to move on with the round's step: serve the state
+            # after it. Refusing instead (asking again later) never ends in a run whose rounds
+            # come faster than the asker's retries: the donor is always in one (seen with fast
+            # epochs: peers behind kept asking and never caught up while two others raced on).
+            if not await self._wait_out_round(run):
+                await self._refuse(stream, "in an averaging round")
+                return
             await self._send_state(ctx, stream, run, key)
         finally:
             self._serving -= 1
+
+    async def _refuse(self, stream: Stream, busy: str) -> None:
+        self.refused_busy += 1
+        await stream.send(Message({"busy": busy, "retry_after": BUSY_RETRY_SECONDS}), timeout=10)
+        await stream.close()
+
+    @staticmethod
+    async def _wait_out_round(run: Run) -> bool:
+        """Wait (at most ROUND_WAIT_SECONDS) for the run to leave its round; True if it did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ROUND_WAIT_SECONDS
+        while run.in_round:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(ROUND_POLL_SECONDS)
+        return True
 
     async def _send_state(self, ctx: RequestContext, stream: Stream, run: Run, key: str) -> None:
         exported = await run.export_state()
