@@ -86,7 +86,9 @@ class MethodRegistry:
         if name in self._methods:
             raise ValueError(f"JSON-RPC method {name!r} registered twice")
         doc = inspect.getdoc(handler) or ""
-        summary, _, description = doc.partition("\n")
+        # The summary is the first paragraph (a first sentence may wrap), on one line.
+        first, _, description = doc.partition("\n\n")
+        summary = " ".join(first.split())
         if not summary:
             raise TypeError(f"{name}: a JSON-RPC method needs a docstring (it is its documentation)")
         method = RegisteredMethod(

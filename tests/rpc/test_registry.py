@@ -166,3 +166,20 @@ def test_registration_is_checked() -> None:
         registry.register("b", unhinted)
     with pytest.raises(ValueError, match="twice"):
         registry.register("rpc.discover", registry._discover)
+
+
+async def test_a_summary_that_wraps_is_its_whole_first_paragraph() -> None:
+    async def pause() -> int:
+        """Pause training on this node until node.resume: every run leaves
+        its rounds.
+
+        More text here."""
+        return 1
+
+    registry = MethodRegistry("t", "1")
+    registry.register("node.pause", pause)
+    doc = (await ask(registry, req("rpc.discover")))["result"]
+    (described,) = [m for m in doc["methods"] if m["name"] == "node.pause"]
+    assert described["summary"] == ("Pause training on this node until node.resume: every run "
+                                    "leaves its rounds.")
+    assert described["description"] == "More text here."
