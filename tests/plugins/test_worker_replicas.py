@@ -49,7 +49,11 @@ def replicas_of(pid: int) -> list[int]:
     """The replica processes of worker `pid` (its children running multiprocessing's spawn)."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
+        try:  # a thread may end between the listing and the read
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in children:
             with contextlib.suppress(FileNotFoundError):
                 if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
                     found.append(int(child))
