@@ -6,12 +6,12 @@ Every method is documented here once; `rpc.discover` publishes the same text and
 from __future__ import annotations
 
 import os
-import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
 from dedloc import __version__
 from dedloc.rpc import ErrorCode, InvalidParams, MethodRegistry, rpc_method
 
+from . import timebase
 from .averaging_api import ERROR_MAP as AVERAGING_ERROR_MAP
 from .averaging_api import AveragingApi
 from .bandwidth_api import BandwidthApi
@@ -119,7 +119,7 @@ class ControlApi:
             "version": __version__,
             "pid": os.getpid(),
             "started_at": node.started_at,
-            "uptime_seconds": round(time.time() - node.started_at, 3),
+            "uptime_seconds": round(timebase.now() - node.started_at, 3),
             "state_dir": str(node.config.state_dir()),
             "addresses": {"control": f"unix:{node.socket_path}",
                           "control_tcp": node.control_tcp_address,

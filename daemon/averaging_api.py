@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from dedloc.rpc import ErrorCode, rpc_method
 
+from . import timebase
 from .averaging.allreduce import AllReduceError
 from .averaging.averager import NonFiniteVector, RoundOptions
 from .averaging.errors import AveragingError
@@ -53,10 +53,10 @@ class AveragingApi:
                    "contributions this peer's reducer rejected)."]:
         """Average a shared-memory vector with the peers averaging under the same key."""
         averager = self._network.require_averager()
-        options = RoundOptions(key=key, weight=weight, role=role, deadline=time.time() + timeout,
+        options = RoundOptions(key=key, weight=weight, role=role, deadline=timebase.now() + timeout,
                                compression=compression, expected=expected_peers, window=window)
         with attach(buffer, length, dtype) as vector:
-            return await averager.average(vector, options)
+            return (await averager.average(vector, options)).to_json()
 
     @rpc_method("averaging.status", errors=(ErrorCode.NOT_JOINED,))
     async def status(self) -> Annotated[dict[str, Any], "rounds (the last ones, newest last), "

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         node = Node(config)
         asyncio.run(node.run())
+        if node.failed is not None:  # stopped cleanly, but because part of it failed
+            log.error("dedlocd_failed", error=node.failed)
+            return EXIT_CRASH
     except DaemonError as exc:
         log.error("dedlocd_failed", error=str(exc))
         return EXIT_CRASH

@@ -1,21 +1,27 @@
-"""This node's place in the swarm: its transport, reachability and DHT, started without blocking.
+"""This node's place in the swarm: its transport, reachability, DHT and averager, started
+without blocking on the network.
 
-Start-up never waits on the network: listening happens at once (a port that cannot be bound is a
-start-up error, with its reason), while bootstrapping, the reachability check and joining the DHT
-run in the background and are retried there. Until the DHT has joined, DHT calls say so.
+`start()` builds the services once, each with its dependencies passed in: listening happens at
+once (a port that cannot be bound is a start-up error, with its reason), and the DHT and the
+averager exist from then on, not joined yet (`await network.wait_joined(...)`; nobody polls for a
+service to appear). Bootstrapping, the reachability check (which decides whether the DHT serves
+or is a client, and whether the averager may reduce) and joining run in the background and are
+retried there; until the DHT has joined, DHT calls say so (NotJoinedError). If that background
+task fails, `on_failure` (the node's one shutdown path) is told why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import structlog
 
+from . import timebase
 from .averaging.averager import Averager
 from .collab.membership import MembershipRegistry
 from .config import Config
@@ -49,9 +55,11 @@ class NetworkStatus:
 
 
 class PeerNetwork:
-    def __init__(self, config: Config, identity: Identity) -> None:
+    def __init__(self, config: Config, identity: Identity,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.identity = identity
+        self._on_failure = on_failure
         # Closed runs' tokens, revocation lists and refusals (daemon/collab/membership.py).
         self.membership = MembershipRegistry(identity)
         self.status = NetworkStatus()
@@ -103,7 +111,17 @@ class PeerNetwork:
             self.upgrader.puncher = self.puncher
         self.relay_client.on_addresses = self._publish_addresses
         self.transport.set_address_resolver(self._resolve)
+        dht = self.config.dht
+        self.dht = DHTNode(self.transport, self.identity, DHTConfig(
+            k=dht.k, replicas=dht.replicas, alpha=dht.alpha, lookup_timeout=dht.lookup_timeout,
+            refresh_interval=dht.refresh_interval, republish_interval=dht.republish_interval,
+            client_mode=dht.client_mode == "yes",
+            limits=RecordLimits(max_value_bytes=dht.max_value_bytes, max_entries=dht.max_records)),
+            access=self.membership)
+        self.averager = Averager(self.transport, self.dht, self.config.averaging,
+                                 caps=self.bandwidth.caps)
         self._task = asyncio.create_task(self._join(), name="join-network")
+        self._task.add_done_callback(self._join_done)
         log.info("network_listening", addresses=[str(a) for a in self.transport.listen_addresses()])
 
     async def _start_stun(self) -> None:
@@ -154,18 +172,31 @@ class PeerNetwork:
             self._reservations = RelayReservations(self.transport, self.relay_client,
                                                    self.config.relay.reserve, lambda: self._bootstrap)
             self._reservations.start()
-        self.dht = DHTNode(self.transport, self.identity, DHTConfig(
-            k=dht.k, replicas=dht.replicas, alpha=dht.alpha, lookup_timeout=dht.lookup_timeout,
-            refresh_interval=dht.refresh_interval, republish_interval=dht.republish_interval,
-            client_mode=client_mode,
-            limits=RecordLimits(max_value_bytes=dht.max_value_bytes, max_entries=dht.max_records)),
-            access=self.membership)
-        self.averager = Averager(self.transport, self.dht, self.config.averaging,
-                                 reachable=self.status.reachable is not False,
-                                 caps=self.bandwidth.caps)
+        assert self.dht is not None and self.averager is not None
+        self.dht.set_client_mode(client_mode)
+        self.averager.reachable = self.status.reachable is not False
         await self.dht.start(self._bootstrap, wait=True)
         if self._pending_addresses is not None:  # reserved relay slots before the DHT was up
             self._publish_addresses(self._pending_addresses)
+
+    def _join_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("network_join_failed", error=repr(error), exc_info=error)
+        if self._on_failure is not None:
+            self._on_failure(f"joining the network failed: {error!r}")
+
+    async def wait_joined(self, timeout: float) -> bool:
+        """Wait (up to `timeout` seconds) until the DHT has joined; whether it has."""
+        if self.dht is None:  # not started: nothing will join before start()
+            await asyncio.sleep(timeout)
+            return False
+        return await self.dht.wait_joined(timeout)
+
+    @property
+    def joined(self) -> bool:
+        return self.dht is not None and self.dht.started and self.dht.joined
 
     async def _connect_bootstrap(self) -> list[str]:
         assert self.transport is not None
@@ -178,17 +209,17 @@ class PeerNetwork:
         return connected
 
     def require_dht(self) -> DHTNode:
-        if self.dht is None:
+        if self.dht is None or not self.dht.started:
             raise NotJoinedError("the node is still joining the network; try again in a moment")
         return self.dht
 
     def require_averager(self) -> Averager:
-        if self.averager is None:
+        if self.averager is None or self.dht is None or not self.dht.started:
             raise NotJoinedError("the node is still joining the network; try again in a moment")
         return self.averager
 
     def dht_status(self) -> dict[str, Any]:
-        if self.dht is None:
+        if self.dht is None or not self.dht.started:
             return {"mode": "starting", "joined": False, "routing_table_size": 0}
         return {"mode": "client" if self.status.client_mode else "server",
                 "joined": self.dht.joined, "routing_table_size": len(self.dht.routing_table)}
@@ -237,7 +268,7 @@ class PeerNetwork:
     def _publish_addresses(self, addresses: list[str]) -> None:
         """A node nobody can dial publishes its circuit addresses in the DHT (`peer/<id>`, its own
         sub-key), so that peers that know only its id can reach it through its relays."""
-        if self.dht is None or (self._publisher is not None and not self._publisher.done()):
+        if not self.joined or (self._publisher is not None and not self._publisher.done()):
             self._pending_addresses = addresses
             return
         self._pending_addresses = addresses
@@ -248,13 +279,13 @@ class PeerNetwork:
             addresses, self._pending_addresses = self._pending_addresses, None
             try:
                 await self.dht.store(f"peer/{self.identity.peer_id}", orjson.dumps(addresses),
-                                     time.time() + ADDRESS_RECORD_SECONDS,
+                                     timebase.now() + ADDRESS_RECORD_SECONDS,
                                      sub_key=self.identity.peer_id, timeout=10)
             except (TransportError, TimeoutError) as exc:
                 log.info("address_record_not_stored", error=str(exc))
 
     async def _resolve(self, peer_id: str) -> list[PeerAddress]:
-        if self.dht is None:
+        if self.dht is None or not self.dht.started:
             return []
         record = await self.dht.get(f"peer/{peer_id}", timeout=5)
         entry = None if record is None else record.sub_keys.get(peer_id)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import base64
-import time
 from typing import TYPE_CHECKING, Annotated, Any
 
 import orjson
 
 from dedloc.rpc import ErrorCode, InvalidParams, rpc_method
 
+from . import timebase
 from .dht import InvalidRecord, Record
 from .net import PeerAddress, PeerIdMismatchError, PeerUnreachableError, TransportError
 from .network import NotJoinedError
@@ -69,7 +69,7 @@ class NetworkApi:
             raise
         except TransportError as exc:
             raise PeerUnreachableError(f"{address}: {exc}") from exc
-        if self._network.dht is not None:
+        if self._network.dht is not None and self._network.dht.started:
             await self._network.dht.introduce(peer_id, [parsed.with_peer(peer_id)])
         return {"peer_id": peer_id, "address": str(parsed.with_peer(peer_id))}
 
@@ -84,7 +84,7 @@ class NetworkApi:
     ) -> dict[str, Any]:
         """Store a signed value under a key (or a key's sub-key) on the closest peers."""
         dht = self._network.require_dht()
-        expiration = time.time() + ttl
+        expiration = timebase.now() + ttl
         stored = await dht.store(key, orjson.dumps(value), expiration, sub_key)
         return {"stored_on": stored, "expiration": expiration}
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from dedloc.rpc import AccessError, JsonRpcServer
 
+from . import timebase
 from .api import build_registry
 from .collab.autojoin import RunAutoJoin
 from .collab.runs import RunRegistry
@@ -38,10 +40,10 @@ class Node:
     def __init__(self, config: Config, notifier: SystemdNotifier | None = None) -> None:
         self.config = config
         self.notifier = notifier or SystemdNotifier()
-        self.started_at = time.time()
+        self.started_at = timebase.now()
         self.socket_path: Path = config.socket_path()
         self.identity = Identity.load_or_create(config.state_dir())
-        self.network = PeerNetwork(config, self.identity)
+        self.network = PeerNetwork(config, self.identity, on_failure=self.request_shutdown)
         self.runs = RunRegistry(config, self.identity.peer_id, self.network)
         self.autojoin = RunAutoJoin(self.runs, config.run, config.state_dir())
         self.workloads = WorkloadListing(config.worker_command(),
@@ -58,6 +60,7 @@ class Node:
                           if config.dashboard.listen else None)
         self._shutdown: asyncio.Event | None = None
         self._shutdown_reason: str | None = None
+        self.failed: str | None = None  # why a background task or the network failed
 
     @property
     def control_tcp_address(self) -> str | None:
@@ -107,11 +110,13 @@ class Node:
                      tcp=self._server.tcp_address_text, dashboard=self.dashboard_url)
             self.notifier.notify("READY=1", f"STATUS=serving on {self.socket_path}")
             async with asyncio.TaskGroup() as tasks:
-                background = [tasks.create_task(self.notifier.ping_watchdog(), name="watchdog"),
-                              tasks.create_task(self._report_status(), name="status"),
-                              tasks.create_task(self.runs.publish_revocations(), name="revocations"),
-                              tasks.create_task(self.runs.watch_idleness(), name="idleness")]
-                autojoin = tasks.create_task(self.autojoin.run(), name="autojoin")  # [run]
+                background = [
+                    tasks.create_task(self._supervised(job, name), name=name) for job, name in (
+                        (self.notifier.ping_watchdog(), "watchdog"), (self._report_status(), "status"),
+                        (self.runs.publish_revocations(), "revocations"),
+                        (self.runs.watch_idleness(), "idleness"))]
+                autojoin = tasks.create_task(self._supervised(self.autojoin.run(), "autojoin"),
+                                             name="autojoin")  # [run]
                 await self._shutdown.wait()
                 log.info("dedlocd_stopping", reason=self._shutdown_reason)
                 self.notifier.notify("STOPPING=1", f"STATUS=stopping ({self._shutdown_reason})")
@@ -129,6 +134,16 @@ class Node:
             await self.network.close()
             self.notifier.close()
         log.info("dedlocd_stopped")
+
+    async def _supervised(self, job: Coroutine[Any, Any, None], name: str) -> None:
+        """Run a background job; if it fails, log why and stop the node through its one shutdown
+        path (runs checkpointed, workers stopped): systemd restarts a daemon that exits non-zero."""
+        try:
+            await job
+        except Exception as exc:
+            log.error("background_task_failed", task=name, error=repr(exc), exc_info=exc)
+            self.failed = f"{name} failed: {exc!r}"
+            self.request_shutdown(self.failed)
 
     async def _report_status(self) -> None:
         """Keep systemd's STATUS= line current (what `systemctl status dedlocd` shows)."""

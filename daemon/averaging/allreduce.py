@@ -21,12 +21,12 @@ import collections
 import concurrent.futures
 import math
 import os
-import time
 from typing import Any
 
 import numpy as np
 import structlog
 
+from .. import timebase
 from ..net import PeerTransport, RequestContext, Stream
 from .bans import BanList
 from .butterfly import Round
@@ -173,7 +173,7 @@ class AllReduceService:
             raise PeerFault(f"round {group_id} is over here")
         if self._arrival_waiters.total() >= _MAX_WAITING_STREAMS:
             raise PeerFault("too many streams wait for rounds that have not started")
-        wait = min(self.arrival_grace, max(0.0, opened.deadline - time.time()))
+        wait = min(self.arrival_grace, max(0.0, opened.deadline - timebase.now()))
         event = self._arrivals.setdefault(group_id, asyncio.Event())
         self._arrival_waiters[group_id] += 1
         try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import importlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from .. import timebase
 from ..config import AveragingSection
 from ..dht import DHTNode
 from ..net import PeerTransport
@@ -29,8 +29,9 @@ from .allreduce import AllReduceError, AllReduceReport, AllReduceService, check_
 from .bandwidth import BandwidthEstimator
 from .bans import BanList
 from .errors import AveragingError
-from .group import Member, Role
+from .group import Group, Member, Role
 from .matchmaking import Matchmaker, RoundRequest
+from .report import AveragingReport
 from .screening import ScreeningPolicy
 
 log = structlog.get_logger(__name__)
@@ -107,12 +108,12 @@ class Averager:
             download = min(download, cap_down) if cap_down > 0 else download
         return upload, download
 
-    async def average(self, vector: np.ndarray, options: RoundOptions) -> dict[str, Any]:
+    async def average(self, vector: np.ndarray, options: RoundOptions) -> AveragingReport:
         """Average `vector` (float32, changed in place) with the peers that average under the same
         key; return the round's report. Peer failures are reported, not raised."""
         if vector.dtype != np.float32 or vector.ndim != 1:
             raise AveragingError("the vector must be one-dimensional float32")
-        started = time.time()
+        started = timebase.now()
         if options.deadline <= started:
             raise AveragingError("the round's deadline has already passed")
         try:
@@ -138,7 +139,7 @@ class Averager:
         except AveragingError:
             self.counters["rounds_not_formed"] += 1
             raise
-        matched = time.time()
+        matched = timebase.now()
         log.info("averaging_group_ready", key=options.key, group=group.group_id[:12],
                  group_size=len(group.members), part=list(group.part_bounds[group.index_of(self.peer_id)]))
         report: AllReduceReport | None = None
@@ -146,17 +147,17 @@ class Averager:
             report = await self.allreduce.run(group, group.index_of(self.peer_id), vector, weight,
                                               finite_checked=True)
             self._learn_bandwidth(report)
-        finished = time.time()
+        finished = timebase.now()
         summary = self._summarise(options, group, report, started, matched, finished)
-        self.history.append(summary)
+        self.history.append(summary.to_json())
         self.counters["rounds"] += 1
-        self.counters["rounds_failed" if summary["failed_parts"] else "rounds_ok"] += 1
+        self.counters["rounds_failed" if summary.failed_parts else "rounds_ok"] += 1
         # Running totals (the history keeps only the last rounds): for /metrics' counters.
         self.counters["round_milliseconds"] += round(1000 * (finished - started))
-        self.counters["bytes_sent"] += summary["bytes_sent"]
-        self.counters["bytes_received"] += summary["bytes_received"]
-        log.info("averaging_round", key=options.key, group_size=summary["group_size"],
-                 seconds=summary["seconds"], failed_parts=len(summary["failed_parts"]))
+        self.counters["bytes_sent"] += summary.bytes_sent
+        self.counters["bytes_received"] += summary.bytes_received
+        log.info("averaging_round", key=options.key, group_size=summary.group_size,
+                 seconds=summary.seconds, failed_parts=len(summary.failed_parts))
         return summary
 
     def _learn_bandwidth(self, report: AllReduceReport) -> None:
@@ -164,28 +165,27 @@ class Averager:
             self.bandwidth.observe_upload(report.bytes_sent, report.seconds)
             self.bandwidth.observe_download(report.bytes_received, report.seconds)
 
-    def _summarise(self, options: RoundOptions, group: Any, report: AllReduceReport | None,
-                   started: float, matched: float, finished: float) -> dict[str, Any]:
+    def _summarise(self, options: RoundOptions, group: Group, report: AllReduceReport | None,
+                   started: float, matched: float, finished: float) -> AveragingReport:
         index = group.index_of(self.peer_id)
-        start, end = group.part_bounds[index]
-        return {
-            "key": options.key,
-            "group_id": group.group_id,
-            "group_size": len(group.members),
-            "senders": sum(1 for m in group.members if m.sends),
-            "members": [m.peer_id for m in group.members],
-            "part": [start, end],
-            "shares": [b - a for a, b in group.part_bounds],
-            "seconds": round(finished - started, 4),
-            "matchmaking_seconds": round(matched - started, 4),
-            "allreduce_seconds": round(finished - matched, 4),
-            "bytes_sent": report.bytes_sent if report else 0,
-            "bytes_received": report.bytes_received if report else 0,
-            "failed_parts": [list(p) for p in report.failed_parts] if report else [],
-            "senders_excluded": dict(report.senders_excluded) if report else {},
-            "senders_rejected": dict(report.senders_rejected) if report else {},
-            "finished_at": finished,
-        }
+        return AveragingReport(
+            key=options.key,
+            group_id=group.group_id,
+            members=tuple(m.peer_id for m in group.members),
+            trainers=sum(1 for m in group.members if m.role != "aux"),
+            senders=sum(1 for m in group.members if m.sends),
+            part=group.part_bounds[index],
+            shares=tuple(b - a for a, b in group.part_bounds),
+            seconds=round(finished - started, 4),
+            matchmaking_seconds=round(matched - started, 4),
+            allreduce_seconds=round(finished - matched, 4),
+            bytes_sent=report.bytes_sent if report else 0,
+            bytes_received=report.bytes_received if report else 0,
+            failed_parts=tuple(report.failed_parts) if report else (),
+            senders_excluded=dict(report.senders_excluded) if report else {},
+            senders_rejected=dict(report.senders_rejected) if report else {},
+            finished_at=finished,
+        )
 
     def status(self) -> dict[str, Any]:
         bans = self.bans.status()  # first: it expires bans (and counts them)

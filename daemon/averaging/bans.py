@@ -16,12 +16,13 @@ and the bans closest to expiry go first).
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+
+from .. import timebase
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +45,7 @@ class _Record:
 class BanList:
     def __init__(self, *, ban_after: int = 3, window: float = 3600.0, seconds: float = 600.0,
                  counters: collections.Counter[str] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = timebase.now) -> None:
         self.ban_after = ban_after
         self.window = window
         self.seconds = seconds

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from .. import timebase
 from ..net import Message, PeerTransport, Stream
 from .bans import BanList
 from .compression import Buffer, CompressionError, Meta, get_codec
@@ -66,7 +66,7 @@ class Round:
         self._on_open = on_open
         self.bans = bans
         self.loop = asyncio.get_running_loop()
-        self.deadline = self.loop.time() + (group.deadline - time.time())
+        self.deadline = self.loop.time() + (group.deadline - timebase.now())
         members = group.members
         self.sends = members[index].sends
         self.plans = {j: ChunkPlan(a, b, group.chunk_elements) for j, (a, b) in enumerate(group.part_bounds)
@@ -100,7 +100,7 @@ class Round:
 
     # --- the round ------------------------------------------------------------------------------
     async def execute(self) -> AllReduceReport:
-        started = time.perf_counter()
+        started = timebase.monotonic()
         try:
             async with asyncio.timeout_at(self.deadline), asyncio.TaskGroup() as tg:
                 self.tg = tg
@@ -118,7 +118,7 @@ class Round:
         finally:
             self.closing = True
             await self.jobs.drain()
-        report = self._report(time.perf_counter() - started)
+        report = self._report(timebase.monotonic() - started)
         self.log.info("allreduce_round", seconds=round(report.seconds, 4), bytes_sent=report.bytes_sent,
                       bytes_received=report.bytes_received, failed=len(report.failures),
                       excluded=len(report.senders_excluded))

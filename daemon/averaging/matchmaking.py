@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import orjson
 import structlog
 
+from .. import timebase
 from ..dht import DHTNode
 from ..net import Message, PeerTransport, RemoteError, RequestContext, TransportError
 from .bans import BanList
@@ -106,7 +106,7 @@ class Matchmaker:
             raise MatchmakingError("the request's member must be this peer")
         gathering = _Gathering(request)
         self._rounds[request.key] = gathering
-        window_end = time.time() + request.window
+        window_end = timebase.now() + request.window
         try:
             await self._announce(request, window_end)
             candidates = await self._gather(request, window_end)
@@ -125,7 +125,7 @@ class Matchmaker:
         try:
             await self._dht.store(DHT_PREFIX + request.key, orjson.dumps(info),
                                   window_end + 2 * _grace(request), sub_key=self.peer_id,
-                                  timeout=max(0.5, window_end - time.time()))
+                                  timeout=max(0.5, window_end - timebase.now()))
         except (TransportError, TimeoutError) as exc:
             log.warning("matchmaking_announce_failed", key=request.key, error=str(exc))
 
@@ -134,7 +134,7 @@ class Matchmaker:
         seen: dict[str, Member] = {self.peer_id: request.member}
         pause = POLL_SECONDS[0]
         while True:
-            remaining = window_end - time.time()
+            remaining = window_end - timebase.now()
             if remaining <= 0:
                 break
             try:
@@ -148,7 +148,7 @@ class Matchmaker:
                     seen[sub_key] = member
             if request.expected is not None and len(seen) >= request.expected:
                 break
-            await asyncio.sleep(min(pause, max(0.0, window_end - time.time())))
+            await asyncio.sleep(min(pause, max(0.0, window_end - timebase.now())))
             pause = min(pause * 2, POLL_SECONDS[1])
         for peer_id in [p for p in seen if p != self.peer_id and self._bans.banned(p) is not None]:
             self._bans.refused(peer_id, "candidate")
@@ -192,7 +192,7 @@ class Matchmaker:
         access = self._dht.access  # a closed run's rounds need our membership token
         if access is not None and (token := access.credential(request.key)) is not None:
             header["token"] = token
-        timeout = min(_ack_seconds(request), give_up - time.time())
+        timeout = min(_ack_seconds(request), give_up - timebase.now())
         if timeout <= 0:
             return None
         redirect = gathering.redirect = asyncio.get_running_loop().create_future()
@@ -219,7 +219,7 @@ class Matchmaker:
         # accepted: the leader sends the group (avg.group) once it is assembled, or, if it follows
         # another peer after all, that peer's id (avg.redirect)
         await asyncio.wait([gathering.group, redirect], return_when=asyncio.FIRST_COMPLETED,
-                           timeout=max(0.0, give_up + _grace(request) - time.time()))
+                           timeout=max(0.0, give_up + _grace(request) - timebase.now()))
         if gathering.group.done() and not gathering.group.cancelled():
             return gathering.group.result()
         if redirect.done():
@@ -234,12 +234,12 @@ class Matchmaker:
         request = gathering.request
         gathering.leader = self.peer_id
         others = set(candidates) - {self.peer_id} - set(gone)
-        while time.time() < give_up and not others <= set(gathering.joiners):
+        while timebase.now() < give_up and not others <= set(gathering.joiners):
             if len(gathering.joiners) + 1 >= request.max_group_size:
                 break
             gathering.joined.clear()
             try:
-                async with asyncio.timeout(max(0.0, give_up - time.time())):
+                async with asyncio.timeout(max(0.0, give_up - timebase.now())):
                     await gathering.joined.wait()
             except TimeoutError:
                 break
@@ -252,7 +252,7 @@ class Matchmaker:
         return group
 
     async def _send_group(self, group: Group, peer_id: str) -> None:
-        timeout = min(JOIN_ACK_SECONDS, group.deadline - time.time())
+        timeout = min(JOIN_ACK_SECONDS, group.deadline - timebase.now())
         try:
             await self._transport.call(peer_id, GROUP, Message({"group": group.to_json()}),
                                        timeout=max(0.1, timeout))
@@ -260,7 +260,7 @@ class Matchmaker:
             log.warning("matchmaking_group_not_delivered", peer=peer_id[:12], error=str(exc))
 
     async def _send_redirect(self, request: RoundRequest, peer_id: str, leader: str) -> None:
-        timeout = min(JOIN_ACK_SECONDS, request.deadline - time.time())
+        timeout = min(JOIN_ACK_SECONDS, request.deadline - timebase.now())
         try:
             await self._transport.call(peer_id, REDIRECT, Message({"key": request.key, "leader": leader}),
                                        timeout=max(0.1, timeout))

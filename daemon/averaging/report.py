@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from .. import timebase
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,53 @@ class AllReduceReport:
         }
 
 
+@dataclass(frozen=True)
+class AveragingReport:
+    """One round as `Averager.average` reports it to its caller: the group (`members` in order,
+    `shares` of the vector each reduces), how many members are `trainers` (every role but aux:
+    the members that step on a gradient round) and `senders` (members that sent a vector), this
+    peer's `part`, the timings, the traffic, and what failed (`failed_parts`: element ranges left
+    at the local value; `senders_excluded` and `senders_rejected`: peer id -> why)."""
+
+    key: str
+    group_id: str
+    members: tuple[str, ...]
+    trainers: int
+    senders: int
+    part: tuple[int, int]
+    shares: tuple[int, ...]
+    seconds: float
+    matchmaking_seconds: float
+    allreduce_seconds: float
+    bytes_sent: int
+    bytes_received: int
+    failed_parts: tuple[tuple[int, int], ...]
+    senders_excluded: dict[str, str]
+    senders_rejected: dict[str, str]
+    finished_at: float
+
+    @property
+    def group_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_parts
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "group_id": self.group_id, "group_size": self.group_size,
+            "trainers": self.trainers, "senders": self.senders, "members": list(self.members),
+            "part": list(self.part), "shares": list(self.shares), "seconds": self.seconds,
+            "matchmaking_seconds": self.matchmaking_seconds,
+            "allreduce_seconds": self.allreduce_seconds, "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "failed_parts": [list(p) for p in self.failed_parts],
+            "senders_excluded": dict(self.senders_excluded),
+            "senders_rejected": dict(self.senders_rejected), "finished_at": self.finished_at,
+        }
+
+
 def merge_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     """Sorted, non-empty, adjacent or overlapping ranges joined."""
     merged: list[list[int]] = []
@@ -95,7 +143,7 @@ class TransferLog:
 
     def _touch(self, peer_id: str) -> _Traffic:
         traffic = self.peers.setdefault(peer_id, _Traffic())
-        now = time.perf_counter()
+        now = timebase.monotonic()
         if traffic.first is None:
             traffic.first = now
         traffic.last = now

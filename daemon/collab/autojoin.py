@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import structlog
 
+from .. import timebase
 from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, UnknownRunError
 from .errors import ManifestError
 from .manifest import RunManifest
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 BASE_DELAY = 2.0  # seconds before the second attempt; doubles up to retry_max_seconds
-NETWORK_POLL = 1.0  # seconds between looks at whether the DHT is up (a join needs it)
+NETWORK_WAIT = 60.0  # how long one wait for the DHT to join lasts (a join by name needs it)
 STOPPED_MARKER = "autojoin-stopped"
 MAX_MANIFEST_FILE_BYTES = 1 << 20
 
@@ -181,11 +181,11 @@ class RunAutoJoin:
                 log.info("run_autojoin_not_needed", run=target.name, state=existing.state)
                 return True
             network = self._runs.network
-            if target.manifest is None and network is not None and network.dht is None:
+            if target.manifest is None and network is not None and not network.joined:
                 if not waiting_for_network:
                     log.info("run_autojoin_waiting_for_network", run=target.name)
                     waiting_for_network = True
-                await asyncio.sleep(NETWORK_POLL)
+                await network.wait_joined(timeout=NETWORK_WAIT)
                 continue
             try:
                 status = await self._start(target)
@@ -259,7 +259,7 @@ class RunAutoJoin:
             elif run is not None and run.state == "stopped" and was_active:
                 was_active = False
                 self._marker.parent.mkdir(parents=True, exist_ok=True)
-                self._marker.write_bytes(orjson.dumps({"run": name, "stopped_at": time.time()}))
+                self._marker.write_bytes(orjson.dumps({"run": name, "stopped_at": timebase.now()}))
                 log.info("run_autojoin_remembers_stop", run=name,
                          reason="stopped by the volunteer: not joined again at start until it is "
                                 "started by hand")

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
 import structlog
+
+from .. import timebase
 
 log = structlog.get_logger(__name__)
 
@@ -89,7 +90,7 @@ class IdleMonitor:
     """Whether the machine is idle apart from us (see the module docstring)."""
 
     def __init__(self, own_pids: Callable[[], Iterable[int]], threshold: float = 0.25,
-                 idle_seconds: float = 300.0, clock: Callable[[], float] = time.monotonic,
+                 idle_seconds: float = 300.0, clock: Callable[[], float] = timebase.monotonic,
                  read_stat: Callable[[], str] | None = None,
                  read_pid: Callable[[int], int] = _process_jiffies) -> None:
         self.own_pids = own_pids

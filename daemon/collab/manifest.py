@@ -14,13 +14,13 @@ this peer's data seed) are not part of the manifest.
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
 
+from .. import timebase
 from ..dht.records import is_peer_id
 from ..identity import verify
 from ..net import TransportError
@@ -36,6 +36,12 @@ COMPRESSIONS = ("none", "fp16", "uint8", "quantile8")
 MANIFEST_TTL = 600.0  # seconds a published manifest stays in the DHT without a refresh
 REFRESH_EVERY = 120.0
 MAX_MANIFEST_BYTES = 16 << 10
+
+
+def run_key(name: str, manifest: RunManifest) -> str:
+    """The prefix of a run's DHT and averaging keys: its namespace (a closed run's under its
+    owner) and its manifest's fingerprint."""
+    return f"{namespace(name, manifest.owner if manifest.closed else None)}/{manifest.fingerprint()}"
 
 
 def manifests_key(name: str, owner: str | None = None) -> str:
@@ -139,7 +145,7 @@ async def publish_manifest(dht: DHTNode, name: str, manifest: RunManifest, param
                            peer_id: str, owner_signature: str | None = None) -> None:
     """Announce that this peer trains `manifest` under `name` (refresh every REFRESH_EVERY s).
     A manifest with an owner travels with the owner's signature (`owner_signature`, hex)."""
-    now = time.time()
+    now = timebase.now()
     document: dict[str, Any] = {"manifest": manifest.to_json(), "fingerprint": manifest.fingerprint(),
                                 "parameters": parameters, "published_at": now}
     if owner_signature is not None:

@@ -26,7 +26,6 @@ import binascii
 import collections
 import math
 import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import orjson
 import structlog
 
+from .. import timebase
 from ..dht import AccessDenied, Entry
 from ..identity import Identity, verify
 from .errors import CollaborationError
@@ -118,7 +118,7 @@ class MembershipToken:
             raise MembershipError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         if not (math.isfinite(seconds) and seconds > 0):
             raise MembershipError(f"a token must be valid for a positive time, not {seconds!r} s")
-        now = time.time()
+        now = timebase.now()
         unsigned = cls(owner.peer_id, run, peer, role, now, now + seconds, os.urandom(8).hex())
         return cls(**{**unsigned._claims(), "signature": owner.sign(unsigned.signing_bytes())})
 
@@ -188,7 +188,7 @@ class MembershipRegistry:
     """This daemon's side of closed runs: the tokens it holds, the revocation lists it knows, and
     the check every handler of a closed run's traffic calls (refusals counted per peer)."""
 
-    def __init__(self, identity: Identity, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, identity: Identity, clock: Callable[[], float] = timebase.now) -> None:
         self.identity = identity
         self._clock = clock
         self._held: dict[tuple[str, str], MembershipToken] = {}

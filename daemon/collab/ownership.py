@@ -11,7 +11,6 @@ and then every `REPUBLISH_EVERY` seconds, with a long expiry so that it outlives
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import structlog
 
+from .. import timebase
 from ..identity import Identity
 from ..net import TransportError
 from .membership import MembershipError, MembershipToken, Revocations, revocations_key
@@ -128,7 +128,7 @@ class OwnedRuns:
             ledger.revoked_serials.add(serial)
         if peer is not None:
             ledger.revoked_peers.add(peer)
-        ledger.version = max(time.time(), ledger.version + 1e-3)  # strictly newer than the last
+        ledger.version = max(timebase.now(), ledger.version + 1e-3)  # strictly newer than the last
         self._save(ledger)
         log.info("token_revoked", run=run, serial=serial, peer=None if peer is None else peer[:16])
         return ledger.revocations()
@@ -137,7 +137,7 @@ class OwnedRuns:
         ledger = self._ledgers.get(run)
         if ledger is None:
             return {"run": run, "owner": self.identity.peer_id, "tokens": [], "revoked_peers": []}
-        now = time.time()
+        now = timebase.now()
         tokens = [{**item, "revoked": item["serial"] in ledger.revoked_serials
                    or item["peer"] in ledger.revoked_peers, "expired": item["expires"] <= now}
                   for item in ledger.issued]
@@ -151,7 +151,7 @@ class OwnedRuns:
             return True
         try:
             stored = await dht.store(revocations_key(ledger.owner, run), ledger.revocations().to_bytes(),
-                                     time.time() + REVOCATIONS_TTL, sub_key=ledger.owner, timeout=10.0)
+                                     timebase.now() + REVOCATIONS_TTL, sub_key=ledger.owner, timeout=10.0)
         except (TransportError, TimeoutError) as exc:
             log.warning("revocations_publish_failed", run=run, error=str(exc))
             return False

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from .. import timebase
 from ..config import Config
 from ..dht.records import is_peer_id
 from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, UnknownRunError
@@ -21,6 +21,9 @@ from .manifest import PublishedManifest, RunManifest, choose_manifest, find_mani
 from .membership import MembershipError, MembershipToken
 from .ownership import REPUBLISH_EVERY, OwnedRuns
 from .run import Run, RunSpec
+
+if TYPE_CHECKING:
+    from .engine import RunEngine
 
 if TYPE_CHECKING:
     from ..network import PeerNetwork
@@ -115,8 +118,8 @@ class RunRegistry:
                            owner_signature=owner_signature)
             run = Run(spec, self.runs_dir, self._spawn_worker,
                       stop_timeout=self.config.workers.stop_timeout,
-                      network=self.network if collaborative else None)
-            run.availability = self.availability
+                      network=self.network if collaborative else None,
+                      availability=self.availability)
             await run.start()
             self._runs[name] = run
             status = run.status()
@@ -135,32 +138,32 @@ class RunRegistry:
         return token
 
     async def _find(self, name: str, workload: str | None, owner: str | None = None) -> PublishedManifest:
-        dht = None if self.network is None else self.network.dht
-        if dht is None:
+        if self.network is None or self.network.dht is None or not self.network.joined:
             raise ManifestError("this node has not joined the network yet, so it cannot look up "
                                 f"run {name!r}; try again in a few seconds")
-        found = await find_manifests(dht, name, owner)
+        found = await find_manifests(self.network.dht, name, owner)
         if workload is not None:
             found = [f for f in found if f.manifest.workload == workload]
         return choose_manifest(name, found)
 
     async def _others(self, name: str, fingerprint: str) -> list[dict[str, Any]]:
         """Manifests other peers publish under the same name (a typo or a changed config)."""
-        dht = None if self.network is None else self.network.dht
-        if dht is None:
+        if self.network is None or self.network.dht is None or not self.network.joined:
             return []
-        others = [f.to_json() for f in await find_manifests(dht, name) if f.fingerprint != fingerprint]
+        others = [f.to_json() for f in await find_manifests(self.network.dht, name)
+                  if f.fingerprint != fingerprint]
         if others:
             log.warning("other_runs_under_the_same_name", run=name, fingerprint=fingerprint,
                         others=[o["fingerprint"] for o in others])
         return others
 
-    def find_by_key(self, key: str) -> Run | None:
-        """The active collaborative run whose peer-to-peer key is `key` (for state donations)."""
+    def find_by_key(self, key: str) -> RunEngine | None:
+        """The engine of the active collaborative run whose peer-to-peer key is `key` (for state
+        donations)."""
         for run in self._runs.values():
-            if isinstance(run, Run) and run.sync is not None and run.sync.key == key and (
+            if isinstance(run, Run) and run.key == key and run.engine is not None and (
                     run.active or run.lingering):
-                return run
+                return run.engine
         return None
 
     def get(self, name: str | None) -> Run | AuxRun:
@@ -199,7 +202,7 @@ class RunRegistry:
     def pause(self) -> dict[str, Any]:
         """Stop training in every run (they leave their rounds) until resume(), restarts included."""
         self._paused_file.parent.mkdir(parents=True, exist_ok=True)
-        self._paused_file.write_text(f"paused at {time.time():.0f}\n")
+        self._paused_file.write_text(f"paused at {timebase.now():.0f}\n")
         self.availability.paused_by = PAUSED_REASON
         log.info("training_paused")
         return self.availability_status()
@@ -247,7 +250,7 @@ class RunRegistry:
         assert self.network is not None
         self.network.membership.learn(revocations)  # this daemon refuses them at once
         published = False
-        if self.network.dht is not None:
+        if self.network.dht is not None and self.network.joined:
             published = await owned.publish(self.network.dht, name)
         return {"run": name, "revoked_serials": sorted(revocations.serials),
                 "revoked_peers": sorted(revocations.peers), "version": revocations.version,
@@ -264,13 +267,12 @@ class RunRegistry:
         for name in owned.names():
             self.network.membership.learn(owned.ledger(name).revocations())
         while not self._closing:
-            dht = self.network.dht
-            if dht is not None:
-                for name in owned.names():
-                    await owned.publish(dht, name)
-                await asyncio.sleep(REPUBLISH_EVERY)
-            else:
-                await asyncio.sleep(5.0)
+            if not await self.network.wait_joined(timeout=REPUBLISH_EVERY):
+                continue
+            assert self.network.dht is not None
+            for name in owned.names():
+                await owned.publish(self.network.dht, name)
+            await asyncio.sleep(REPUBLISH_EVERY)
 
     def statuses(self) -> list[dict[str, Any]]:
         return [run.status() for run in self._runs.values()]

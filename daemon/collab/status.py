@@ -6,18 +6,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .aux import AuxRun
+    from .engine import RunEngine
     from .run import Run
 
 RECENT_EPOCHS = 20
 
 
-def _run_level(sync: Any) -> dict[str, Any]:
+def _run_level(engine: RunEngine | None, key: str | None, peer_id: str | None) -> dict[str, Any]:
     """The run as this peer estimates it from its peers' reports (collaborative runs only)."""
-    gp = None if sync is None else sync.global_progress
+    gp = None if engine is None else engine.global_progress
+    last = None if engine is None or engine.last_round is None else engine.last_round.to_json()
     return {
-        "run_key": None if sync is None else sync.collab.key,
-        "peer_id": None if sync is None else sync.collab.peer_id,
+        "run_key": key,
+        "peer_id": peer_id,
         "run_epoch": None if gp is None else gp.epoch,
+        "run_lineage": None if gp is None else gp.lineage,
+        "run_confirmed": None if gp is None else gp.confirmed,
         "run_peers": None if gp is None else gp.live_trainers,
         "run_aux_peers": None if gp is None else gp.live_aux,
         "run_samples_accumulated": None if gp is None else gp.samples_accumulated,
@@ -26,14 +30,19 @@ def _run_level(sync: Any) -> dict[str, Any]:
         "run_epoch_overhead_seconds": None if gp is None else gp.step_overhead,
         "contributions": {} if gp is None else gp.contributions,
         "live_peers": [] if gp is None else gp.live_peers,
-        "last_round": None if sync is None else sync.last_round,
+        "last_round": last,
     }
 
 
 def run_status(run: Run) -> dict[str, Any]:
     p = run.progress
-    history = list(run.epoch_history)
-    sync = run.sync
+    engine = run.engine
+    history = [] if engine is None else list(engine.epoch_history)
+    collaborative = run.collaborative
+    level = _run_level(engine if collaborative else None, run.key,
+                       None if engine is None or not collaborative else engine.peer_id)
+    state_round = None if engine is None or engine.last_state_round is None \
+        else engine.last_state_round.to_json()
     return {
         "name": run.spec.name,
         "role": "trainer",
@@ -44,6 +53,7 @@ def run_status(run: Run) -> dict[str, Any]:
         "state": run.state,
         "phase": run.phase,
         "epoch": p.epoch,
+        "lineage": p.lineage,
         "epochs": run.spec.epochs,
         "samples": p.samples,
         "accumulated": p.accumulated,
@@ -55,20 +65,21 @@ def run_status(run: Run) -> dict[str, Any]:
         "lr": p.lr,
         "data_seed": run.spec.seed,
         "skipped_steps": p.skipped_steps,
+        "rounds": p.rounds,
         "failed_rounds": p.failed_rounds,
         "state_rounds": p.state_rounds,
         "failed_state_rounds": p.failed_state_rounds,
         "state_downloads": p.state_downloads,
         "failed_state_downloads": p.failed_state_downloads,
-        "collaborative": run.collaborative,
-        **_run_level(sync),
-        "last_state_round": None if sync is None else sync.last_state_round,
+        "collaborative": collaborative,
+        **level,
+        "last_state_round": state_round if collaborative else None,
         "epoch_overhead_seconds": history[-1]["overhead_seconds"] if history else None,
         "epoch_history": history[-RECENT_EPOCHS:],
         "restarts": p.restarts,
         "resumed_from": run.resumed_from,
         "checkpoints_rejected": 0 if run.store is None else run.store.rejected,
-        "paused": run.paused_reason,
+        "paused": None if engine is None else engine.paused_reason,
         "device": run.description.get("device"),
         "devices": run.description.get("devices"),
         "parameters": run.description.get("total_numel"),
@@ -79,6 +90,8 @@ def run_status(run: Run) -> dict[str, Any]:
 
 
 def aux_status(run: AuxRun) -> dict[str, Any]:
+    engine = run.engine
+    p = engine.progress
     return {
         "name": run.name,
         "role": "aux",
@@ -87,8 +100,9 @@ def aux_status(run: AuxRun) -> dict[str, Any]:
         "manifest": run.manifest.to_json(),
         "fingerprint": run.manifest.fingerprint(),
         "state": run.state,
-        "phase": run.phase,
-        "epoch": run.epoch,
+        "phase": engine.phase.value,
+        "epoch": p.epoch,
+        "lineage": p.lineage,
         "epochs": run.manifest.epochs,
         "samples": 0,
         "accumulated": 0,
@@ -97,10 +111,10 @@ def aux_status(run: AuxRun) -> dict[str, Any]:
         "loss": None,
         "epoch_losses": [],
         "samples_per_second": None,
-        "rounds": run.rounds,
-        "failed_rounds": run.failed_rounds,
+        "rounds": p.rounds,
+        "failed_rounds": p.failed_rounds,
         "collaborative": True,
-        **_run_level(run),
+        **_run_level(engine, run.key, engine.peer_id),
         "epoch_overhead_seconds": None,
         "parameters": run.parameters,
         "started_at": run.started_at,

@@ -18,7 +18,6 @@ import asyncio
 import dataclasses
 import functools
 import random
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextvars import ContextVar
@@ -27,6 +26,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from .. import timebase
 from ..identity import Identity
 from ..net.addresses import PeerAddress
 from ..net.errors import RemoteError, TransportError
@@ -105,7 +105,7 @@ def _counts_malformed(handler: _Handler) -> _Handler:
 
 class DHTNode:
     def __init__(self, transport: PeerTransport, identity: Identity, config: DHTConfig | None = None,
-                 *, clock: Callable[[], float] = time.time, rng: random.Random | None = None,
+                 *, clock: Callable[[], float] = timebase.now, rng: random.Random | None = None,
                  access: KeyAccess | None = None) -> None:
         if transport.peer_id != identity.peer_id:
             raise ValueError("the transport and the identity name different peers")
@@ -153,6 +153,17 @@ class DHTNode:
                 self._log.warning("dht_join_timed_out", timeout=self.config.join_timeout)
         self._spawn(self._maintain(), "dht-maintenance")
         return self.joined
+
+    def set_client_mode(self, client: bool) -> None:
+        """Decide, before `start`, whether this node serves the DHT (once reachability is known)."""
+        if self._started:
+            raise RuntimeError("the DHT's mode is fixed once it has started")
+        self.config = dataclasses.replace(self.config, client_mode=client)
+        self._log = log.bind(peer_id=self.peer_id[:12], client=client)
+
+    @property
+    def started(self) -> bool:
+        return self._started
 
     @property
     def joined(self) -> bool:

@@ -26,7 +26,6 @@ frame carrying the header and the total payload length, then continuation frames
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from .. import timebase
 from .addresses import PeerAddress
 from .errors import (
     CallTimeout,
@@ -429,7 +429,7 @@ class Link:
         self.address = address
         self.limits = limits
         self.loop = asyncio.get_running_loop()
-        self.opened_at = time.time()
+        self.opened_at = timebase.now()
         self.rtt_ms: float | None = None
         self.bytes_in = 0
         self.bytes_out = 0
@@ -452,11 +452,11 @@ class Link:
         self._wake = asyncio.Event()
         self._pending_in = 0
         self._scratch = bytearray(0)
-        self._last_activity = time.monotonic()
-        self._last_pong = time.monotonic()
-        self._last_heard = time.monotonic()  # bytes came in (a throttled peer's pongs come late)
+        self._last_activity = timebase.monotonic()
+        self._last_pong = timebase.monotonic()
+        self._last_heard = timebase.monotonic()  # bytes came in (a throttled peer's pongs come late)
         self._bandwidth = bandwidth  # this daemon's caps (ratelimit.py); None: not metered here
-        self._ping_sent: dict[int, int] = {}
+        self._ping_sent: dict[int, float] = {}
         self._ping_seq = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._handler_tasks: set[asyncio.Task[Any]] = set()
@@ -535,7 +535,7 @@ class Link:
         if self.draining or self.closed:
             return
         self.draining = True
-        self._drain_started = time.monotonic()
+        self._drain_started = timebase.monotonic()
         # a job, not a control frame: it goes out after the first frames of every call already
         # queued, so the peer has seen all our calls on this link before it hears GOAWAY
         self._submit(_Outbox(0, _INF), _Job(FrameType.GOAWAY, {"e": "duplicate link"}, memoryview(b""), None))
@@ -816,14 +816,14 @@ class Link:
                     if not count:
                         raise TransportClosed("the peer closed the connection")
                     self.bytes_in += count
-                    self._last_heard = time.monotonic()
+                    self._last_heard = timebase.monotonic()
                 else:
                     start, end = 0, await io.recv_into(view[:read_limit])
                     if not end:
                         raise TransportClosed("the peer closed the connection")
                     owed = end
                     self.bytes_in += end
-                    self._last_heard = time.monotonic()
+                    self._last_heard = timebase.monotonic()
                     continue
             frame = decoder.advance(count)
             if frame is not None:
@@ -832,7 +832,7 @@ class Link:
     def _on_frame(self, frame: Frame) -> None:
         ftype, sid = frame.type, frame.stream_id
         if ftype not in (FrameType.PING, FrameType.PONG, FrameType.CREDIT):
-            self._last_activity = time.monotonic()
+            self._last_activity = timebase.monotonic()
         if ftype == FrameType.DATA:
             stream = self._streams.get(sid)
             if stream is not None and stream._error is None:
@@ -1090,7 +1090,7 @@ class Link:
     # --- keepalive ----------------------------------------------------------------------------
     def _ping(self) -> None:
         self._ping_seq += 1
-        self._ping_sent[self._ping_seq] = time.perf_counter_ns()
+        self._ping_sent[self._ping_seq] = timebase.monotonic()
         if len(self._ping_sent) > 8:
             self._ping_sent.pop(min(self._ping_sent))
         self._send_ctrl(FrameType.PING, 0, None, self._ping_seq.to_bytes(8, "big"))
@@ -1098,14 +1098,14 @@ class Link:
     def _on_pong(self, payload: bytes) -> None:
         sent = self._ping_sent.pop(int.from_bytes(payload[:8], "big"), None)
         if sent is not None:
-            self.rtt_ms = (time.perf_counter_ns() - sent) / 1e6
-            self._last_pong = time.monotonic()
+            self.rtt_ms = (timebase.monotonic() - sent) * 1000
+            self._last_pong = timebase.monotonic()
 
     async def _keepalive_loop(self) -> None:
         self._ping()
         while True:
             await asyncio.sleep(self.limits.ping_interval)
-            now = time.monotonic()
+            now = timebase.monotonic()
             if now - max(self._last_pong, self._last_heard) > self.limits.ping_timeout:
                 self.begin_close(f"no keepalive answer for {self.limits.ping_timeout}s")
                 return

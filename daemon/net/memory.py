@@ -21,12 +21,12 @@ MemoryTransport").
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import orjson
 import structlog
 
+from .. import timebase
 from .addresses import PeerAddress
 from .errors import (
     CallTimeout,
@@ -147,7 +147,7 @@ class MemoryTransport:
         return peer.peer_id
 
     def _open_link(self, peer: MemoryTransport) -> None:
-        now = time.time()
+        now = timebase.now()
         self._links.setdefault(peer.peer_id, now)
         peer._links.setdefault(self._peer_id, now)
 

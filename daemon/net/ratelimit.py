@@ -24,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
+
+from .. import timebase
 
 __all__ = ["MIN_RATE", "Bandwidth", "TokenBucket", "check_rate"]
 
@@ -68,7 +69,7 @@ class TokenBucket:
     the rate, at least 64 KiB). `clock` and `waiter` are for tests (a fake clock)."""
 
     def __init__(self, rate: float = 0.0, burst: float | None = None, *,
-                 clock: Clock = time.monotonic, waiter: Waiter = _wait_event) -> None:
+                 clock: Clock = timebase.monotonic, waiter: Waiter = _wait_event) -> None:
         self._clock = clock
         self._waiter = waiter
         self._rate = 0.0
@@ -190,7 +191,7 @@ class Bandwidth:
     """One daemon's caps: every link's frames out book on `up`, every byte read on `down`."""
 
     def __init__(self, upload: float = 0.0, download: float = 0.0, *,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = timebase.monotonic) -> None:
         self.up = TokenBucket(check_rate("upload", upload), clock=clock)
         self.down = TokenBucket(check_rate("download", download), clock=clock)
         self._clock = clock

@@ -8,11 +8,11 @@ peer and bounded in count, so a peer cannot use others to scan ports.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
+from .. import timebase
 from .addresses import PeerAddress
 from .errors import TransportError
 from .interface import Message, PeerTransport, RequestContext
@@ -41,7 +41,7 @@ class DialBackService:
         transport.add_unary_handler(DIAL_BACK, self._on_dial_back)
 
     async def _on_dial_back(self, ctx: RequestContext, message: Message) -> Message:
-        now = time.monotonic()
+        now = timebase.monotonic()
         if now - self._last_request.get(ctx.peer_id, -self._min_interval) < self._min_interval:
             raise DialBackRefused(f"at most one dial-back per {self._min_interval:.0f} s")
         self._last_request[ctx.peer_id] = now

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from .. import timebase
 from .addresses import PeerAddress
 from .errors import CallTimeout, HandshakeError, PeerUnreachableError, RemoteError, TransportError
 from .handshake import pipe_client_handshake, pipe_server_handshake
@@ -67,12 +67,12 @@ class _Bucket:
     rate: float
     capacity: float
     tokens: float
-    stamp: float = field(default_factory=time.monotonic)
+    stamp: float = field(default_factory=timebase.monotonic)
 
     async def take(self, amount: int) -> None:
         """Wait until `amount` bytes may pass (a message bigger than the burst passes alone)."""
         while True:
-            now = time.monotonic()
+            now = timebase.monotonic()
             self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
             self.stamp = now
             if self.tokens >= min(amount, self.capacity):
@@ -111,7 +111,7 @@ class RelayService:
         if not self.limits.enabled or self._reachable() is False:
             raise self._refuse("reservations_refused", "this peer is not a relay")
         self._check_member(ctx.peer_id, message.header.get("tokens"))
-        now = time.monotonic()
+        now = timebase.monotonic()
         for peer, expiry in list(self._reservations.items()):
             if expiry <= now:
                 del self._reservations[peer]
@@ -174,7 +174,7 @@ class RelayService:
         if not isinstance(target, str) or not target:
             raise self._refuse("circuits_refused", "relay.connect needs a 'target' peer id")
         expiry = self._reservations.get(target)
-        if expiry is None or expiry <= time.monotonic():
+        if expiry is None or expiry <= timebase.monotonic():
             raise self._refuse("circuits_refused", f"{target[:12]} has no reservation on this relay")
         if sum(self._circuits.values()) // 2 >= limits.max_circuits:
             raise self._refuse("circuits_refused", "the relay carries too many circuits (max_circuits)")

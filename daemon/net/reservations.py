@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 
 import structlog
 
+from .. import timebase
 from .addresses import PeerAddress
 from .errors import TransportError
 from .relay import RelayClient
@@ -58,7 +58,7 @@ class RelayReservations:
         self._wake.set()
 
     def _candidates(self) -> list[PeerAddress]:
-        now = time.monotonic()
+        now = timebase.monotonic()
         found: dict[str, PeerAddress] = {}
         for address in self._preferred():
             if address.peer_id is not None and address.circuit is None:
@@ -72,7 +72,7 @@ class RelayReservations:
 
     async def _run(self) -> None:
         while True:
-            now = time.monotonic()
+            now = timebase.monotonic()
             for relay_id, at in list(self._renew_at.items()):
                 if at <= now and relay_id in self._client.relays:
                     await self._reserve(self._client.relays[relay_id])
@@ -89,10 +89,10 @@ class RelayReservations:
         try:
             seconds = await self._client.reserve(address)
         except (TransportError, TimeoutError) as exc:
-            self._refused[address.peer_id] = time.monotonic()
+            self._refused[address.peer_id] = timebase.monotonic()
             self._client.forget(address.peer_id)
             self._renew_at.pop(address.peer_id, None)
             log.info("relay_reservation_failed", relay=address.peer_id[:12], error=str(exc))
             return
-        self._renew_at[address.peer_id] = time.monotonic() + max(1.0, seconds / 2)
+        self._renew_at[address.peer_id] = timebase.monotonic() + max(1.0, seconds / 2)
         log.info("relay_reserved", relay=address.peer_id[:12], seconds=seconds)

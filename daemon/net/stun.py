@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import ipaddress
-import time
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 import structlog
 from aioice import stun
 
+from .. import timebase
 from .addresses import PeerAddress
 from .errors import TransportError
 
@@ -73,7 +73,7 @@ class StunResponder(asyncio.DatagramProtocol):
     """Answers STUN Binding requests on one UDP socket. Start with `await StunResponder.start()`."""
 
     def __init__(self, limits: StunLimits | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = timebase.monotonic) -> None:
         self.limits = limits or StunLimits()
         self._clock = clock
         self._transport: asyncio.DatagramTransport | None = None
@@ -85,7 +85,7 @@ class StunResponder(asyncio.DatagramProtocol):
     @classmethod
     async def start(cls, host: str, port: int = 0, *, prefer_port: int | None = None,
                     limits: StunLimits | None = None,
-                    clock: Callable[[], float] = time.monotonic) -> StunResponder:
+                    clock: Callable[[], float] = timebase.monotonic) -> StunResponder:
         """Bind a UDP socket on `host` and start answering.
 
         `port` 0 picks a port: `prefer_port` (e.g. the TCP listen port) if it is free, else any

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 
+from .. import timebase
 from .errors import HandshakeError, PeerUnreachableError, TransportClosed, TransportError
 from .interface import Message, RequestContext, Stream
 from .transport import LinkEvent, TlsTransport
@@ -77,14 +77,15 @@ class PathUpgrader:
         transport = self._transport
         if transport.link_kind(peer_id) != "relay" or transport.peer_id > peer_id:
             return
-        if peer_id in self._tasks or time.monotonic() - self._last_try.get(peer_id, -1e9) < self._retry_after:
+        last = self._last_try.get(peer_id, -1e9)
+        if peer_id in self._tasks or timebase.monotonic() - last < self._retry_after:
             return
         task = asyncio.get_running_loop().create_task(self._upgrade(peer_id), name="path-upgrade")
         self._tasks[peer_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(peer_id, None))
 
     async def _upgrade(self, peer_id: str) -> None:
-        self._last_try[peer_id] = time.monotonic()
+        self._last_try[peer_id] = timebase.monotonic()
         self.counters["upgrades_tried"] += 1
         if self.puncher is not None:
             with contextlib.suppress(TransportError, TimeoutError):

@@ -14,7 +14,6 @@ requests like any other). One snapshot serves every reader for `cache_seconds`.
 from __future__ import annotations
 
 import asyncio
-import time
 from importlib import resources
 from typing import Any
 
@@ -22,6 +21,7 @@ import orjson
 
 from dedloc.rpc import MethodRegistry
 
+from .. import timebase
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import render_metrics
 from .server import HttpServer, Response
@@ -88,7 +88,7 @@ class Dashboard:
         answers = orjson.loads(answer) if answer is not None else []
         if not isinstance(answers, list):  # the whole batch was refused
             answers = [{"id": key, "error": answers.get("error")} for key in SNAPSHOT_METHODS]
-        snapshot: dict[str, Any] = {"time": time.time(), "errors": {}}
+        snapshot: dict[str, Any] = {"time": timebase.now(), "errors": {}}
         snapshot.update({key: None for key in SNAPSHOT_METHODS})
         for item in answers:
             key = item.get("id")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any
 
 import orjson
 import structlog
 
+from .. import timebase
 from ..errors import WorkerError
 
 log = structlog.get_logger(__name__)
@@ -31,10 +31,10 @@ class WorkloadListing:
     async def get(self, refresh: bool = False) -> dict[str, Any]:
         """`{"workloads": [...], "errors": [...]}` of the installed workload plugins."""
         async with self._lock:
-            fresh = time.monotonic() - self._cached_at < self.cache_seconds
+            fresh = timebase.monotonic() - self._cached_at < self.cache_seconds
             if self._cached is None or refresh or not fresh:
                 self._cached = await self._ask_worker()
-                self._cached_at = time.monotonic()
+                self._cached_at = timebase.monotonic()
             return self._cached
 
     def invalidate(self) -> None:

@@ -18,12 +18,11 @@ from typing import Any
 import structlog
 
 from dedloc.rpc import JsonRpcClient, RpcCallError, RpcConnectionError, RpcError, RpcTimeoutError
+from dedloc.rpc.worker_protocol import PROTOCOL_VERSION, WorkerMethod
 
 from ..errors import WorkerError
 
 log = structlog.get_logger(__name__)
-
-PROTOCOL_VERSION = 1
 
 
 class WorkerProcess:
@@ -104,7 +103,7 @@ class WorkerProcess:
                         break
                     except RpcConnectionError:
                         await asyncio.wait([exited], timeout=0.05)
-                hello = await self._client.call("worker.hello", timeout=10.0)
+                hello = await self._client.call(WorkerMethod.HELLO, timeout=10.0)
         except TimeoutError as exc:
             raise WorkerError(f"worker did not answer on {self.socket_path} within {timeout} s",
                               self.failure_data()) from exc
@@ -143,7 +142,7 @@ class WorkerProcess:
         self._stopping = True
         if self.exit_code is None and self._client is not None and not self._client.closed:
             with contextlib.suppress(RpcError):
-                await self._client.call("worker.stop", timeout=min(5.0, timeout))
+                await self._client.call(WorkerMethod.STOP, timeout=min(5.0, timeout))
         for sig, grace in ((None, timeout), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             if sig is not None and self.exit_code is None:
                 with contextlib.suppress(ProcessLookupError):

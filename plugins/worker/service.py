@@ -1,4 +1,5 @@
-"""The worker protocol (version 1): the `worker.*` JSON-RPC methods a daemon calls.
+"""The worker protocol's server side: the `worker.*` JSON-RPC methods a daemon calls
+(names and answer shapes: dedloc.rpc.worker_protocol).
 
 Every call that touches the model runs in a thread, one at a time: a second one while another runs
 is refused with RUN_NOT_ACTIVE (the daemon serialises its calls; it may still call
@@ -13,13 +14,27 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, NotRequired, TypedDict, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import structlog
 import torch
 
 from dedloc import __version__
 from dedloc.rpc import ErrorCode, InvalidParams, rpc_method
+from dedloc.rpc.worker_protocol import (
+    PROTOCOL_VERSION,
+    ApplyResult,
+    CheckpointSaveResult,
+    DescribeResult,
+    EvaluateResult,
+    ExportResult,
+    HelloResult,
+    StepResult,
+    TrainResult,
+    Vector,
+    WorkerMethod,
+    ZeroGradResult,
+)
 
 from ..catalog import WorkloadCatalog
 from ..errors import (
@@ -36,7 +51,6 @@ from .session import Session
 
 log = structlog.get_logger(__name__)
 
-PROTOCOL_VERSION = 1
 IMPLEMENTATION = "dedloc-worker"
 
 ERROR_MAP: dict[type[BaseException], ErrorCode] = {
@@ -50,85 +64,10 @@ ERROR_MAP: dict[type[BaseException], ErrorCode] = {
 }
 
 T = TypeVar("T")
-What = Annotated[Literal["gradients", "parameters", "state"], "Which vector: the mean accumulated "
+What = Annotated[Vector, "Which vector: the mean accumulated "
                  "gradients, the parameters, or the full state (parameters, optimizer state, buffers)."]
 BufferName = Annotated[str, "Name of a POSIX shared-memory object the caller created (no leading slash)."]
 Numel = Annotated[int, "Size of the buffer in float32 elements.", {"minimum": 1}]
-
-
-class HelloResult(TypedDict):
-    protocol: int
-    implementation: str
-    version: str
-    pid: int
-
-
-class ParameterSlot(TypedDict):
-    name: str
-    shape: list[int]
-    numel: int
-    offset: int
-
-
-class DescribeResult(TypedDict):
-    workload: str
-    config: dict[str, Any]
-    device: str
-    devices: list[str]
-    task_fingerprint: str | None
-    parameters: list[ParameterSlot]
-    total_numel: int
-    state_numel: int
-    accumulated_samples: int
-    step: int
-    samples_per_second: float | None
-    running: str | None
-
-
-class RankResult(TypedDict):
-    device: str
-    samples: int
-    seconds: float
-
-
-class TrainResult(TypedDict):
-    samples: int
-    loss: float
-    seconds: float
-    samples_per_second: float | None
-    accumulated_samples: int
-    ranks: NotRequired[list[RankResult]]
-
-
-class ExportResult(TypedDict):
-    numel: int
-    dtype: Literal["float32"]
-    meta: dict[str, Any]
-
-
-class ApplyResult(TypedDict, total=False):
-    step: int
-    lr: float
-
-
-class ZeroGradResult(TypedDict):
-    accumulated_samples: int
-
-
-class CheckpointSaveResult(TypedDict):
-    path: str
-    bytes: int
-    step: int
-
-
-class StepResult(TypedDict):
-    step: int
-
-
-class EvaluateResult(TypedDict):
-    loss: float
-    samples: int
-    metrics: dict[str, float]
 
 
 class WorkerService:
@@ -184,13 +123,13 @@ class WorkerService:
 
     # --- methods --------------------------------------------------------------------------------
 
-    @rpc_method("worker.hello")
+    @rpc_method(WorkerMethod.HELLO)
     async def hello(self) -> HelloResult:
         """Who this worker is: protocol version, implementation, its version and process id."""
         return {"protocol": PROTOCOL_VERSION, "implementation": IMPLEMENTATION,
                 "version": __version__, "pid": os.getpid()}
 
-    @rpc_method("worker.load", errors=(ErrorCode.UNKNOWN_WORKLOAD, ErrorCode.INVALID_WORKLOAD_CONFIG,
+    @rpc_method(WorkerMethod.LOAD, errors=(ErrorCode.UNKNOWN_WORKLOAD, ErrorCode.INVALID_WORKLOAD_CONFIG,
                                        ErrorCode.WORKLOAD_ERROR, ErrorCode.RUN_NOT_ACTIVE))
     async def load(
         self,
@@ -233,7 +172,7 @@ class WorkerService:
     def _describe(self, session: Session) -> DescribeResult:
         return {**session.describe(), "running": self._busy}  # type: ignore[typeddict-item]
 
-    @rpc_method("worker.describe", errors=(ErrorCode.RUN_NOT_ACTIVE,))
+    @rpc_method(WorkerMethod.DESCRIBE, errors=(ErrorCode.RUN_NOT_ACTIVE,))
     async def describe(self) -> DescribeResult:
         """The loaded workload: config, device, parameter layout, sizes, progress and speed.
 
@@ -241,7 +180,7 @@ class WorkerService:
         """
         return self._describe(self._loaded())
 
-    @rpc_method("worker.train", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.WORKLOAD_ERROR))
+    @rpc_method(WorkerMethod.TRAIN, errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.WORKLOAD_ERROR))
     async def train(
         self,
         samples: Annotated[int, "Train on at least this many samples (whole batches).", {"minimum": 1}],
@@ -258,7 +197,7 @@ class WorkerService:
         return await self._exclusive(  # type: ignore[return-value]
             "worker.train", session.train, samples, max_seconds, self._cancel)
 
-    @rpc_method("worker.export", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.BUFFER_ERROR,
+    @rpc_method(WorkerMethod.EXPORT, errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.BUFFER_ERROR,
                                          ErrorCode.WORKLOAD_ERROR))
     async def export(self, what: What, buffer: BufferName, numel: Numel) -> ExportResult:
         """Write a flat float32 vector into the shared-memory buffer; `meta` describes it.
@@ -272,7 +211,7 @@ class WorkerService:
         return await self._exclusive(  # type: ignore[return-value]
             "worker.export", session.export, what, buffer, numel)
 
-    @rpc_method("worker.apply", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.BUFFER_ERROR,
+    @rpc_method(WorkerMethod.APPLY, errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.BUFFER_ERROR,
                                         ErrorCode.WORKLOAD_ERROR))
     async def apply(
         self, what: What, buffer: BufferName, numel: Numel,
@@ -294,14 +233,14 @@ class WorkerService:
         return await self._exclusive(  # type: ignore[return-value]
             "worker.apply", session.apply, what, buffer, numel, meta)
 
-    @rpc_method("worker.zero_grad", errors=(ErrorCode.RUN_NOT_ACTIVE,))
+    @rpc_method(WorkerMethod.ZERO_GRAD, errors=(ErrorCode.RUN_NOT_ACTIVE,))
     async def zero_grad(self) -> ZeroGradResult:
         """Forget the accumulated gradients."""
         session = self._loaded()
         await self._exclusive("worker.zero_grad", session.zero_grad)
         return {"accumulated_samples": 0}
 
-    @rpc_method("worker.checkpoint_save", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.CHECKPOINT_ERROR))
+    @rpc_method(WorkerMethod.CHECKPOINT_SAVE, errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.CHECKPOINT_ERROR))
     async def checkpoint_save(
         self, path: Annotated[str, "File to write (absolute; its directory must exist)."]
     ) -> CheckpointSaveResult:
@@ -310,7 +249,7 @@ class WorkerService:
         return await self._exclusive(  # type: ignore[return-value]
             "worker.checkpoint_save", session.save_checkpoint, path)
 
-    @rpc_method("worker.checkpoint_load", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.CHECKPOINT_ERROR))
+    @rpc_method(WorkerMethod.CHECKPOINT_LOAD, errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.CHECKPOINT_ERROR))
     async def checkpoint_load(self, path: Annotated[str, "A file written by worker.checkpoint_save."]
                               ) -> StepResult:
         """Restore a checkpoint of the loaded workload and config; clears accumulated gradients.
@@ -322,7 +261,7 @@ class WorkerService:
         return await self._exclusive(  # type: ignore[return-value]
             "worker.checkpoint_load", session.load_checkpoint, path)
 
-    @rpc_method("worker.evaluate", errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.WORKLOAD_ERROR))
+    @rpc_method(WorkerMethod.EVALUATE, errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.WORKLOAD_ERROR))
     async def evaluate(
         self, samples: Annotated[int, "Evaluate on at least this many samples.", {"minimum": 1}] = 256
     ) -> EvaluateResult:
@@ -331,7 +270,7 @@ class WorkerService:
         return await self._exclusive(  # type: ignore[return-value]
             "worker.evaluate", session.evaluate, samples)
 
-    @rpc_method("worker.stop")
+    @rpc_method(WorkerMethod.STOP)
     async def stop(self) -> dict[str, Any]:
         """Exit (status 0) right after this answer is sent; a running call stops at its next batch."""
         log.info("worker_stop_requested")

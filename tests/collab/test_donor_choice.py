@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from dedloc.daemon.collab.state_sync import DonorChoice
+from dedloc.daemon.collab.donors import DonorChoice
 
 DONORS = ["donor-a", "donor-b", "donor-c"]
 

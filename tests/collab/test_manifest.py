@@ -404,7 +404,7 @@ async def test_choose_from_what_was_found() -> None:
 # --- publish_manifest ----------------------------------------------------------------------------
 
 async def test_publish_stores_under_the_peer_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("dedloc.daemon.collab.manifest.time.time", lambda: 1000.0)
+    monkeypatch.setattr("dedloc.daemon.timebase.now", lambda: 1000.0)
     dht = FakeDHT()
     await publish_manifest(dht, "r", BASE, 4321, "peer-xyz")
     (stored,) = dht.stores

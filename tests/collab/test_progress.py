@@ -1,4 +1,4 @@
-"""Pure tests of progress reports and the run's progress estimate."""
+"""Pure tests of progress reports and the run's progress estimate (see also test_policy.py)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dedloc.daemon.collab.estimate import GlobalProgress, estimate_global, next_report_delay
 from dedloc.daemon.collab.progress import (
     MAX_EPOCH,
     MAX_OVERHEAD,
     MAX_SAMPLES,
     MAX_SAMPLES_PER_SECOND,
-    GlobalProgress,
     InvalidProgress,
     PeerProgress,
-    estimate_global,
-    next_report_delay,
     reports_from_sub_keys,
-    should_average,
 )
 
 NOW = 1_700_000_000.0
@@ -318,7 +315,8 @@ def test_a_single_liar_does_not_move_the_epoch() -> None:
 
 @given(honest=st.integers(2, 8), epoch=st.integers(0, 100), lie=st.integers(0, MAX_EPOCH))
 def test_any_single_liar_is_outvoted(honest: int, epoch: int, lie: int) -> None:
-    reports = [report(f"h{i}", epoch=epoch) for i in range(honest)]
+    """(Among trainers that have trained: fresh peers are no evidence, see test_policy.py.)"""
+    reports = [report(f"h{i}", epoch=epoch, samples=1) for i in range(honest)]
     assert estimate([*reports, report("liar", epoch=lie)]).epoch == epoch
 
 
@@ -329,12 +327,14 @@ def test_two_peers_confirm_a_new_epoch() -> None:
 
 
 def test_the_highest_epoch_is_reported_apart_from_the_confirmed_one() -> None:
-    """Two trainers: the run's epoch is the lower one's (unconfirmed), `highest_epoch` the other's,
-    which a peer coming back catches up to."""
+    """Two trainers: either confirms an epoch, so a peer coming back follows the one that trained
+    on; three: one peer ahead is unconfirmed, and `highest_epoch` says where it is."""
     own = report("back", epoch=4, samples=0)
     ahead = report("ahead", epoch=21, samples=100)
     progress = estimate([ahead], own=own)
-    assert (progress.epoch, progress.highest_epoch, progress.trainers_at_epoch) == (4, 21, 1)
+    assert (progress.epoch, progress.highest_epoch, progress.trainers_at_epoch) == (21, 21, 1)
+    progress = estimate([ahead, report("other", epoch=4)], own=own)
+    assert (progress.epoch, progress.highest_epoch, progress.trainers_at_epoch) == (4, 21, 2)
     assert estimate([report("a", epoch=6), report("b", epoch=6)]).highest_epoch == 6
     assert estimate([report("x", role="aux", epoch=9)]).highest_epoch == 9  # no trainer: the epoch
     assert estimate([]).highest_epoch == 0
@@ -422,11 +422,3 @@ def test_next_report_delay_uses_own_throughput_and_waits_without_any() -> None:
 def test_next_report_delay_arguments_checked() -> None:
     with pytest.raises(ValueError, match="min_delay"):
         next_report_delay(estimate([]), 1.0, min_delay=5.0, max_delay=1.0)
-
-
-def test_should_average() -> None:
-    ready = estimate([report("a", samples=600), report("b", samples=400)])
-    assert should_average(ready, 5)
-    assert not should_average(ready, 4)  # behind: resynchronise instead
-    assert not should_average(ready, 6)  # ahead: wait for the run to confirm
-    assert not should_average(estimate([report("a", samples=10)]), 5)

@@ -1,34 +1,150 @@
-"""A donor asked for its state in the middle of a round serves the state after the round (it used
-to answer busy, and in a run of fast rounds the peers behind never caught up)."""
+"""State donations over the simulated network (the real transport, links and streams, on virtual
+time): a donor mid-round serves the state it steps to once the round is over (it used to answer
+busy, and in a run of fast rounds the peers behind never caught up), a round that never ends is
+waited out only so long, a third asker is told busy, and a malformed header is refused."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
 
 from dedloc.daemon.collab import state_sync
-from dedloc.daemon.collab.state_sync import StateSharing
+from dedloc.daemon.collab.engine import PhaseCell
+from dedloc.daemon.collab.errors import DonorBusy, StateSyncError
+from dedloc.daemon.collab.lineage import initial_lineage, next_lineage
+from dedloc.daemon.collab.ports import DownloadedState
+from dedloc.daemon.collab.state_sync import StateSharing, download_state
+from dedloc.daemon.identity import Identity
+from dedloc.daemon.net import Message, RequestContext, Stream
+from dedloc.sim.loop import run_virtual
+from dedloc.sim.network import SimNetwork, SimTransport
+from dedloc.sim.trainer import ArrayBuffer
+
+KEY = "collab/run/0123456789abcdef"
+L0 = initial_lineage("run")
 
 
-class _RunInRound:
-    def __init__(self, rounds_left: float | None) -> None:
-        self._ends_at = None if rounds_left is None else asyncio.get_running_loop().time() + rounds_left
+class Donor:
+    """What StateSharing needs of an engine: a phase, a trainer, the state with its head."""
 
-    @property
-    def in_round(self) -> bool:
-        return self._ends_at is None or asyncio.get_running_loop().time() < self._ends_at
+    def __init__(self, size: int = 1000) -> None:
+        self.phase = PhaseCell("training")
+        self.trainer = object()
+        self.stopping = False
+        self.epoch, self.lineage = 3, L0
+        self.values = np.arange(size, dtype=np.float32)
+        self.exports = 0
+
+    async def export_state(self) -> DownloadedState:
+        self.exports += 1
+        buffer = ArrayBuffer(self.values.size)
+        buffer.array[:] = self.values
+        return DownloadedState(buffer, self.values.size, {"layout": "flat"}, self.epoch, self.lineage)
+
+    async def step_after(self, seconds: float) -> None:
+        """A round that ends after `seconds`, stepping the state."""
+        self.phase.set("averaging")
+        await asyncio.sleep(seconds)
+        self.values += 1
+        self.epoch, self.lineage = self.epoch + 1, next_lineage(self.lineage, "group")
+        self.phase.set("training")
 
 
-async def test_a_donor_mid_round_waits_for_the_round_to_end() -> None:
-    run: Any = _RunInRound(0.1)
-    assert run.in_round
-    assert await StateSharing._wait_out_round(run) is True
-    assert not run.in_round
+async def _pair(donor: Any) -> tuple[SimTransport, SimTransport]:
+    network = SimNetwork()
+    serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+    asking = SimTransport.start_on(network, network.add_host(), Identity.generate())
+    StateSharing(serving, lambda key: donor if key == KEY else None)
+    asking.learn_addresses(serving.peer_id, serving.listen_addresses())
+    return serving, asking
 
 
-async def test_a_round_that_never_ends_is_waited_out_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state_sync, "ROUND_WAIT_SECONDS", 0.05)
-    run: Any = _RunInRound(None)
-    assert await StateSharing._wait_out_round(run) is False
+def test_a_donor_mid_round_serves_the_state_it_steps_to() -> None:
+    async def main() -> None:
+        donor = Donor()
+        serving, asking = await _pair(donor)
+        round_over = asyncio.create_task(donor.step_after(3.0))
+        state = await download_state(asking, serving.peer_id, KEY, allocate=ArrayBuffer)
+        await round_over
+        assert (state.epoch, state.lineage) == (4, next_lineage(L0, "group"))
+        np.testing.assert_array_equal(state.buffer.array, np.arange(1000, dtype=np.float32) + 1)
+        assert state.meta == {"layout": "flat"}
+        await asking.close()
+        await serving.close()
+
+    run_virtual(main())
+
+
+def test_a_round_that_never_ends_is_waited_out_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_sync, "ROUND_WAIT_SECONDS", 5.0)
+
+    async def main() -> None:
+        donor = Donor()
+        donor.phase.set("averaging")
+        serving, asking = await _pair(donor)
+        with pytest.raises(DonorBusy, match="in an averaging round"):
+            await download_state(asking, serving.peer_id, KEY, allocate=ArrayBuffer)
+        assert donor.exports == 0
+        await asking.close()
+        await serving.close()
+
+    run_virtual(main())
+
+
+def test_a_third_asker_is_told_busy_and_the_first_two_are_served() -> None:
+    async def main() -> None:
+        donor = Donor(size=4 << 20)  # 16 MiB: the streams take a while at 100 Mbit/s
+        network = SimNetwork()
+        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+        StateSharing(serving, lambda key: donor)
+        askers = [SimTransport.start_on(network, network.add_host(), Identity.generate())
+                  for _ in range(3)]
+        for asker in askers:
+            asker.learn_addresses(serving.peer_id, serving.listen_addresses())
+
+        async def ask(asker: SimTransport, delay: float) -> DownloadedState | Exception:
+            await asyncio.sleep(delay)
+            try:
+                return await download_state(asker, serving.peer_id, KEY, allocate=ArrayBuffer)
+            except DonorBusy as exc:
+                return exc
+
+        results = await asyncio.gather(*(ask(a, 0.1 * i) for i, a in enumerate(askers)))
+        assert [type(r).__name__ for r in results] == ["DownloadedState", "DownloadedState",
+                                                       "DonorBusy"]
+        for state in results[:2]:
+            assert isinstance(state, DownloadedState) and state.numel == 4 << 20
+        for transport in (*askers, serving):
+            await transport.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("header", [
+    {"meta": {}, "numel": -1, "epoch": 1},
+    {"meta": {}, "numel": 10, "epoch": -1},
+    {"meta": {}, "numel": 10, "epoch": 1, "lineage": "not-a-lineage"},
+    {"meta": "x", "numel": 10, "epoch": 1},
+    {"meta": {}, "numel": 1 << 40, "epoch": 1},
+])
+def test_a_malformed_state_header_is_refused(header: dict[str, Any]) -> None:
+    async def main() -> None:
+        network = SimNetwork()
+        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+        asking = SimTransport.start_on(network, network.add_host(), Identity.generate())
+
+        async def liar(ctx: RequestContext, stream: Stream) -> None:
+            await stream.send(Message(header), timeout=10)
+            await stream.close()
+
+        serving.add_stream_handler(state_sync.METHOD, liar)
+        asking.learn_addresses(serving.peer_id, serving.listen_addresses())
+        with pytest.raises(StateSyncError, match="malformed state header"):
+            await download_state(asking, serving.peer_id, KEY, allocate=ArrayBuffer)
+        await asking.close()
+        await serving.close()
+
+    run_virtual(main())

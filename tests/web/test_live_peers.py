@@ -6,7 +6,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from dedloc.daemon.collab.progress import InvalidProgress, PeerProgress, estimate_global
+from dedloc.daemon.collab.estimate import estimate_global
+from dedloc.daemon.collab.progress import InvalidProgress, PeerProgress
 
 NOW = 1_700_000_000.0
 
@@ -39,7 +40,7 @@ def test_live_peers_lists_every_live_peer_with_its_start() -> None:
     own = report("a", started_at=NOW - 100, total=500)
     progress = estimate_global(reports, target_batch_size=64, now=NOW, own=own, stale_after=30.0)
     assert [p["peer_id"] for p in progress.live_peers] == ["a", "b", "c", "x"]
-    assert progress.live_peers[0] == {"peer_id": "a", "role": "trainer", "epoch": 3,
+    assert progress.live_peers[0] == {"peer_id": "a", "role": "trainer", "epoch": 3, "lineage": None,
                                       "samples_per_second": 5.0, "total_samples": 500,
                                       "started_at": NOW - 100, "reported_at": NOW - 1}
     assert progress.live_peers[2]["started_at"] is None

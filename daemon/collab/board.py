@@ -1,0 +1,158 @@
+"""The run's progress board in the DHT: every peer's report under one key, one sub-key each.
+
+A peer publishes its `PeerProgress` as its own sub-key of `<run key>/progress` (only it can write
+that) and reads everyone's; a trainer also keeps the run's manifest published (manifest.py). The
+first time a report is read is noted on this peer's clock, so that the estimate measures a
+report's age without trusting the reporter's clock (estimate.py). In a closed run every publish
+first checks this peer's own membership (the owner's revocation list, refreshed every
+`REVOCATIONS_REFRESH` seconds): a revoked or expired token raises MembershipError, which ends the
+run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import structlog
+
+from .. import timebase
+from ..net import TransportError
+from .manifest import REFRESH_EVERY, RunManifest, owner_signing_bytes, publish_manifest, run_key
+from .membership import REVOCATIONS_REFRESH, MembershipError, Revocations, revocations_key
+from .progress import PeerProgress, Role, reports_from_sub_keys
+
+if TYPE_CHECKING:
+    from ..dht import DHTNode
+    from ..identity import Identity
+    from .membership import MembershipRegistry
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["DhtProgressBoard", "LocalBoard"]
+
+DHT_TIMEOUT = 5.0
+
+
+class DhtProgressBoard:
+    """The `ProgressBoard` of a collaborative run (see the module docstring)."""
+
+    def __init__(self, dht: DHTNode, identity: Identity, membership: MembershipRegistry, name: str,
+                 manifest: RunManifest, role: Role, parameters: int,
+                 owner_signature: str | None = None) -> None:
+        self.dht = dht
+        self.identity = identity
+        self.membership = membership
+        self.name = name
+        self.manifest = manifest
+        self.role = role
+        self.parameters = parameters
+        self.peer_id = identity.peer_id
+        self.key = run_key(name, manifest)
+        self.rejected_reports = 0
+        self._owner_signature = owner_signature
+        self._manifest_published = float("-inf")
+        self._revocations_checked = float("-inf")
+        self._first_read: dict[str, tuple[float, float]] = {}  # peer -> (its report's time, read at)
+
+    @property
+    def owner_signature(self) -> str | None:
+        """The owner's signature of the manifest (hex): ours to make if we own the run."""
+        owner = self.manifest.owner
+        if owner is not None and owner == self.peer_id:
+            message = owner_signing_bytes(self.name, self.manifest.fingerprint())
+            return self.identity.sign(message).hex()
+        return self._owner_signature
+
+    async def publish(self, report: PeerProgress) -> None:
+        dht = self.dht
+        await self.check_membership()
+        try:
+            await dht.store(self.key + "/progress", report.to_bytes(), report.expiration,
+                            sub_key=self.peer_id, timeout=DHT_TIMEOUT)
+        except (TransportError, TimeoutError) as exc:
+            log.debug("progress_publish_failed", run=self.name, error=str(exc))
+        now = timebase.monotonic()
+        if self.role == "trainer" and now - self._manifest_published > REFRESH_EVERY:
+            self._manifest_published = now
+            await publish_manifest(dht, self.name, self.manifest, self.parameters, self.peer_id,
+                                   self.owner_signature)
+
+    async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
+        dht = self.dht
+        try:
+            record = await dht.get(self.key + "/progress", timeout=DHT_TIMEOUT)
+        except (TransportError, TimeoutError) as exc:
+            log.debug("progress_read_failed", run=self.name, error=str(exc))
+            return [], {}
+        if record is None or not record.has_sub_keys:
+            return [], {}
+        reports, rejected = reports_from_sub_keys(
+            {sub: entry.value for sub, entry in record.sub_keys.items()})
+        self.rejected_reports += len(rejected)
+        now = timebase.now()
+        seen: dict[str, tuple[float, float]] = {}
+        for report in reports:
+            held = self._first_read.get(report.peer_id)
+            seen[report.peer_id] = held if held is not None and held[0] == report.time \
+                else (report.time, now)
+        self._first_read = seen  # only the peers of this read: bounded by the record
+        return reports, {peer: read_at for peer, (_, read_at) in seen.items()}
+
+    async def leave(self, report: PeerProgress) -> None:
+        """A farewell report (`left`), expiring no sooner than the report it replaces (the DHT
+        keeps the later-expiring record of a sub-key)."""
+        dht = self.dht
+        now = timebase.now()
+        gone = PeerProgress(report.peer_id, report.epoch, 0, 0.0, now,
+                            max(report.expiration, now) + 1.0, report.role, report.total_samples,
+                            left=True, lineage=report.lineage)
+        try:
+            await dht.store(self.key + "/progress", gone.to_bytes(), gone.expiration,
+                            sub_key=self.peer_id, timeout=2.0)
+        except (TransportError, TimeoutError) as exc:
+            log.debug("progress_leave_failed", run=self.name, error=str(exc))
+
+    async def check_membership(self) -> None:
+        """In a closed run: refresh the owner's revocation list (every REVOCATIONS_REFRESH s) and
+        raise MembershipError once our own token is revoked or expired (the run then stops)."""
+        manifest, dht = self.manifest, self.dht
+        if not manifest.closed or manifest.owner is None or manifest.owner == self.peer_id:
+            return
+        now = timebase.monotonic()
+        if now - self._revocations_checked >= REVOCATIONS_REFRESH:
+            self._revocations_checked = now
+            try:
+                record = await dht.get(revocations_key(manifest.owner, self.name), timeout=DHT_TIMEOUT)
+            except (TransportError, TimeoutError) as exc:
+                log.debug("revocations_read_failed", run=self.name, error=str(exc))
+                record = None
+            entry = None if record is None else record.sub_keys.get(manifest.owner)
+            if entry is not None and entry.signer == manifest.owner:
+                try:
+                    revocations = Revocations.from_bytes(entry.value, manifest.owner, self.name)
+                except MembershipError as exc:
+                    log.warning("revocations_malformed", run=self.name, error=str(exc))
+                else:
+                    if self.membership.learn(revocations):
+                        log.info("revocations_updated", run=self.name, version=revocations.version,
+                                 serials=len(revocations.serials), peers=len(revocations.peers))
+        token = self.membership.held(manifest.owner, self.name)
+        if token is None:
+            raise MembershipError(f"this peer holds no token of closed run {self.name!r}")
+        self.membership.check_own(token)
+
+
+class LocalBoard:
+    """The board of a run nobody else takes part in: nothing to publish, nothing to read."""
+
+    rejected_reports = 0
+
+    async def publish(self, report: PeerProgress) -> None:
+        return None
+
+    async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
+        return [], {}
+
+    async def leave(self, report: PeerProgress) -> None:
+        return None

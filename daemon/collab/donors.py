@@ -1,0 +1,51 @@
+"""Which peer a newcomer (or a peer behind) downloads the run's state from, and when it tries
+again after a failure. Pure: time is passed in."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+__all__ = ["DonorChoice"]
+
+
+@dataclass
+class DonorChoice:
+    """Which peer to download the state from: a random one among those at the run's epoch (so
+    newcomers spread over the donors), skipping donors that failed in the last `avoid_seconds`,
+    and waiting `backoff` seconds (doubling per failure in a row, at most `max_backoff`) after a
+    failure before trying again."""
+
+    avoid_seconds: float = 60.0
+    backoff: float = 0.5
+    max_backoff: float = 30.0
+    rng: random.Random = field(default_factory=random.Random)
+    _failed_at: dict[str, float] = field(default_factory=dict)
+    _failures_in_a_row: int = 0
+    _not_before: float = 0.0
+
+    def pick(self, donors: list[str], now: float) -> str | None:
+        if now < self._not_before or not donors:
+            return None
+        fresh = [d for d in donors if now - self._failed_at.get(d, float("-inf")) >= self.avoid_seconds]
+        if not fresh:  # every donor failed lately: the one that failed longest ago
+            fresh = [min(donors, key=lambda d: self._failed_at[d])]
+        return self.rng.choice(sorted(fresh))
+
+    def failed(self, donor: str, now: float) -> None:
+        self._failed_at[donor] = now
+        self._failures_in_a_row += 1
+        self._not_before = now + self.wait(now)
+
+    def wait(self, now: float) -> float:
+        """Seconds to wait after the current run of failures."""
+        if self._failures_in_a_row == 0:
+            return 0.0
+        # the exponent is bounded: 2 ** 1024 no longer converts to a float (OverflowError after
+        # 1024 failures in a row), and the cap is reached long before
+        doublings = min(self._failures_in_a_row - 1, 1000)
+        return min(self.max_backoff, self.backoff * 2.0 ** doublings)
+
+    def succeeded(self) -> None:
+        self._failures_in_a_row = 0
+        self._not_before = 0.0

@@ -1,0 +1,498 @@
+"""The engine of one run on one peer: it looks at the run, asks the policy what to do, does it.
+
+`RunEngine.run()` loops: publish this peer's report and read the others' (the `ProgressBoard`),
+fold them into the run's estimate (estimate.py), `decide` (policy.py), and carry the action out
+through the ports (ports.py): train the `Trainer`, average through the `RoundAverager` (then step,
+and average the state when due), download a state from the `StateSource`, wait, or leave.
+Trainers and aux peers, collaborative and local runs are the same engine with other ports.
+
+Its `phase` is awaitable (`PhaseCell.wait_until`): a donor asked for the state mid-round waits
+for the round to end on it, nobody polls. Everything this peer has done is in `progress`
+(`RunProgress`, checkpointed with the model) and in `epoch_history`; the last rounds are typed
+`AveragingReport`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import structlog
+
+from .. import timebase
+from ..averaging.report import AveragingReport
+from .donors import DonorChoice
+from .errors import DonorBusy, StateSyncError
+from .estimate import GlobalProgress, Head, estimate_global
+from .lineage import next_lineage
+from .policy import (
+    Action,
+    Average,
+    CatchUp,
+    Leave,
+    Local,
+    RoundResult,
+    Schedule,
+    Timing,
+    Train,
+    View,
+    Wait,
+    decide,
+    round_key,
+    state_round_due,
+    step_allowed,
+)
+from .ports import DownloadedState, ProgressBoard, RoundAverager, StateSource, Trainer, TrainerRefused
+from .progress import PeerProgress, Role
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["IN_ROUND", "STALE_AFTER", "Phase", "PhaseCell", "RunEngine", "RunProgress"]
+
+Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averaging_state",
+                "downloading_state", "checkpointing", "paused", "lingering", "waiting"]
+#: While in these phases the state is about to change: a donor serves it after the round.
+IN_ROUND: tuple[Phase, ...] = ("averaging", "stepping", "averaging_state")
+STALE_AFTER = 30.0  # seconds a progress report stays believable
+HISTORY = 200
+
+
+@dataclass
+class RunProgress:
+    """What this peer has done in the run (checkpointed with the model)."""
+
+    epoch: int = 0
+    lineage: str | None = None
+    samples: int = 0
+    accumulated: int = 0
+    loss_first: float | None = None
+    loss_last: float | None = None
+    samples_per_second: float | None = None
+    epoch_losses: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    rounds: int = 0
+    failed_rounds: int = 0
+    state_rounds: int = 0
+    failed_state_rounds: int = 0
+    state_downloads: int = 0
+    failed_state_downloads: int = 0
+    restarts: int = 0
+    lr: float | None = None  # the learning rate of the last step
+
+
+class PhaseCell:
+    """A phase that can be awaited: `wait_until(predicate)` returns once it holds."""
+
+    def __init__(self, value: Phase = "idle") -> None:
+        self.value: Phase = value
+        self._changed = asyncio.Event()
+
+    def set(self, value: Phase) -> None:
+        if value != self.value:
+            self.value = value
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[Phase], bool], timeout: float) -> bool:
+        """True once `predicate(phase)` holds, False if it did not within `timeout` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not predicate(self.value):
+                    await self._changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+
+class RunEngine:
+    """One run on one peer (see the module docstring). `run()` returns why it left ("finished"
+    or "stopped"); an error of a port (a dead worker, a revoked membership) propagates."""
+
+    def __init__(self, *, peer_id: str, role: Role, schedule: Schedule, board: ProgressBoard,
+                 averaging: RoundAverager, states: StateSource | None = None,
+                 trainer: Trainer | None = None, progress: RunProgress | None = None,
+                 parameters: int = 0, compression: str = "none", timing: Timing | None = None,
+                 blocked: Callable[[], str | None] | None = None,
+                 checkpoint: Callable[[], Awaitable[None]] | None = None,
+                 checkpoint_every: int = 0, collaborative: bool = True, name: str = "",
+                 on_finished: Callable[[], None] | None = None) -> None:
+        if role == "trainer" and trainer is None:
+            raise ValueError("a trainer run needs a trainer")
+        self.peer_id = peer_id
+        self.role: Role = role
+        self.schedule = schedule
+        self.board = board
+        self.averaging = averaging
+        self.states = states
+        self.trainer = trainer
+        self.progress = progress or RunProgress()
+        self.parameters = parameters
+        self.compression = compression
+        self.timing = timing or Timing()
+        self.collaborative = collaborative
+        self._blocked = blocked or (lambda: None)
+        self._checkpoint = checkpoint
+        self._checkpoint_every = checkpoint_every
+        self._on_finished = on_finished
+        self.phase = PhaseCell()
+        self.global_progress: GlobalProgress | None = None
+        self.last_round: AveragingReport | None = None
+        self.last_state_round: AveragingReport | None = None
+        self.epoch_history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.step_overhead: float | None = None
+        self.paused_reason: str | None = None
+        self.donors = DonorChoice()
+        self.started_at = timebase.now()
+        self._stop = asyncio.Event()
+        self._next_look = 0.0  # monotonic
+        self._reports: list[PeerProgress] = []
+        self._received: dict[str, float] = {}
+        self._target_reached: tuple[Head, float] | None = None
+        self._finished_at: float | None = None
+        self._averaged: Head | None = None  # aux: the head of its last good round
+        self._farewell_sent = False
+        self._epoch_loss = (0.0, 0)
+        self._log = log.bind(run=name, role=role)
+
+    # --- control ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Leave at the next safe point (after the current worker call)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def in_round(self) -> bool:
+        return self.phase.value in IN_ROUND
+
+    @property
+    def lingering(self) -> bool:
+        return self.phase.value == "lingering"
+
+    @property
+    def head(self) -> Head:
+        return Head(self.progress.epoch, self.progress.lineage)
+
+    async def run(self) -> str:
+        try:
+            while not self._stop.is_set():
+                view, read = await self._look()
+                action = decide(view)
+                if read and view.blocked is None:  # what we do next is in our report
+                    await self._publish(action)
+                if isinstance(action, Leave):
+                    return action.reason
+                if isinstance(action, Train):
+                    await self._train(action)
+                elif isinstance(action, Average):
+                    await (self._average(action) if self.role == "trainer" else self._reduce(action))
+                elif isinstance(action, CatchUp):
+                    await self._catch_up(action)
+                elif isinstance(action, Wait):
+                    await self._wait(action)
+            return "stopped"
+        finally:
+            self.phase.set("idle")
+            await self.farewell()
+
+    async def farewell(self) -> None:
+        """Tell the run this peer is gone (once; rounds stop expecting it now)."""
+        if self._farewell_sent or not self.collaborative:
+            return
+        self._farewell_sent = True
+        with contextlib.suppress(Exception):  # best effort on the way out; the DHT forgets it
+            await self.board.leave(self.own_report())
+
+    # --- looking ------------------------------------------------------------------------------
+
+    def own_report(self, planned: int | None = None) -> PeerProgress:
+        """This peer's report; `planned`: the most it will have accumulated by the next one."""
+        p = self.progress
+        now = timebase.now()
+        accumulated = p.accumulated if self.role == "trainer" else 0
+        samples = p.samples if self.role == "trainer" else 0
+        return PeerProgress(self.peer_id, p.epoch, accumulated, float(p.samples_per_second or 0.0),
+                            now, now + STALE_AFTER, self.role, samples, self.step_overhead,
+                            started_at=min(self.started_at, now), lineage=p.lineage,
+                            planned=None if planned is None else max(planned, accumulated))
+
+    async def _publish(self, action: Action) -> None:
+        accumulated = self.progress.accumulated if self.role == "trainer" else 0
+        planned = accumulated + action.samples if isinstance(action, Train) else accumulated
+        self._farewell_sent = False
+        await self.board.publish(self.own_report(planned))
+
+    async def _look(self) -> tuple[View, bool]:
+        """The view to decide on, and whether the board was read for it (else the last read is
+        reused, with our own report fresh)."""
+        blocked = self._blocked()
+        if blocked is not None:
+            await self._enter_pause(blocked)
+        elif self.paused_reason is not None:
+            await self._leave_pause()
+        own = self.own_report()
+        read = timebase.monotonic() >= self._next_look or self.global_progress is None
+        if read:
+            self.phase.set("syncing")
+            self._reports, received = await self.board.read()
+            self._received = dict(received)
+        now = timebase.now()
+        run = estimate_global(self._reports, target_batch_size=self.schedule.target_batch_size,
+                              now=now, own=own, stale_after=STALE_AFTER, received=self._received)
+        self.global_progress = run
+        if self.role == "aux":  # an aux peer is where it last saw the run
+            self.progress.epoch, self.progress.lineage = run.epoch, run.lineage
+        if run.ready and run.head == self.head and (
+                self._target_reached is None or self._target_reached[0] != run.head):
+            self._target_reached = (run.head, self._estimate_reached(run, now))
+        p = self.progress
+        local = Local(self.role, p.epoch, p.lineage, p.accumulated if self.role == "trainer" else 0,
+                      float(p.samples_per_second or 0.0))
+        if self.schedule.epochs is not None and self.role == "trainer" \
+                and p.epoch >= self.schedule.epochs and self._finished_at is None:
+            self._finished_at = now
+            if self._on_finished is not None:
+                self._on_finished()
+            await self._save_checkpoint()
+        view = View(local, run, self.schedule, now, self.timing, blocked, self._finished_at,
+                    self._averaged)
+        return view, read
+
+    def _estimate_reached(self, run: GlobalProgress, now: float) -> float:
+        """When the run reached its target, from the overshoot (for the epoch's overhead)."""
+        overshoot = max(0, run.samples_accumulated - run.target_batch_size)
+        rate = run.samples_per_second
+        return now - min(self.timing.max_look, overshoot / rate if rate > 0 else 0.0)
+
+    def _schedule_look(self, seconds: float) -> None:
+        self._next_look = timebase.monotonic() + seconds
+
+    # --- actions ------------------------------------------------------------------------------
+
+    async def _train(self, action: Train) -> None:
+        assert self.trainer is not None
+        self._schedule_look(action.seconds)
+        remaining = action.samples
+        deadline = timebase.monotonic() + action.seconds
+        while remaining > 0 and not self._stop.is_set():
+            left = deadline - timebase.monotonic()
+            if left <= 0:
+                break
+            self.phase.set("training")
+            done = await self.trainer.train(remaining, min(self.timing.max_chunk, left))
+            self._count(done.samples, done.loss, done.samples_per_second)
+            remaining -= done.samples
+
+    def _count(self, samples: int, loss: float, samples_per_second: float | None) -> None:
+        p = self.progress
+        p.samples += samples
+        p.accumulated += samples
+        p.loss_last = loss
+        if p.loss_first is None:
+            p.loss_first = loss
+        p.samples_per_second = samples_per_second
+        total, count = self._epoch_loss
+        self._epoch_loss = (total + loss * samples, count + samples)
+
+    async def _wait(self, action: Wait) -> None:
+        if action.reason.startswith("lingering"):
+            self.phase.set("lingering")
+        else:
+            self.phase.set("paused" if self.paused_reason is not None else "waiting")
+        seconds = max(0.0, action.until - timebase.now())
+        self._schedule_look(0.0)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stop.wait()
+
+    async def _enter_pause(self, reason: str) -> None:
+        if self.paused_reason is None:
+            self._log.info("run_paused", reason=reason)
+            await self.farewell()
+        self.paused_reason = reason
+        self.phase.set("paused")
+
+    async def _leave_pause(self) -> None:
+        """Back from a pause: the run has moved on, so what was accumulated before is dropped."""
+        self.paused_reason = None
+        self._farewell_sent = False
+        if self.trainer is not None and self.collaborative and self.progress.accumulated:
+            await self.trainer.zero_grad()
+            self.progress.accumulated = 0
+        self._log.info("run_resumed", epoch=self.progress.epoch)
+
+    async def _average(self, action: Average) -> None:
+        """A gradient round at the head, then the step if the round allows it."""
+        assert self.trainer is not None
+        p = self.progress
+        head = action.head
+        self.phase.set("averaging")
+        vector = await self.trainer.export_gradients()
+        weight = float(p.accumulated)
+        finite = await asyncio.to_thread(lambda: bool(np.isfinite(vector).all()))
+        if not finite:  # take part with nothing: the others' step is ours too
+            p.skipped_steps += 1
+            self._log.warning("nonfinite_gradients_skipped", epoch=p.epoch)
+            await self.trainer.zero_grad()
+            p.accumulated = 0
+            vector = await self.trainer.export_gradients()
+            weight = 0.0
+        report = await self.averaging.average(vector, round_key("grad", head), weight=weight,
+                                              expected=action.expected, role="trainer",
+                                              compression=self.compression)
+        if report is not None:
+            self.last_round = report
+        result = None if report is None else RoundResult(report.trainers, report.senders,
+                                                         len(report.failed_parts))
+        if report is None or not step_allowed(result, action, self.schedule):
+            p.failed_rounds += 1
+            self._schedule_look(0.0)
+            self._log.warning("averaging_round_failed_no_step", epoch=p.epoch,
+                              group_size=report and report.group_size,
+                              trainers=report and report.trainers, expected=action.trainers,
+                              failed_parts=report and len(report.failed_parts))
+            return
+        self.phase.set("stepping")
+        p.lr = await self.trainer.step(p.epoch)
+        self._stepped(report)
+        if state_round_due(self.schedule, p.epoch, report.trainers):
+            await self._average_state(report.trainers)
+        every = self._checkpoint_every
+        if every > 0 and p.epoch % every == 0:
+            await self._save_checkpoint()
+        self._schedule_look(0.0)  # the others are stepping too: look again now
+
+    def _stepped(self, report: AveragingReport) -> None:
+        p = self.progress
+        epoch, accumulated = p.epoch, p.accumulated
+        p.epoch = epoch + 1
+        p.lineage = next_lineage(p.lineage or "", report.group_id)
+        p.accumulated = 0
+        p.rounds += 1
+        total, count = self._epoch_loss
+        if count:
+            p.epoch_losses.append(total / count)
+            del p.epoch_losses[: max(0, len(p.epoch_losses) - HISTORY)]
+        self._epoch_loss = (0.0, 0)
+        applied_at = timebase.now()
+        reached = self._target_reached[1] if self._target_reached is not None else applied_at
+        overhead = round(max(0.0, applied_at - reached), 4)
+        self.step_overhead = overhead
+        self.epoch_history.append({
+            "epoch": epoch, "samples": accumulated, "stepped": True, "lineage": p.lineage,
+            "target_reached_at": reached, "applied_at": applied_at, "overhead_seconds": overhead,
+            "group_size": report.group_size, "trainers": report.trainers,
+            "senders": report.senders, "round_seconds": report.seconds,
+            "matchmaking_seconds": report.matchmaking_seconds,
+        })
+
+    async def _average_state(self, trainers: int) -> None:
+        """Average parameters and optimizer state with the trainers of the round just done:
+        float drift between devices is folded back in."""
+        assert self.trainer is not None
+        p = self.progress
+        self.phase.set("averaging_state")
+        state = await self.trainer.export_state()
+        try:
+            report = await self.averaging.average(
+                state.buffer.array[: state.numel], round_key("state", self.head), weight=1.0,
+                expected=trainers, role="trainer")
+            if report is None or report.failed_parts or report.group_size < 2:
+                p.failed_state_rounds += 1
+                self._log.info("state_averaging_skipped", epoch=p.epoch,
+                               group_size=report and report.group_size)
+                return
+            await self.trainer.load_state(state)
+            p.state_rounds += 1
+            p.lineage = next_lineage(p.lineage or "", f"state/{report.group_id}")
+            self.last_state_round = report
+        finally:
+            state.close()
+
+    async def _reduce(self, action: Average) -> None:
+        """An aux peer's part of a round: it reduces, with nothing of its own."""
+        self.phase.set("averaging")
+        vector = np.zeros(self.parameters, dtype=np.float32)
+        report = await self.averaging.average(vector, round_key("grad", action.head), weight=0.0,
+                                              expected=action.expected, role="aux",
+                                              compression=self.compression)
+        result = None if report is None else RoundResult(report.trainers, report.senders,
+                                                         len(report.failed_parts))
+        if report is not None and report.group_size > 1:
+            self.last_round = report
+        if step_allowed(result, action, self.schedule) and report is not None \
+                and report.group_size > 1:
+            self.progress.rounds += 1
+            self._averaged = action.head
+        else:
+            self.progress.failed_rounds += 1
+        self._schedule_look(0.0)
+
+    async def _catch_up(self, action: CatchUp) -> None:
+        """Load the state of a peer at the run's head (this peer is new, or fell behind)."""
+        assert self.trainer is not None
+        p = self.progress
+        now = timebase.monotonic()
+        donor = self.donors.pick(list(action.donors), now)
+        if donor is None or self.states is None:  # every donor failed lately: wait a little
+            self.phase.set("waiting")
+            await self._wait(Wait(timebase.now() + min(1.0, self.donors.wait(now)), "backoff"))
+            return
+        self.phase.set("downloading_state")
+        try:
+            state = await self.states.download(donor)
+        except DonorBusy as exc:  # mid-round: its state is about to move on; ask again soon
+            self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
+            self._schedule_look(0.0)
+            return
+        except StateSyncError as exc:
+            p.failed_state_downloads += 1
+            self.donors.failed(donor, now)
+            self._log.warning("state_download_failed", donor=donor[:12], error=str(exc),
+                              retry_in=round(self.donors.wait(now), 2))
+            return
+        try:
+            if state.epoch < p.epoch:  # never back to an earlier epoch
+                raise TrainerRefused(f"the donor's state is at epoch {state.epoch}, behind ours "
+                                     f"({p.epoch})")
+            await self.trainer.load_state(state)
+        except TrainerRefused as exc:
+            p.failed_state_downloads += 1
+            self.donors.failed(donor, now)
+            self._log.warning("downloaded_state_refused", donor=donor[:12], error=str(exc))
+            return
+        finally:
+            state.close()
+        self.donors.succeeded()
+        p.epoch, p.lineage, p.accumulated = state.epoch, state.lineage, 0
+        self._epoch_loss = (0.0, 0)
+        p.state_downloads += 1
+        self._schedule_look(0.0)
+        self._log.info("state_downloaded", donor=donor[:12], epoch=state.epoch)
+
+    async def export_state(self) -> DownloadedState:
+        """This peer's state, for a peer that downloads it, with the head it is at (read with no
+        await after the export: no step can come in between)."""
+        if self.trainer is None:
+            raise StateSyncError("an aux peer holds no state")
+        state = await self.trainer.export_state()
+        state.epoch, state.lineage = self.progress.epoch, self.progress.lineage
+        return state
+
+    async def _save_checkpoint(self) -> None:
+        if self._checkpoint is None:
+            return
+        previous = self.phase.value
+        self.phase.set("checkpointing")
+        try:
+            await self._checkpoint()
+        finally:
+            self.phase.set(previous)

@@ -1,0 +1,239 @@
+"""What a peer of a run does next: train, average, catch up, wait or leave. Pure: a `View` in, an
+`Action` out; no I/O, no clock (the time is in the view). Trainers and aux peers, collaborative
+and local runs all decide here; the engine (engine.py) carries the actions out.
+
+The rules, one each:
+- **Blocked** (paused by the volunteer, outside the training hours, the machine busy): wait.
+- **Finished** (the manifest's epochs reached): a trainer lingers (waits, serving its state to
+  others) while some live trainer of the run is behind, for at most `Timing.linger`; then leave.
+- **At the run's head** (estimate.py: the epoch and lineage a quorum of the trainers holds):
+  once the run's samples at the head reach the target and at least `min_peers` trainers are
+  there, average with everyone there (a trainer that has accumulated nothing, e.g. just after a
+  download, first trains one batch, so that it contributes and steps with the others instead of
+  falling behind); until then train, and look again after half the time to the target
+  (`next_report_delay`).
+- **Behind the head, or at its epoch on another lineage** (new, restarted, back from a pause, a
+  round that failed for it, the smaller side of a partition): catch up, i.e. download the state
+  of a peer at the head. A state never goes back to an earlier epoch.
+- **Ahead of the head** (its step is not confirmed yet, or others failed the round it stepped):
+  train on (the samples count once the run confirms its epoch) and look again.
+- **A round is stepped on** (`step_allowed`) only when it ran in full, at least `min_peers`
+  peers sent gradients, and its trainers are a majority of the run's live trainers with a
+  history (`quorum_base`: those at the head, behind or ahead) when the round began: two groups
+  can then never both step, so no two states of one epoch and lineage differ; a lone fast
+  trainer never runs away from a peer that is catching up; and the step is confirmed as soon as
+  its members report it. A trainer whose round failed keeps its gradients and joins the next
+  round of the same head. Without such a majority at the head, a trainer waits for it.
+
+An aux peer follows the head like a trainer and averages (weight 0: it only reduces) each head
+once, when its trainers average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .estimate import GlobalProgress, Head, next_report_delay
+
+__all__ = [
+    "Action",
+    "Average",
+    "CatchUp",
+    "Leave",
+    "Local",
+    "RoundResult",
+    "Schedule",
+    "Timing",
+    "Train",
+    "View",
+    "Wait",
+    "decide",
+    "quorum_base",
+    "round_key",
+    "state_round_due",
+    "step_allowed",
+]
+
+Role = Literal["trainer", "aux"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the run's manifest fixes for every peer."""
+
+    target_batch_size: int
+    min_peers: int = 1
+    epochs: int | None = None
+    average_state_every: int = 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """How often to look at the run, and how long to linger (seconds)."""
+
+    min_look: float = 0.02
+    max_look: float = 5.0
+    max_chunk: float = 0.5  # a trainer looks at the run at least this often while training
+    blocked_poll: float = 2.0
+    linger: float = 120.0
+    linger_poll: float = 1.0
+
+
+@dataclass(frozen=True)
+class Local:
+    """This peer, as it knows itself."""
+
+    role: Role
+    epoch: int
+    lineage: str | None
+    accumulated: int = 0
+    samples_per_second: float = 0.0
+
+    @property
+    def head(self) -> Head:
+        return Head(self.epoch, self.lineage)
+
+
+@dataclass(frozen=True)
+class View:
+    """Everything a decision depends on. `run` is the estimate (estimate_global) at `now`, with
+    this peer's own report in it; `finished_at` is when this peer reached the run's last epoch;
+    `averaged` is the head of the last round an aux peer took part in with success."""
+
+    local: Local
+    run: GlobalProgress
+    schedule: Schedule
+    now: float
+    timing: Timing = Timing()
+    blocked: str | None = None
+    finished_at: float | None = None
+    averaged: Head | None = None
+
+
+@dataclass(frozen=True)
+class Train:
+    """Train until `samples` more are accumulated or `seconds` have passed, then look again."""
+
+    samples: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Average:
+    """Average at `head` with the peers there: `expected` peers in all (trainers and aux);
+    `trainers` is what `step_allowed` measures the group against (`quorum_base`)."""
+
+    head: Head
+    expected: int
+    trainers: int
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Download the state of one of `donors`, which hold `head`."""
+
+    head: Head
+    donors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Do nothing until `until` (or until something happens); `reason` is for the status."""
+
+    until: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Leave:
+    reason: str
+
+
+Action = Train | Average | CatchUp | Wait | Leave
+
+
+def decide(view: View) -> Action:
+    """The next action (rules in the module docstring)."""
+    local, run, schedule, timing, now = view.local, view.run, view.schedule, view.timing, view.now
+    if view.blocked is not None:
+        return Wait(now + timing.blocked_poll, view.blocked)
+    # an aux peer is done once the run is, or once it reduced the round of the last epoch
+    where = local.epoch if local.role == "trainer" \
+        else max(run.epoch, -1 if view.averaged is None else view.averaged.epoch + 1)
+    if schedule.epochs is not None and where >= schedule.epochs:
+        return _finished(view)
+    look = next_report_delay(run, local.samples_per_second, min_delay=timing.min_look,
+                             max_delay=timing.max_look)
+    if local.role == "aux":
+        if run.ready and run.trainers_at_epoch >= schedule.min_peers and view.averaged != run.head:
+            return Average(run.head, run.trainers_at_epoch + run.live_aux, run.trainers_at_epoch)
+        return Wait(now + look, "following the run")
+    if local.head == run.head:
+        if run.ready and local.accumulated == 0:  # one batch first: every trainer contributes
+            return Train(1, timing.min_look)
+        if run.ready:
+            base = quorum_base(run)
+            here = run.trainers_at_epoch
+            if here >= schedule.min_peers and 2 * here > base:
+                return Average(run.head, here + run.live_aux, base)
+            # too few here for a round that may be stepped on: wait for them (a batch is enough)
+            return Wait(now + timing.max_chunk,
+                        f"waiting for trainers: {here} of {base} at the head, {schedule.min_peers}"
+                        " needed" if here < schedule.min_peers else
+                        f"waiting for trainers: {here} of {base} at the head, a majority needed")
+        wanted = min(schedule.target_batch_size - local.accumulated, run.remaining)
+        return Train(max(1, wanted), look)
+    if local.epoch <= run.epoch:  # behind, or at the head's epoch on another lineage
+        if run.donors:
+            return CatchUp(run.head, run.donors)
+        # the head is only the aux peers' word: nobody to download from
+        return Wait(now + look, "waiting for a trainer at the run's head")
+    # ahead: our step is not confirmed yet; what we accumulate counts once it is
+    return Train(max(1, schedule.target_batch_size - local.accumulated), look)
+
+
+def quorum_base(run: GlobalProgress) -> int:
+    """The trainers a round must have more than half of to be stepped on: every live trainer
+    with a history (those behind or ahead too: a lone fast trainer must not run away from a peer
+    that is catching up), and at least those at the head."""
+    return max(run.counted_trainers, run.trainers_at_epoch)
+
+
+def _finished(view: View) -> Action:
+    local, run, timing, now = view.local, view.run, view.timing, view.now
+    if local.role == "trainer":
+        behind = any(p["role"] == "trainer" and p["epoch"] < local.epoch for p in run.live_peers)
+        since = view.finished_at if view.finished_at is not None else now
+        if behind and now - since < timing.linger:
+            return Wait(min(now + timing.linger_poll, since + timing.linger),
+                        "lingering: serving the final state to peers behind")
+    return Leave("finished")
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a round did, as the averager reported it."""
+
+    trainers: int  # group members that step on this round (trainers, whether they sent or not)
+    senders: int  # members that sent a vector (weight > 0)
+    failed_parts: int  # parts of the vector that were not averaged
+
+
+def step_allowed(result: RoundResult | None, action: Average, schedule: Schedule) -> bool:
+    """Whether the members of a round may step on it (see the module docstring)."""
+    if result is None or result.failed_parts:
+        return False
+    return result.senders >= max(1, schedule.min_peers) and 2 * result.trainers > action.trainers
+
+
+def state_round_due(schedule: Schedule, epoch: int, trainers: int) -> bool:
+    """After the step to `epoch`: also average the state (parameters and optimizer) with the
+    round's trainers, which folds float drift between devices back in."""
+    every = schedule.average_state_every
+    return every > 0 and epoch % every == 0 and trainers > 1
+
+
+def round_key(kind: Literal["grad", "state"], head: Head) -> str:
+    """The averaging key of a round at `head`: only peers of one epoch and lineage meet."""
+    return f"{kind}/{head.epoch}/{(head.lineage or 'none')[:16]}"

@@ -1,0 +1,116 @@
+"""The narrow ports a run's engine (engine.py) works through, and the values that cross them.
+
+- `ProgressBoard`: where the run's peers publish their progress and read each other's (the DHT:
+  board.py; a local run's board holds only its own).
+- `RoundAverager`: averaging rounds with the peers under one key (the node's averager:
+  rounds.py; a local run averages alone).
+- `StateSource`: downloads of a peer's state (state_sync.py).
+- `Trainer`: the model: a worker process (worker_trainer.py) or, in the simulator, vectors.
+Implementations are injected; the engine never reaches past these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..averaging.report import AveragingReport
+from .progress import PeerProgress, Role
+
+__all__ = [
+    "DownloadedState",
+    "ProgressBoard",
+    "RoundAverager",
+    "StateBuffer",
+    "StateSource",
+    "Trained",
+    "Trainer",
+    "TrainerRefused",
+]
+
+
+class ProgressBoard(Protocol):
+    async def publish(self, report: PeerProgress) -> None:
+        """Publish this peer's report (best effort: a failure is logged, not raised)."""
+
+    async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
+        """The peers' valid reports and, per peer, when (on our clock) its report was first
+        read."""
+
+    async def leave(self, report: PeerProgress) -> None:
+        """Publish this peer's farewell: rounds stop expecting it at once."""
+
+
+class RoundAverager(Protocol):
+    async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
+                      role: Role, compression: str = "none") -> AveragingReport | None:
+        """Average `vector` (float32, in place) with the peers averaging under the run's `key`;
+        the round's report, or None if no round could run at all."""
+
+
+class StateBuffer(Protocol):
+    """Where a state lives while it moves (a shared-memory segment for a worker)."""
+
+    @property
+    def array(self) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class DownloadedState:
+    """A peer's state: `numel` float32 values in `buffer`, the worker's `meta`, and the head
+    (epoch and lineage) it is at. The receiver closes the buffer."""
+
+    buffer: StateBuffer
+    numel: int
+    meta: dict[str, Any]
+    epoch: int
+    lineage: str | None
+
+    def close(self) -> None:
+        self.buffer.close()
+
+
+class StateSource(Protocol):
+    async def download(self, donor: str) -> DownloadedState:
+        """The state `donor` holds now; StateSyncError (DonorBusy when it is busy)."""
+
+
+@dataclass(frozen=True)
+class Trained:
+    samples: int
+    loss: float
+    samples_per_second: float | None
+
+
+class TrainerRefused(Exception):
+    """The trainer would not take a vector or state (wrong layout, NaN): nothing changed."""
+
+
+class Trainer(Protocol):
+    """The model of a trainer run. One call at a time (the engine and state donations share it:
+    implementations serialise them)."""
+
+    async def train(self, samples: int, seconds: float) -> Trained:
+        """Accumulate gradients over about `samples` samples, for at most about `seconds`."""
+
+    async def export_gradients(self) -> np.ndarray:
+        """The mean accumulated gradients, in a vector the trainer owns (valid until the next
+        call); averaging changes it in place and `step` applies it."""
+
+    async def step(self, epoch: int) -> float | None:
+        """Apply the vector of `export_gradients` as the gradients of global step `epoch`, clear
+        the accumulation; the learning rate used."""
+
+    async def zero_grad(self) -> None: ...
+
+    async def export_state(self) -> DownloadedState:
+        """The whole state (parameters, optimizer, buffers) in a new buffer the caller closes;
+        epoch and lineage are left for the caller to fill in."""
+
+    async def load_state(self, state: DownloadedState) -> None:
+        """Take a state (a download or an averaged one); TrainerRefused if it does not fit."""

@@ -1,0 +1,235 @@
+"""Simulated daemons: the real transport, DHT, averager, state sharing and run engine of each
+peer, composed as the node composes them, on a `SimNetwork`, with a `VectorTrainer` for a worker.
+
+`Swarm` starts, stops and crashes `SimPeer`s; each peer's tasks run in a context of its own (its
+clock, with its own skew). Liars (`Lie`) publish false progress reports and are otherwise honest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import structlog
+
+from dedloc.daemon import timebase
+from dedloc.daemon.averaging.averager import Averager
+from dedloc.daemon.collab.board import DhtProgressBoard
+from dedloc.daemon.collab.engine import RunEngine, RunProgress
+from dedloc.daemon.collab.lineage import initial_lineage
+from dedloc.daemon.collab.manifest import RunManifest
+from dedloc.daemon.collab.membership import MembershipRegistry
+from dedloc.daemon.collab.policy import Schedule, Timing
+from dedloc.daemon.collab.progress import PeerProgress
+from dedloc.daemon.collab.rounds import NetworkRounds
+from dedloc.daemon.collab.state_sync import NetworkStates, StateSharing
+from dedloc.daemon.config import AveragingSection
+from dedloc.daemon.dht import DHTConfig, DHTNode
+from dedloc.daemon.identity import Identity
+from dedloc.daemon.net.link import LinkLimits
+from dedloc.daemon.net.transport import TransportLimits
+
+from .clock import SkewedClock
+from .network import LinkProfile, SimNetwork, SimTransport
+from .trainer import ArrayBuffer, VectorTrainer
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["Lie", "PeerSpec", "RunSpec", "SimPeer", "Swarm"]
+
+Lie = Literal["epoch", "samples"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """The simulated run: its vector size and the manifest's schedule."""
+
+    size: int = 256
+    target_batch_size: int = 4096
+    min_peers: int = 1
+    average_state_every: int = 0
+    epochs: int | None = None
+    max_group_size: int = 64
+    window: float = 5.0
+    lr: float = 0.1
+
+    def manifest(self) -> RunManifest:
+        return RunManifest("vector", {"size": self.size, "lr": self.lr}, self.target_batch_size,
+                           self.epochs, self.min_peers, self.average_state_every)
+
+    def schedule(self) -> Schedule:
+        return Schedule(self.target_batch_size, self.min_peers, self.epochs,
+                        self.average_state_every)
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    role: Literal["trainer", "aux"] = "trainer"
+    samples_per_second: float = 100.0
+    link: LinkProfile = field(default_factory=LinkProfile)
+    skew: float = 0.0  # seconds this peer's clock is off
+    lie: Lie | None = None
+
+
+class _LyingBoard:
+    """A board that publishes this peer's reports falsified (and reads honestly)."""
+
+    def __init__(self, board: DhtProgressBoard, lie: Lie, target: int) -> None:
+        self._board = board
+        self._lie = lie
+        self._target = target
+        self.key = board.key
+
+    def _falsify(self, report: PeerProgress) -> PeerProgress:
+        if self._lie == "epoch":  # colluding liars: one far head, claimed by all of them
+            return dataclasses.replace(report, epoch=report.epoch + 10_000, lineage="f" * 32,
+                                       samples_accumulated=self._target, planned=None,
+                                       total_samples=10**12)
+        return dataclasses.replace(report, samples_accumulated=self._target, planned=None,
+                                   samples_per_second=1e6)
+
+    async def publish(self, report: PeerProgress) -> None:
+        await self._board.publish(self._falsify(report))
+
+    async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
+        return await self._board.read()
+
+    async def leave(self, report: PeerProgress) -> None:
+        await self._board.leave(report)
+
+
+#: Links in a simulation: keepalives every 30 s (a real daemon's 15 s would only cost wall time).
+SIM_LINKS = LinkLimits(ping_interval=30.0, ping_timeout=90.0, idle_timeout=300.0)
+SIM_DHT = DHTConfig(rpc_timeout=2.0, lookup_timeout=5.0, join_timeout=10.0,
+                    refresh_interval=600.0, republish_interval=300.0, maintenance_period=30.0)
+
+
+class SimPeer:
+    """One simulated daemon (see the module docstring)."""
+
+    def __init__(self, swarm: Swarm, index: int, spec: PeerSpec) -> None:
+        self.swarm = swarm
+        self.index = index
+        self.spec = spec
+        self.identity = Identity.generate()
+        self.peer_id = self.identity.peer_id
+        self.context = contextvars.copy_context()
+        self.context.run(timebase.use, SkewedClock(swarm.loop, spec.skew))
+        self.host = swarm.network.add_host(spec.link)
+        self.started_at = swarm.loop.time()
+        self.stopped_at: float | None = None
+        self.synced_at: float | None = None  # first step or state download
+        self.run_epoch_at_join: int | None = None
+        self.trainer: VectorTrainer | None = None
+        self.engine: RunEngine | None = None
+        self.sharing: StateSharing | None = None
+        self._task: asyncio.Task[str] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.stopped_at is None
+
+    def _in_context(self, coro: object) -> asyncio.Task[object]:
+        return self.swarm.loop.create_task(coro, context=self.context)  # type: ignore[arg-type]
+
+    async def start(self, bootstrap: list[str]) -> None:
+        await self._in_context(self._start(bootstrap))
+
+    async def _start(self, bootstrap: list[str]) -> None:
+        swarm, run = self.swarm, self.swarm.run
+        self.transport = SimTransport.start_on(swarm.network, self.host, self.identity,
+                                               limits=TransportLimits(link=SIM_LINKS))
+        self.membership = MembershipRegistry(self.identity)
+        self.dht = DHTNode(self.transport, self.identity, SIM_DHT, access=self.membership,
+                           rng=random.Random(swarm.rng.random()))
+        averaging = AveragingSection(window=run.window, max_group_size=run.max_group_size,
+                                     upload_mbps=self.spec.link.upload * 8 / 1e6,
+                                     download_mbps=self.spec.link.download * 8 / 1e6)
+        self.averager = Averager(self.transport, self.dht, averaging)
+        manifest = run.manifest()
+        board = DhtProgressBoard(self.dht, self.identity, self.membership, "sim", manifest,
+                                 self.spec.role, run.size)
+        published = board if self.spec.lie is None else _LyingBoard(board, self.spec.lie,
+                                                                    run.target_batch_size)
+        self.sharing = StateSharing(self.transport, self._find_engine, self.membership)
+        await self.dht.start(bootstrap, wait=True)
+        if self.spec.role == "trainer":
+            self.trainer = VectorTrainer(run.size, samples_per_second=self.spec.samples_per_second,
+                                         run_seed=swarm.seed, data_seed=swarm.rng.randrange(2**31),
+                                         lr=run.lr)
+        progress = RunProgress(lineage=initial_lineage(manifest.fingerprint()))
+        self.engine = RunEngine(
+            peer_id=self.peer_id, role=self.spec.role, schedule=run.schedule(), board=published,
+            averaging=NetworkRounds(self.averager, board.key),
+            states=NetworkStates(self.transport, self.membership, board.key, allocate=ArrayBuffer),
+            trainer=self.trainer, progress=progress, parameters=run.size, timing=swarm.timing,
+            name="sim")
+        self._key = board.key
+        self._task = self.swarm.loop.create_task(self.engine.run(), context=self.context)
+
+    def _find_engine(self, key: str) -> RunEngine | None:
+        return self.engine if self.alive and key == self._key else None
+
+    async def stop(self, *, crash: bool = False) -> None:
+        """Leave (a farewell, then close), or `crash`: vanish at once, links reset."""
+        await self._in_context(self._stop(crash))
+
+    async def _stop(self, crash: bool) -> None:
+        self.stopped_at = self.swarm.loop.time()
+        task = self._task
+        if self.engine is not None and task is not None:
+            if crash:
+                task.cancel()
+            else:
+                self.engine.stop()
+            await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("sim_engine_failed", peer=self.index, error=repr(task.exception()))
+        await self.dht.close()
+        await self.transport.close()
+
+    @property
+    def error(self) -> BaseException | None:
+        task = self._task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
+
+class Swarm:
+    """Peers on one simulated network (see the module docstring)."""
+
+    def __init__(self, run: RunSpec, *, seed: int = 0, timing: Timing | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.network = SimNetwork()
+        self.run = run
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.timing = timing or Timing()
+        self.peers: list[SimPeer] = []
+
+    @property
+    def live(self) -> list[SimPeer]:
+        return [p for p in self.peers if p.alive]
+
+    async def add(self, spec: PeerSpec | None = None) -> SimPeer:
+        peer = SimPeer(self, len(self.peers), spec or PeerSpec())
+        self.peers.append(peer)
+        live = [p for p in self.live if p is not peer and p.engine is not None]
+        if live:
+            gp = max((p.engine.global_progress for p in live if p.engine is not None
+                      and p.engine.global_progress is not None), key=lambda g: g.epoch, default=None)
+            peer.run_epoch_at_join = None if gp is None else gp.epoch
+        known = [p for p in live if p.alive]
+        bootstrap = [str(p.transport.listen_addresses()[0])
+                     for p in self.rng.sample(known, min(3, len(known)))]
+        await peer.start(bootstrap)
+        return peer
+
+    async def close(self) -> None:
+        await asyncio.gather(*(p.stop(crash=True) for p in self.live))

@@ -1,0 +1,122 @@
+"""The worker protocol (version 1): the `worker.*` methods a daemon calls on its worker, and the
+shapes of their answers. Torch-free: the daemon (which drives workers) and plugins/worker (which
+serves them) both import it, so that a method name or a field is spelled in one place.
+docs/worker-protocol.md is the reference.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal, NotRequired, TypedDict
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "ApplyResult",
+    "CheckpointSaveResult",
+    "DescribeResult",
+    "EvaluateResult",
+    "ExportResult",
+    "HelloResult",
+    "ParameterSlot",
+    "RankResult",
+    "StepResult",
+    "TrainResult",
+    "Vector",
+    "WorkerMethod",
+    "ZeroGradResult",
+]
+
+PROTOCOL_VERSION = 1
+
+#: Which vector an export or apply moves: the mean accumulated gradients, the parameters, or
+#: the full state (parameters, optimizer state, buffers).
+Vector = Literal["gradients", "parameters", "state"]
+
+
+class WorkerMethod(StrEnum):
+    HELLO = "worker.hello"
+    LOAD = "worker.load"
+    DESCRIBE = "worker.describe"
+    TRAIN = "worker.train"
+    EXPORT = "worker.export"
+    APPLY = "worker.apply"
+    ZERO_GRAD = "worker.zero_grad"
+    CHECKPOINT_SAVE = "worker.checkpoint_save"
+    CHECKPOINT_LOAD = "worker.checkpoint_load"
+    EVALUATE = "worker.evaluate"
+    STOP = "worker.stop"
+
+
+class HelloResult(TypedDict):
+    protocol: int
+    implementation: str
+    version: str
+    pid: int
+
+
+class ParameterSlot(TypedDict):
+    name: str
+    shape: list[int]
+    numel: int
+    offset: int
+
+
+class DescribeResult(TypedDict):
+    workload: str
+    config: dict[str, Any]
+    device: str
+    devices: list[str]
+    task_fingerprint: str | None
+    parameters: list[ParameterSlot]
+    total_numel: int
+    state_numel: int
+    accumulated_samples: int
+    step: int
+    samples_per_second: float | None
+    running: str | None
+
+
+class RankResult(TypedDict):
+    device: str
+    samples: int
+    seconds: float
+
+
+class TrainResult(TypedDict):
+    samples: int
+    loss: float
+    seconds: float
+    samples_per_second: float | None
+    accumulated_samples: int
+    ranks: NotRequired[list[RankResult]]
+
+
+class ExportResult(TypedDict):
+    numel: int
+    dtype: Literal["float32"]
+    meta: dict[str, Any]
+
+
+class ApplyResult(TypedDict, total=False):
+    step: int
+    lr: float
+
+
+class ZeroGradResult(TypedDict):
+    accumulated_samples: int
+
+
+class CheckpointSaveResult(TypedDict):
+    path: str
+    bytes: int
+    step: int
+
+
+class StepResult(TypedDict):
+    step: int
+
+
+class EvaluateResult(TypedDict):
+    loss: float
+    samples: int
+    metrics: dict[str, float]
