@@ -20,7 +20,7 @@ import time
 from contextvars import ContextVar, Token
 from typing import Protocol
 
-__all__ = ["Clock", "SystemClock", "current", "monotonic", "now", "use"]
+__all__ = ["Clock", "SystemClock", "current", "monotonic", "now", "reset", "use"]
 
 
 class Clock(Protocol):
@@ -62,3 +62,8 @@ def current() -> Clock:
 def use(clock: Clock) -> Token[Clock]:
     """Make `clock` the clock of the current context (and of the tasks created from it)."""
     return _current.set(clock)
+
+
+def reset(token: Token[Clock]) -> None:
+    """Undo a `use`."""
+    _current.reset(token)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,37 @@ from hypothesis import settings
 from natlab import NatLab, unavailable_reason
 from support import DaemonProcess
 
+from dedloc.daemon import timebase
+from dedloc.sim.clock import SkewedClock
+from dedloc.sim.loop import VirtualClockLoop
+
 # In CI the property tests draw the same examples every run (a submission must not pass or fail
 # by luck); on a developer's machine they explore new ones each time.
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
+                                  ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Tests marked `virtual_time` run on the simulator's virtual clock: their timeouts cannot
+    expire because the machine is loaded, and their waits take no wall time."""
+    if item.get_closest_marker("virtual_time") is not None:
+        return {"virtual_time": VirtualClockLoop}
+    return {"asyncio": asyncio.new_event_loop}
+
+
+@pytest.fixture(autouse=True)
+async def _virtual_clock(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """On virtual time the daemon's wall clock (timebase.now) follows the loop too."""
+    loop = asyncio.get_running_loop()
+    if not isinstance(loop, VirtualClockLoop):
+        yield
+        return
+    token = timebase.use(SkewedClock(loop))
+    try:
+        yield
+    finally:
+        timebase.reset(token)
 
 
 @pytest.fixture

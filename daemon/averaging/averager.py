@@ -50,6 +50,7 @@ class RoundOptions:
     compression: str = "none"
     expected: int | None = None
     window: float | None = None
+    min_trainers: int = 1  # matchmaking waits past its window for this many (RoundRequest)
 
 
 class NonFiniteVector(AveragingError):
@@ -133,7 +134,8 @@ class Averager:
                                chunk_elements=self.chunk_elements(int(vector.size)),
                                compression=options.compression,
                                window=window, deadline=options.deadline, expected=options.expected,
-                               max_group_size=self.config.max_group_size)
+                               max_group_size=self.config.max_group_size,
+                               min_trainers=options.min_trainers)
         try:
             group = await self.matchmaker.form_group(request)
         except AveragingError:

@@ -47,6 +47,7 @@ REDIRECT = "avg.redirect"
 JOIN_ACK_SECONDS = 3.0  # at most this long for a leader to acknowledge a join, else it is skipped
 DHT_PREFIX = "averaging/"
 POLL_SECONDS = (0.01, 0.2)  # between DHT reads while gathering: first, and at most (backing off)
+EXTEND_WINDOWS = 4  # gathering lasts at most this many windows while too few trainers are seen
 
 # Given the members and the vector, the leader's choice of part ranges (the load balancer).
 Planner = Callable[[tuple[Member, ...], int, int], tuple[tuple[int, int], ...]]
@@ -65,6 +66,10 @@ class RoundRequest:
     deadline: float  # unix time by which the whole round ends
     expected: int | None = None  # stop gathering once this many peers (with us) are seen
     max_group_size: int = 64
+    # Fewer trainers than this make a useless round: gathering goes on past the window for them
+    # (up to `EXTEND_WINDOWS` windows, within the deadline) instead of forming a group that
+    # will not be stepped on (a peer that is late on a loaded machine still makes it).
+    min_trainers: int = 1
 
     def compatible(self, other: dict[str, Any]) -> bool:
         return (other.get("size") == self.size and other.get("compression") == self.compression
@@ -109,7 +114,7 @@ class Matchmaker:
         window_end = timebase.now() + request.window
         try:
             await self._announce(request, window_end)
-            candidates = await self._gather(request, window_end)
+            candidates, window_end = await self._gather(request, window_end)
             return await self._settle(gathering, candidates, window_end)
         finally:
             gathering.closed = True
@@ -129,14 +134,23 @@ class Matchmaker:
         except (TransportError, TimeoutError) as exc:
             log.warning("matchmaking_announce_failed", key=request.key, error=str(exc))
 
-    async def _gather(self, request: RoundRequest, window_end: float) -> dict[str, Member]:
-        """Read the announcements until the window closes or `expected` peers are seen."""
+    async def _gather(self, request: RoundRequest, window_end: float) -> tuple[dict[str, Member], float]:
+        """Read the announcements until the window closes or `expected` peers are seen; past the
+        window while fewer than `min_trainers` trainers are seen (see RoundRequest). Returns
+        them and when the gathering ended."""
         seen: dict[str, Member] = {self.peer_id: request.member}
         pause = POLL_SECONDS[0]
+        latest = min(window_end + (EXTEND_WINDOWS - 1) * request.window,
+                     request.deadline - 4 * _grace(request))
         while True:
             remaining = window_end - timebase.now()
             if remaining <= 0:
-                break
+                trainers = sum(1 for m in seen.values() if m.role != "aux")
+                if trainers >= request.min_trainers or timebase.now() >= latest:
+                    break
+                window_end = min(latest, timebase.now() + request.window / 2)
+                await self._announce(request, window_end)  # keep being seen meanwhile
+                continue
             try:
                 record = await self._dht.get(DHT_PREFIX + request.key, timeout=max(0.2, remaining))
             except (TransportError, TimeoutError) as exc:
@@ -153,7 +167,7 @@ class Matchmaker:
         for peer_id in [p for p in seen if p != self.peer_id and self._bans.banned(p) is not None]:
             self._bans.refused(peer_id, "candidate")
             del seen[peer_id]
-        return seen
+        return seen, max(window_end, timebase.now())
 
     # Deciding the leader -----------------------------------------------------------------
 

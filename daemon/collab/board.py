@@ -3,7 +3,13 @@
 A peer publishes its `PeerProgress` as its own sub-key of `<run key>/progress` (only it can write
 that) and reads everyone's; a trainer also keeps the run's manifest published (manifest.py). The
 first time a report is read is noted on this peer's clock, so that the estimate measures a
-report's age without trusting the reporter's clock (estimate.py). In a closed run every publish
+report's age without trusting the reporter's clock (estimate.py).
+
+Reads are incremental: every peer of a swarm of hundreds reads this one key several times an
+epoch, so after a full read a peer asks only for the entries that expire after what it already
+holds could (the reports published since its last read, with `SKEW_MARGIN` seconds to spare for
+clocks that are off), from the `READ_REPLICAS` nodes closest to the key, and merges them into
+what it holds; a full read every `FULL_READ_EVERY` seconds starts afresh. In a closed run every publish
 first checks this peer's own membership (the owner's revocation list, refreshed every
 `REVOCATIONS_REFRESH` seconds): a revoked or expired token raises MembershipError, which ends the
 run.
@@ -32,6 +38,9 @@ log = structlog.get_logger(__name__)
 __all__ = ["DhtProgressBoard", "LocalBoard"]
 
 DHT_TIMEOUT = 5.0
+READ_REPLICAS = 3  # of the DHT's 8: each publish reaches all 8, so any 3 hold the news
+FULL_READ_EVERY = 60.0
+SKEW_MARGIN = 10.0
 
 
 class DhtProgressBoard:
@@ -39,8 +48,9 @@ class DhtProgressBoard:
 
     def __init__(self, dht: DHTNode, identity: Identity, membership: MembershipRegistry, name: str,
                  manifest: RunManifest, role: Role, parameters: int,
-                 owner_signature: str | None = None) -> None:
+                 owner_signature: str | None = None, report_ttl: float = 30.0) -> None:
         self.dht = dht
+        self.report_ttl = report_ttl
         self.identity = identity
         self.membership = membership
         self.name = name
@@ -54,6 +64,9 @@ class DhtProgressBoard:
         self._manifest_published = float("-inf")
         self._revocations_checked = float("-inf")
         self._first_read: dict[str, tuple[float, float]] = {}  # peer -> (its report's time, read at)
+        self._held: dict[str, PeerProgress] = {}  # the newest report of each peer read so far
+        self._last_read: float | None = None  # our wall clock at the last successful read
+        self._last_full = float("-inf")  # monotonic
 
     @property
     def owner_signature(self) -> str | None:
@@ -79,25 +92,37 @@ class DhtProgressBoard:
                                    self.owner_signature)
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
-        dht = self.dht
+        now, mono = timebase.now(), timebase.monotonic()
+        incremental = self._last_read is not None and mono - self._last_full < FULL_READ_EVERY
+        since = None if not incremental or self._last_read is None \
+            else self._last_read + self.report_ttl - SKEW_MARGIN
         try:
-            record = await dht.get(self.key + "/progress", timeout=DHT_TIMEOUT)
+            record = await self.dht.get(self.key + "/progress", timeout=DHT_TIMEOUT,
+                                        replicas=READ_REPLICAS, min_expiration=since)
         except (TransportError, TimeoutError) as exc:
             log.debug("progress_read_failed", run=self.name, error=str(exc))
-            return [], {}
-        if record is None or not record.has_sub_keys:
-            return [], {}
-        reports, rejected = reports_from_sub_keys(
-            {sub: entry.value for sub, entry in record.sub_keys.items()})
-        self.rejected_reports += len(rejected)
-        now = timebase.now()
+            record = None
+        else:
+            self._last_read = now
+            if not incremental:
+                self._last_full = mono
+                self._held = {}
+        if record is not None and record.has_sub_keys:
+            reports, rejected = reports_from_sub_keys(
+                {sub: entry.value for sub, entry in record.sub_keys.items()})
+            self.rejected_reports += len(rejected)
+            for report in reports:
+                held = self._held.get(report.peer_id)
+                if held is None or (report.time, report.expiration) > (held.time, held.expiration):
+                    self._held[report.peer_id] = report
+        self._held = {peer: r for peer, r in self._held.items() if r.expiration > now}
         seen: dict[str, tuple[float, float]] = {}
-        for report in reports:
-            held = self._first_read.get(report.peer_id)
-            seen[report.peer_id] = held if held is not None and held[0] == report.time \
+        for report in self._held.values():
+            first = self._first_read.get(report.peer_id)
+            seen[report.peer_id] = first if first is not None and first[0] == report.time \
                 else (report.time, now)
-        self._first_read = seen  # only the peers of this read: bounded by the record
-        return reports, {peer: read_at for peer, (_, read_at) in seen.items()}
+        self._first_read = seen  # only the peers held: bounded by the record
+        return list(self._held.values()), {peer: read_at for peer, (_, read_at) in seen.items()}
 
     async def leave(self, report: PeerProgress) -> None:
         """A farewell report (`left`), expiring no sooner than the report it replaces (the DHT

@@ -43,6 +43,7 @@ from .policy import (
     View,
     Wait,
     decide,
+    needed_trainers,
     round_key,
     state_round_due,
     step_allowed,
@@ -347,7 +348,8 @@ class RunEngine:
             weight = 0.0
         report = await self.averaging.average(vector, round_key("grad", head), weight=weight,
                                               expected=action.expected, role="trainer",
-                                              compression=self.compression)
+                                              compression=self.compression,
+                                              min_trainers=needed_trainers(action, self.schedule))
         if report is not None:
             self.last_round = report
         result = None if report is None else RoundResult(report.trainers, report.senders,
@@ -423,7 +425,8 @@ class RunEngine:
         vector = np.zeros(self.parameters, dtype=np.float32)
         report = await self.averaging.average(vector, round_key("grad", action.head), weight=0.0,
                                               expected=action.expected, role="aux",
-                                              compression=self.compression)
+                                              compression=self.compression,
+                                              min_trainers=needed_trainers(action, self.schedule))
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))
         if report is not None and report.group_size > 1:
@@ -463,6 +466,11 @@ class RunEngine:
             if state.epoch < p.epoch:  # never back to an earlier epoch
                 raise TrainerRefused(f"the donor's state is at epoch {state.epoch}, behind ours "
                                      f"({p.epoch})")
+            if state.epoch < action.head.epoch or (state.epoch == action.head.epoch
+                                                   and state.lineage != action.head.lineage):
+                raise TrainerRefused(  # it reports a head it does not hold (or went back)
+                    f"the donor reported the run's head (epoch {action.head.epoch}) but sent a "
+                    f"state at epoch {state.epoch}, lineage {state.lineage}")
             await self.trainer.load_state(state)
         except TrainerRefused as exc:
             p.failed_state_downloads += 1

@@ -15,12 +15,16 @@ Pure: no I/O, time is passed in.
   newcomer, or a run not started) carry no evidence and are not counted, unless no other trainer
   is live.
 - **The run's head** is the highest-epoch head that at least `quorum = ceil((n + 1) / 3)` of the
-  `n` counted live trainers hold (among several at one epoch: the one more hold, then the
-  smallest lineage). So fewer than a third of the trainers, lying or lost, cannot move the run
-  ahead, while a real step, which moves the majority of a round (policy.py), is confirmed as soon
-  as its members report it; with one or two trainers, any one of them confirms (a peer coming
-  back from a pause follows the other, which trained on). When no head has a quorum, the head
-  most hold (then the highest epoch). With no trainer live, the same over the aux peers.
+  `n` counted live trainers hold, and at least one per `FRESH_PER_HOLDER` fresh trainers (among
+  several at one epoch: the one more hold, then the smallest lineage). So fewer than a third of
+  the trainers, lying or lost, cannot move the run ahead, while a real step, which moves the
+  majority of a round (policy.py), is confirmed as soon as its members report it; with one or
+  two trainers, any one of them confirms (a peer coming back from a pause follows the other,
+  which trained on; a run's first trainer is followed by the few that join it). A handful of
+  identities claiming to be far ahead of a run that is starting does not make dozens of fresh
+  peers follow them: the run starts afresh at the fresh peers' head. When no head has a quorum
+  otherwise, the head most hold (then the highest epoch). With no trainer live, the same over
+  the aux peers.
   `highest_epoch` is the highest epoch any live trainer reports, confirmed or not.
 - **Samples.** Only trainers at exactly the run's head count: peers behind or on another lineage
   will catch up, peers ahead are unconfirmed. A counted trainer contributes its reported samples
@@ -63,9 +67,14 @@ class Head:
     lineage: str | None
 
 
-def quorum(counted: int) -> int:
-    """How many of `counted` live trainers must hold a head for it to be the run's."""
-    return max(1, math.ceil((counted + 1) / 3))
+#: A head must be held by at least one peer per this many fresh trainers (see the module docstring).
+FRESH_PER_HOLDER = 10
+
+
+def quorum(counted: int, fresh: int = 0) -> int:
+    """How many of `counted` live trainers with a history must hold a head for it to be the
+    run's, while `fresh` trainers (no history) are live too."""
+    return max(1, math.ceil((counted + 1) / 3), math.ceil(fresh / FRESH_PER_HOLDER))
 
 
 @dataclass(frozen=True)
@@ -108,9 +117,9 @@ def _newer(a: PeerProgress, b: PeerProgress) -> bool:
     return (a.time, a.expiration) > (b.time, b.expiration)
 
 
-def _choose_head(holders: Mapping[Head, int], counted: int) -> tuple[Head, bool]:
+def _choose_head(holders: Mapping[Head, int], counted: int, fresh: int) -> tuple[Head, bool]:
     """The run's head among `holders` (head -> live peers there): see the module docstring."""
-    needed = quorum(counted)
+    needed = quorum(counted, fresh)
     confirmed = [h for h, n in holders.items() if n >= needed]
     if confirmed:
         return min(confirmed, key=lambda h: (-h.epoch, -holders[h], h.lineage or "")), True
@@ -151,19 +160,27 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
 
     trainers = [r for r in latest.values() if r.role == "trainer"]
     aux = [r for r in latest.values() if r.role == "aux"]
-    # who counts toward the quorum: trainers with some history, else any trainer, else the aux
-    counted = [r for r in trainers if not r.fresh] or trainers
-    counted_trainers = len(counted)
-    if not counted:
-        counted = aux
+    # who counts toward the quorum: trainers with a history; else (a run not started) any
+    # trainer; else the aux peers
+    fresh = [r for r in trainers if r.fresh]
+    history = [r for r in trainers if not r.fresh]
+    base, waiting = (history, len(fresh)) if history else (trainers or aux, 0)
     holders: dict[Head, int] = {}
-    for r in counted:
+    for r in base:
         head = Head(r.epoch, r.lineage)
         holders[head] = holders.get(head, 0) + 1
     if holders:
-        head, confirmed = _choose_head(holders, len(counted))
+        head, confirmed = _choose_head(holders, len(base), waiting)
     else:
         head, confirmed = Head(0, None), True
+    if history and fresh and not confirmed:
+        # no head with a history is held widely enough against the number of fresh peers (a run
+        # starting while a few identities claim to be far ahead): the run starts afresh
+        starts: dict[Head, int] = {}
+        for r in fresh:
+            starts[Head(r.epoch, r.lineage)] = starts.get(Head(r.epoch, r.lineage), 0) + 1
+        head = min(starts, key=lambda h: (-starts[h], h.lineage or ""))
+    counted_trainers = len(history) if history else len(trainers)
 
     at_head = [r for r in trainers if Head(r.epoch, r.lineage) == head]
     cap = min(float(target_batch_size), SHARE_CAP * target_batch_size / max(1, len(at_head)))
@@ -202,7 +219,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         highest_epoch=max((r.epoch for r in trainers), default=head.epoch),
         step_overhead=max(overheads) if overheads else None,
         counted_trainers=counted_trainers,
-        quorum=quorum(len(counted)),
+        quorum=quorum(len(base), waiting),
         confirmed=confirmed,
         donors=tuple(sorted(r.peer_id for r in at_head if r.peer_id != own_id)),
         live_peers=[{"peer_id": peer_id, "role": r.role, "epoch": r.epoch, "lineage": r.lineage,

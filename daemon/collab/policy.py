@@ -49,6 +49,7 @@ __all__ = [
     "View",
     "Wait",
     "decide",
+    "needed_trainers",
     "quorum_base",
     "round_key",
     "state_round_due",
@@ -218,6 +219,11 @@ class RoundResult:
     trainers: int  # group members that step on this round (trainers, whether they sent or not)
     senders: int  # members that sent a vector (weight > 0)
     failed_parts: int  # parts of the vector that were not averaged
+
+
+def needed_trainers(action: Average, schedule: Schedule) -> int:
+    """The fewest trainers a round of `action` may be stepped on with (`step_allowed`)."""
+    return max(1, schedule.min_peers, action.trainers // 2 + 1)
 
 
 def step_allowed(result: RoundResult | None, action: Average, schedule: Schedule) -> bool:

@@ -46,9 +46,11 @@ class ProgressBoard(Protocol):
 
 class RoundAverager(Protocol):
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
-                      role: Role, compression: str = "none") -> AveragingReport | None:
-        """Average `vector` (float32, in place) with the peers averaging under the run's `key`;
-        the round's report, or None if no round could run at all."""
+                      role: Role, compression: str = "none",
+                      min_trainers: int = 1) -> AveragingReport | None:
+        """Average `vector` (float32, in place) with the peers averaging under the run's `key`,
+        waiting (a while) for at least `min_trainers` trainers; the round's report, or None if
+        no round could run at all."""
 
 
 class StateBuffer(Protocol):

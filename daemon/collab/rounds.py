@@ -42,11 +42,12 @@ class NetworkRounds:
         await self.averager.prepare()
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
-                      role: Role, compression: str = "none") -> AveragingReport | None:
+                      role: Role, compression: str = "none",
+                      min_trainers: int = 1) -> AveragingReport | None:
         averager = self.averager
         options = RoundOptions(key=f"{self.run_key}/{key}", weight=weight, role=role,
                                deadline=timebase.now() + ROUND_TIMEOUT, expected=expected,
-                               compression=compression)
+                               compression=compression, min_trainers=min_trainers)
         try:
             return await averager.average(vector, options)
         except AveragingError as exc:
@@ -61,7 +62,8 @@ class SoloRounds:
         self.peer_id = peer_id
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
-                      role: Role, compression: str = "none") -> AveragingReport | None:
+                      role: Role, compression: str = "none",
+                      min_trainers: int = 1) -> AveragingReport | None:
         now = timebase.now()
         return AveragingReport(key=key, group_id=f"local/{key}", members=(self.peer_id,),
                                trainers=1 if role == "trainer" else 0,

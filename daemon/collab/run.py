@@ -296,7 +296,9 @@ class Run:
             raise RunNotActiveError(f"run {self.spec.name!r} has no worker")
         async with trainer.model_lock:
             epoch = self.progress.epoch
-            progress = {**asdict(self.progress), "accumulated": 0}
+            # what was accumulated and not stepped on is lost with the worker's gradients
+            progress = {**asdict(self.progress), "accumulated": 0,
+                        "samples": self.progress.samples - self.progress.accumulated}
             await trainer.worker.call(WorkerMethod.CHECKPOINT_SAVE, {"path": str(store.path_for(epoch))})
         spec = {"name": self.spec.name, "manifest": self.spec.manifest.to_json()}
         await asyncio.to_thread(store.commit, epoch, progress, spec)

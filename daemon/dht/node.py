@@ -15,6 +15,7 @@ module wires them to the network and owns the background tasks:
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import random
@@ -41,6 +42,13 @@ from .routing import NodeInfo, RoutingTable
 from .storage import RecordStore
 
 log = structlog.get_logger(__name__)
+
+ROUTE_SECONDS = 30.0  # how long the closest nodes of a key found by a lookup are used again
+ROUTE_CACHE_KEYS = 256
+LOST_CONTACTS = 256  # evicted contacts kept to be tried again (see _lose)
+LOST_PROBES = 3  # per maintenance round
+LOST_RETRY_SECONDS = 30.0
+LOST_FORGET_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,9 @@ class DHTNode:
         self._started = False
         self._closed = False
         self._joined_event = asyncio.Event()
+        self._routes: dict[int, tuple[float, list[Contact]]] = {}  # key id -> (until, closest)
+        self._lost: collections.OrderedDict[str, tuple[Contact, float, float]] = \
+            collections.OrderedDict()
         self._log = log.bind(peer_id=self.peer_id[:12], client=self.config.client_mode)
 
     # ---- life cycle -------------------------------------------------------------------------
@@ -212,23 +223,54 @@ class DHTNode:
         self._own[(key, sub_key)] = entry
         return await self._replicate(entry, self._deadline(timeout))
 
-    async def get(self, key: str, *, latest: bool = True, timeout: float | None = None) -> Record | None:
+    async def get(self, key: str, *, latest: bool = True, timeout: float | None = None,
+                  replicas: int | None = None, min_expiration: float | None = None) -> Record | None:
         """The live value of `key`: every signature checked, expired entries dropped. With `latest`,
-        ask all k nodes closest to the key and merge what they hold (newest per sub-key); without,
-        stop at the first node that has it. None when no node has it."""
+        ask the `replicas` nodes closest to the key (default: all that hold it) and merge what
+        they hold (newest per sub-key); without, stop at the first node that has it. With
+        `min_expiration`, only entries expiring at or after it (the changes since a reader's last
+        read, for a key that many peers update). None when no node has it."""
         now = self._clock()
         local = [] if self.config.client_mode else self.storage.get(key, now)
+        if min_expiration is not None:
+            local = [entry for entry in local if entry.expiration >= min_expiration]
         if local and not latest:
             return Record(key, tuple(local))
         key_id = key_id_of(key)
-        result = await self._lookup(key_id, self._deadline(timeout), key=key,
-                                    stop=None if latest else (lambda r: bool(r.entries)),
-                                    count=self.config.replicas)
-        gathered = [*local]
-        for entries in result.entries.values():
-            gathered.extend(entries)
+        count = self.config.replicas if replicas is None else max(1, min(replicas, self.config.replicas))
+        deadline = self._deadline(timeout)
+        found = None
+        route = self._route(key_id, count) if latest else None
+        if route is not None:
+            found = await self._ask_route(route, key, deadline, min_expiration)
+            if found is None:
+                self._forget_route(key_id)
+        if found is None:
+            result = await self._lookup(key_id, deadline, key=key,
+                                        stop=None if latest else (lambda r: bool(r.entries)),
+                                        count=count, min_expiration=min_expiration)
+            if latest:
+                self._remember_route(key_id, result, count)
+            found = [e for entries in result.entries.values() for e in entries]
+        gathered = [*local, *found]
         merged = merge_entries(gathered, self._clock())
         return Record(key, tuple(merged)) if merged else None
+
+    async def _ask_route(self, route: list[Contact], key: str, deadline: float,
+                         min_expiration: float | None) -> list[Entry] | None:
+        """find_value at the remembered closest nodes of `key`; None if any of them failed."""
+        query = self._value_query(key, deadline, min_expiration)
+
+        async def ask(contact: Contact) -> list[Entry] | None:
+            try:
+                return (await query(contact)).entries
+            except (TransportError, MalformedMessage, TimeoutError):
+                return None
+
+        replies = await asyncio.gather(*(ask(c) for c in route))
+        if any(reply is None for reply in replies):
+            return None
+        return [entry for reply in replies if reply is not None for entry in reply]
 
     async def find_nodes(self, target: int, *, timeout: float | None = None) -> list[Contact]:
         """The (up to k) nodes closest to `target` that answered, nearest first."""
@@ -290,6 +332,9 @@ class DHTNode:
                 self.stats["reads_refused"] += 1
                 raise
         entries = self.storage.get(key, self._clock())
+        since = protocol.decode_min_expiration(message.header)
+        if since is not None:
+            entries = [entry for entry in entries if entry.expiration >= since]
         return protocol.encode_values(entries, self._nearest(key_id_of(key), exclude={ctx.peer_id}))
 
     @_counts_malformed
@@ -358,7 +403,9 @@ class DHTNode:
             raise
         except TransportError as exc:
             self.stats["rpc_failed"] += 1
-            self.routing_table.mark_failed(contact.peer_id)
+            node = self.routing_table.get(contact.peer_id)
+            if self.routing_table.mark_failed(contact.peer_id) and node is not None:
+                self._lose(Contact(node.peer_id, node.addresses))
             self._log.debug("dht_rpc_failed", peer=contact.peer_id[:12], method=method,
                             kind=type(exc).__name__, error=str(exc)[:200], timeout=round(timeout, 3))
             raise
@@ -366,6 +413,40 @@ class DHTNode:
             _IN_CALL.reset(in_call)
         self._seen(contact.peer_id, contact.addresses)
         return reply
+
+    # ---- lost contacts: peers evicted for failing, tried again now and then -----------------
+    # A network cut makes each side evict the other from its routing tables; lookups then only
+    # ever meet their own side, and the swarm would stay split in two after the cut heals. So
+    # evicted contacts are kept a while and pinged again, a few at a time: one that answers is
+    # back in the table, and lookups reach across again.
+
+    def _lose(self, contact: Contact) -> None:
+        lost, now = self._lost, asyncio.get_running_loop().time()
+        lost.pop(contact.peer_id, None)
+        lost[contact.peer_id] = (contact, now, now)  # (contact, lost at, last tried)
+        while len(lost) > LOST_CONTACTS:
+            lost.popitem(last=False)
+
+    async def _probe_lost(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for peer_id in [p for p, (_, lost_at, _) in self._lost.items()
+                        if now - lost_at > LOST_FORGET_SECONDS]:
+            del self._lost[peer_id]
+        due = [(peer_id, contact, lost_at) for peer_id, (contact, lost_at, tried) in self._lost.items()
+               if now - tried >= LOST_RETRY_SECONDS and peer_id not in self.routing_table]
+        for peer_id, contact, lost_at in due[:LOST_PROBES]:
+            del self._lost[peer_id]
+            self._lost[peer_id] = (contact, lost_at, now)  # to the end: the others go first
+            self._background(peer_id, self._ping_lost(contact), "dht-ping-lost")
+
+    async def _ping_lost(self, contact: Contact) -> None:
+        try:
+            await self._call(contact, protocol.PING, Message(self._caller_header()),
+                             self.config.rpc_timeout)
+        except TransportError:
+            return
+        self._lost.pop(contact.peer_id, None)
+        self.stats["lost_contacts_back"] += 1
 
     async def _ping_quietly(self, peer_id: str) -> None:
         node = self.routing_table.get(peer_id)
@@ -382,7 +463,7 @@ class DHTNode:
 
     async def _lookup(self, target: int, deadline: float, *, key: str | None = None,
                       stop: Callable[[LookupResult], bool] | None = None,
-                      count: int | None = None) -> LookupResult:
+                      count: int | None = None, min_expiration: float | None = None) -> LookupResult:
         if _IN_CALL.get():  # see _IN_CALL
             self.stats["nested_lookups_refused"] += 1
             return LookupResult([], {}, False, 0, 0)
@@ -393,23 +474,29 @@ class DHTNode:
             reply = await self._call(contact, protocol.FIND_NODE, message, self._rpc_timeout(deadline))
             return QueryReply(protocol.decode_contacts(reply.header.get("nodes", [])))
 
-        token = None if key is None or self.access is None else self.access.credential(key)
-
-        async def find_value(contact: Contact) -> QueryReply:
-            assert key is not None
-            message = Message({**header, "key": key} if token is None
-                              else {**header, "key": key, "token": token})
-            reply = await self._call(contact, protocol.FIND_VALUE, message, self._rpc_timeout(deadline))
-            entries, contacts = protocol.decode_values(key, reply)
-            return QueryReply(contacts, self._checked(contact.peer_id, entries))
-
+        query = find_node if key is None else self._value_query(key, deadline, min_expiration)
         result = await iterative_lookup(
-            target, self._nearest(target),
-            self._counts_malformed(find_value if key is not None else find_node),
+            target, self._nearest(target), self._counts_malformed(query),
             k=count or self.config.k, alpha=self.config.alpha, deadline=deadline,
             exclude=frozenset({self.peer_id, *self._banned}), stop=stop)
         self.routing_table.touch(target, asyncio.get_running_loop().time())
         return result
+
+    def _value_query(self, key: str, deadline: float, min_expiration: float | None) -> _Query:
+        request: dict[str, Any] = {**self._caller_header(), "key": key}
+        token = None if self.access is None else self.access.credential(key)
+        if token is not None:
+            request["token"] = token
+        if min_expiration is not None:
+            request["min_expiration"] = min_expiration
+
+        async def find_value(contact: Contact) -> QueryReply:
+            reply = await self._call(contact, protocol.FIND_VALUE, Message(request),
+                                     self._rpc_timeout(deadline))
+            entries, contacts = protocol.decode_values(key, reply)
+            return QueryReply(contacts, self._checked(contact.peer_id, entries))
+
+        return find_value
 
     def _counts_malformed(self, query: _Query) -> _Query:
         """A reply that cannot be read is counted; the lookup counts its sender as failed."""
@@ -459,12 +546,41 @@ class DHTNode:
             good.append(entry)
         return good
 
+    # ---- routes: the nodes closest to a key, remembered a while --------------------------------
+    # A key that is stored and read again and again (a run's progress: every peer, several times
+    # an epoch) has the same closest nodes from one minute to the next; remembering them spares
+    # an iterative lookup per operation. A route whose node fails is forgotten.
+
+    def _route(self, key_id: int, count: int) -> list[Contact] | None:
+        held = self._routes.get(key_id)
+        if held is None:
+            return None
+        until, contacts = held
+        if until <= asyncio.get_running_loop().time() or len(contacts) < count:
+            del self._routes[key_id]
+            return None
+        return contacts[:count]
+
+    def _remember_route(self, key_id: int, result: LookupResult, count: int) -> None:
+        if not result.finished or len(result.closest) < count:
+            return  # a cut-short lookup may have missed closer nodes: not worth keeping
+        if len(self._routes) >= ROUTE_CACHE_KEYS:
+            del self._routes[next(iter(self._routes))]
+        until = asyncio.get_running_loop().time() + ROUTE_SECONDS
+        self._routes[key_id] = (until, result.closest[: self.config.replicas])
+
+    def _forget_route(self, key_id: int) -> None:
+        self._routes.pop(key_id, None)
+
     async def _replicate(self, entry: Entry, deadline: float) -> int:
         """Store `entry` at the `replicas` nodes closest to its key (this one included when it is one)."""
         key_id = key_id_of(entry.key)
         replicas = self.config.replicas
-        found = await self._lookup(key_id, deadline, count=replicas)
-        targets = found.closest[:replicas]
+        targets = self._route(key_id, replicas)
+        if targets is None:
+            found = await self._lookup(key_id, deadline, count=replicas)
+            self._remember_route(key_id, found, replicas)
+            targets = found.closest[:replicas]
         stored = 0
         if not self.config.client_mode and (
                 len(targets) < replicas
@@ -478,6 +594,8 @@ class DHTNode:
         if targets:
             results = await asyncio.gather(*(self._store_at(c, entry, deadline) for c in targets))
             stored += sum(results)
+            if not all(results):
+                self._forget_route(key_id)
         return stored
 
     async def _store_at(self, contact: Contact, entry: Entry, deadline: float) -> bool:
@@ -587,6 +705,7 @@ class DHTNode:
                 discover_every = min(discover_every * 2, config.refresh_interval)
                 next_discover = loop.time() + discover_every
             await self._refresh()
+            await self._probe_lost()
             if loop.time() >= next_sweep:
                 next_sweep = loop.time() + config.sweep_interval
                 swept = self.storage.sweep(self._clock())

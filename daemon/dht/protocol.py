@@ -5,16 +5,19 @@ added to routing tables) and `addresses` (where the caller can be dialed). Metho
 
 - `dht.ping`        {}                                -> {}
 - `dht.find_node`   {"target": <64 hex>}              -> {"nodes": [{"peer_id", "addresses"}]}
-- `dht.find_value`  {"key": str, "token"?: str}      -> {"nodes": [...], "entries": [{"sub_key",
-                     "expiration", "signer", "signature": <hex>, "proof"?: str, "size": int}]},
-                     payload = values
+- `dht.find_value`  {"key": str, "token"?: str,     -> {"nodes": [...], "entries": <count>},
+                     "min_expiration"?: float}          payload = <u32 length><metas JSON><values>,
+                     metas = [{"sub_key", "expiration", "signer", "signature": <hex>,
+                     "proof"?: str, "size": int}]; with `min_expiration`, only the entries that
+                     expire at or after it (a reader that holds the older ones asks for changes)
 - `dht.store`       {"key", "sub_key", "expiration", "signer", "signature": <hex>, "proof"?: str},
                      payload = value                  -> {"stored": bool} (False: already held)
 
 Keys under a closed run (`closed/<owner>/<run>/...`) need the reader's membership token
 (`token`) and the writer's (`proof`, which stays with the record); see daemon/collab/membership.py.
 
-Values travel in the payload (concatenated in the order of `entries`), never in JSON. A refused
+Values travel in the payload, never in JSON; so do the entries' metadata in a find_value reply,
+so that a key with thousands of sub-keys fits (a frame header holds at most 64 KiB). A refused
 store raises at the server, so the caller gets a RemoteError whose `kind` is the DHT error class
 (`ForbiddenWrite`, `BadSignature`, `StaleRecord`, `RecordExpired`, `RecordTooLarge`, `StorageFull`).
 """
@@ -23,8 +26,11 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from ..net.addresses import PeerAddress
 from ..net.interface import Message
@@ -166,16 +172,36 @@ def decode_store(message: Message) -> Entry:
 
 
 def encode_values(entries: list[Entry], contacts: list[Contact]) -> Message:
-    metas = [{**_entry_meta(e), "size": len(e.value)} for e in entries]
-    return Message({"nodes": encode_contacts(contacts), "entries": metas},
-                   b"".join(e.value for e in entries))
+    metas = orjson.dumps([{**_entry_meta(e), "size": len(e.value)} for e in entries])
+    return Message({"nodes": encode_contacts(contacts), "entries": len(entries)},
+                   b"".join((struct.pack(">I", len(metas)), metas, *(e.value for e in entries))))
+
+
+def decode_min_expiration(header: dict[str, Any]) -> float | None:
+    raw = header.get("min_expiration")
+    if raw is None:
+        return None
+    _expect(isinstance(raw, int | float) and not isinstance(raw, bool) and math.isfinite(raw),
+            "'min_expiration' must be a number")
+    return float(raw)
 
 
 def decode_values(key: str, message: Message) -> tuple[list[Entry], list[Contact]]:
     header, payload = message.header, memoryview(message.payload)
-    metas = header.get("entries", [])
-    _expect(isinstance(metas, list), "'entries' must be a list")
-    entries, offset = [], 0
+    count = header.get("entries", 0)
+    _expect(isinstance(count, int) and not isinstance(count, bool) and count >= 0,
+            "'entries' must be a count")
+    if count == 0 and not payload:
+        return [], decode_contacts(header.get("nodes", []))
+    _expect(len(payload) >= 4, "payload too short for its entries")
+    (size,) = struct.unpack(">I", payload[:4])
+    _expect(size <= len(payload) - 4, "entries' metadata longer than the payload")
+    try:
+        metas = orjson.loads(payload[4 : 4 + size])
+    except orjson.JSONDecodeError as exc:
+        raise MalformedMessage(f"entries' metadata is not JSON: {exc}") from None
+    _expect(isinstance(metas, list) and len(metas) == count, "'entries' does not match its metadata")
+    entries, offset = [], 4 + size
     for meta in metas:
         size = meta.get("size") if isinstance(meta, dict) else None
         if not isinstance(size, int) or not 0 <= size <= len(payload) - offset:

@@ -53,7 +53,8 @@ from .sockio import SocketIO
 
 log = structlog.get_logger(__name__)
 
-_STAGE_BYTES = 256 * 1024
+_STAGE_BYTES = 256 * 1024  # the read stage grows to this when reads fill it (bulk traffic)
+_STAGE_START = 16 * 1024  # ... from this: a link that only carries calls stays small
 _DIRECT_MIN = 64 * 1024
 _BATCH_BYTES = 1024 * 1024
 _INF = float("inf")
@@ -794,8 +795,7 @@ class Link:
 
     async def _read_frames(self) -> None:
         decoder = FrameDecoder(max_payload=self.limits.max_payload, allocate=self._allocate)
-        stage = bytearray(_STAGE_BYTES)
-        view = memoryview(stage)
+        view = memoryview(bytearray(_STAGE_START))
         start = end = 0
         io = self.io
         bandwidth = self._bandwidth
@@ -821,6 +821,10 @@ class Link:
                     start, end = 0, await io.recv_into(view[:read_limit])
                     if not end:
                         raise TransportClosed("the peer closed the connection")
+                    if end == len(view) < _STAGE_BYTES:  # full: more is coming, read bigger
+                        grown = memoryview(bytearray(min(2 * len(view), _STAGE_BYTES)))
+                        grown[:end] = view[:end]
+                        view = grown
                     owed = end
                     self.bytes_in += end
                     self._last_heard = timebase.monotonic()

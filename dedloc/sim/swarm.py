@@ -212,6 +212,7 @@ class Swarm:
         self.rng = random.Random(seed)
         self.timing = timing or Timing()
         self.peers: list[SimPeer] = []
+        self.running = False  # set once the first peers have started: later ones are newcomers
 
     @property
     def live(self) -> list[SimPeer]:
@@ -221,7 +222,7 @@ class Swarm:
         peer = SimPeer(self, len(self.peers), spec or PeerSpec())
         self.peers.append(peer)
         live = [p for p in self.live if p is not peer and p.engine is not None]
-        if live:
+        if live and self.running:
             gp = max((p.engine.global_progress for p in live if p.engine is not None
                       and p.engine.global_progress is not None), key=lambda g: g.epoch, default=None)
             peer.run_epoch_at_join = None if gp is None else gp.epoch

@@ -8,8 +8,11 @@ import time
 import pytest
 from dht.swarm import Swarm
 
+from dedloc.daemon import timebase
 from dedloc.daemon.averaging.group import Member
 from dedloc.daemon.averaging.matchmaking import Matchmaker, RoundRequest
+
+pytestmark = pytest.mark.virtual_time  # windows and timeouts on virtual time, whatever the load
 
 
 def equal_split(members: tuple[Member, ...], size: int, chunk: int) -> tuple[tuple[int, int], ...]:
@@ -40,7 +43,7 @@ def request(peer_id: str, key: str, *, role: str = "trainer", reachable: bool = 
             expected: int | None = None) -> RoundRequest:
     member = Member(peer_id, role, 0.0 if role == "aux" else 1.0, 1e7, 1e7, reachable)  # type: ignore[arg-type]
     return RoundRequest(key, member, size=10_000, chunk_elements=1000, compression="none",
-                        window=window, deadline=time.time() + 30, expected=expected)
+                        window=window, deadline=timebase.now() + 30, expected=expected)
 
 
 async def test_peers_form_one_group(swarm: Swarm) -> None:
@@ -74,7 +77,7 @@ async def test_a_silent_leader_does_not_deadlock(swarm: Swarm) -> None:
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)]
     by_id = sorted(makers, key=lambda m: m.peer_id)
     silent = by_id[0]  # the would-be leader announces itself, then goes silent
-    await silent._announce(request(silent.peer_id, "run/round-3", window=2.0), time.time() + 2.0)
+    await silent._announce(request(silent.peer_id, "run/round-3", window=2.0), timebase.now() + 2.0)
     swarm.network.blackhole(silent.peer_id)
     others = by_id[1:6]
     started = time.monotonic()

@@ -143,7 +143,7 @@ async def test_only_members_take_part_in_a_closed_run(daemon_factory: Any) -> No
         await intruder.refused_everywhere(fingerprint, good["token"], "revoked")
         # The owner's revocation list is public, and only the owner may write it.
         reply = await intruder.read(f"{prefix}/revoked")
-        assert len(reply.header["entries"]) == 1
+        assert reply.header["entries"] == 1
         with pytest.raises(RemoteError, match="only the run's owner"):
             await intruder.write(f"{prefix}/revoked")
         # A replayed older revocation list does not undo a newer one.

@@ -100,13 +100,28 @@ def test_run_head(name: str, heads: list[tuple[int, str]], expected: tuple[int, 
 
 def test_fresh_peers_are_no_evidence() -> None:
     """A flash crowd of newcomers (epoch 0, nothing done) does not outvote the trainers."""
-    veterans = [peer(f"v{i}", 50, L2) for i in range(3)]
+    veterans = [peer(f"v{i}", 50, L2) for i in range(12)]
     newcomers = [fresh(f"n{i}") for i in range(100)]
     run = run_of([*veterans, *newcomers])
     assert run.head == Head(50, L2)
-    assert (run.counted_trainers, run.live_trainers) == (3, 103)
+    assert (run.counted_trainers, run.live_trainers) == (12, 112)
     # a run that has not started: everybody is fresh, and that is the head
     assert run_of(newcomers).head == Head(0, L0)
+    # one run owner with a few volunteers joining: they follow it
+    assert run_of([peer("owner", 50, L2), *newcomers[:9]]).head == Head(50, L2)
+
+
+def test_a_starting_run_is_not_taken_over_by_a_few_identities_claiming_to_be_ahead() -> None:
+    """Sixty peers start a run; two identities claim one far head. Fresh peers are no evidence,
+    but they are many: the claimed head needs one holder per ten of them, and the run starts
+    afresh (the price: three veterans cannot take a crowd of a hundred newcomers along)."""
+    honest = [fresh(f"h{i}") for i in range(60)]
+    liars = [peer(f"l{i}", 10**9, LIE) for i in range(2)]
+    run = run_of([*honest, *liars])
+    assert run.head == Head(0, L0)
+    assert isinstance(decide(view(honest[0], [*honest[1:], *liars])), Train)
+    few = [peer(f"v{i}", 50, L2) for i in range(3)]
+    assert run_of([*few, *[fresh(f"n{i}") for i in range(100)]]).head == Head(0, L0)
 
 
 def test_a_run_starts_without_being_taken_over_by_colluding_liars() -> None:

@@ -1,20 +1,23 @@
-"""DHT nodes on a MemoryNetwork: joining, replication under churn, client mode, forged records."""
+"""DHT nodes on a MemoryNetwork: joining, replication under churn, client mode, forged records.
+On virtual time: the 0.5 s call timeouts of a 40-node swarm expired on a loaded machine."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import random
-import time
 from collections.abc import AsyncIterator
 
 import pytest
 from dht.swarm import FAST, Swarm
 
+from dedloc.daemon import timebase
 from dedloc.daemon.dht import DHTNode, Entry, ForbiddenWrite, key_id_of, node_id_of
 from dedloc.daemon.dht import protocol as wire
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import Message, RemoteError
+
+pytestmark = pytest.mark.virtual_time
 
 
 @pytest.fixture
@@ -31,14 +34,14 @@ async def grow(swarm: Swarm, count: int) -> list[DHTNode]:
 
 
 def holders(nodes: list[DHTNode], key: str) -> set[str]:
-    now = time.time()
+    now = timebase.now()
     return {n.peer_id for n in nodes if n.storage.get(key, now)}
 
 
 async def test_64_nodes_survive_losing_20_percent(swarm: Swarm) -> None:
     rng = random.Random(20240501)
     nodes = await grow(swarm, 64)
-    expiration = time.time() + 600
+    expiration = timebase.now() + 600
     keys = [f"key-{i}" for i in range(50)]
     for i, key in enumerate(keys):
         stored = await rng.choice(nodes).store(key, f"value-{i}".encode(), expiration)
@@ -81,7 +84,7 @@ async def test_client_mode_node_stores_and_reads_but_is_in_no_table(swarm: Swarm
     nodes = await grow(swarm, 12)
     client = await swarm.add(dataclasses.replace(FAST, client_mode=True))
     assert client.joined
-    expiration = time.time() + 60
+    expiration = timebase.now() + 60
     assert await client.store("from-client", b"hello", expiration) == FAST.replicas
     assert len(client.storage) == 0
     record = await nodes[5].get("from-client")
@@ -101,11 +104,12 @@ async def test_reader_detects_forged_records(swarm: Swarm) -> None:
     nodes = await grow(swarm, 16)
     alice, reader = nodes[1], nodes[2]
     key = "run/peers"
-    assert await alice.store(key, b"alice-is-here", time.time() + 60, sub_key=alice.peer_id) == FAST.replicas
-    liars = [n for n in nodes if n not in (alice, reader) and n.storage.get(key, time.time())]
+    stored = await alice.store(key, b"alice-is-here", timebase.now() + 60, sub_key=alice.peer_id)
+    assert stored == FAST.replicas
+    liars = [n for n in nodes if n not in (alice, reader) and n.storage.get(key, timebase.now())]
     honest_holder = liars.pop()
     for liar in liars:  # every holder but one (and the writer) lies, with a later expiration
-        real = liar.storage.get(key, time.time())[0]
+        real = liar.storage.get(key, timebase.now())[0]
         forged = dataclasses.replace(real, value=b"evil", expiration=real.expiration + 5)
         liar.storage.replace_unchecked(forged)
     alice.storage.remove(key, alice.peer_id)
@@ -126,12 +130,12 @@ async def test_foreign_sub_key_write_refused_by_every_node(swarm: Swarm) -> None
     nodes = await grow(swarm, 10)
     alice, bob = nodes[1], nodes[2]
     key = "run/peers"
-    await alice.store(key, b"alice", time.time() + 60, sub_key=alice.peer_id)
+    await alice.store(key, b"alice", timebase.now() + 60, sub_key=alice.peer_id)
     with pytest.raises(ForbiddenWrite):  # bob's own node refuses before sending anything
-        await bob.store(key, b"bob-as-alice", time.time() + 120, sub_key=alice.peer_id)
+        await bob.store(key, b"bob-as-alice", timebase.now() + 120, sub_key=alice.peer_id)
     # bob bypasses his node and sends raw dht.store requests: every honest node refuses them
     bob_identity = bob.identity
-    forbidden = Entry.create(bob_identity, key, b"bob-as-alice", time.time() + 120, sub_key=alice.peer_id)
+    forbidden = Entry.create(bob_identity, key, b"bob-as-alice", timebase.now() + 120, sub_key=alice.peer_id)
     impersonating = dataclasses.replace(forbidden, signer=alice.peer_id)
     for node in nodes:
         if node is bob:
@@ -159,7 +163,7 @@ async def test_bootstrap_failure_does_not_break_start_and_is_retried(swarm: Swar
     await seed.start()
     assert await late.wait_joined(timeout=10)
     assert late.peer_id in seed.routing_table and seed.peer_id in late.routing_table
-    assert await late.store("k", b"v", time.time() + 60) == 2
+    assert await late.store("k", b"v", timebase.now() + 60) == 2
 
 
 async def test_lookup_returns_by_its_deadline_when_every_peer_is_silent(swarm: Swarm) -> None:
@@ -167,7 +171,7 @@ async def test_lookup_returns_by_its_deadline_when_every_peer_is_silent(swarm: S
     for node in nodes[1:]:
         swarm.network.blackhole(node.peer_id)
     assert await nodes[0].get("anything", timeout=0.2) is None
-    assert await nodes[0].store("k", b"v", time.time() + 60, timeout=0.2) == 1  # only itself
+    assert await nodes[0].store("k", b"v", timebase.now() + 60, timeout=0.2) == 1  # only itself
 
 
 async def test_expired_records_vanish_with_a_fake_clock() -> None:
@@ -195,7 +199,7 @@ async def test_new_node_close_to_a_key_receives_it(swarm: Swarm) -> None:
     nodes = await grow(swarm, 24)
     keys = [f"k{i}" for i in range(30)]
     for key in keys:
-        await nodes[0].store(key, b"v", time.time() + 60)
+        await nodes[0].store(key, b"v", timebase.now() + 60)
     await grow(swarm, 8)
     newcomers = swarm.nodes[24:]
     await asyncio.sleep(0)  # let the replication tasks run
@@ -209,7 +213,7 @@ async def test_new_node_close_to_a_key_receives_it(swarm: Swarm) -> None:
         for node in closest:
             if node in newcomers:
                 due += 1
-                received += bool(node.storage.get(key, time.time()))
+                received += bool(node.storage.get(key, timebase.now()))
     # Best effort (replication tasks beyond max_background_tasks are dropped; republish catches
     # up later): most, not necessarily all, of the records due reach the newcomers.
     assert due and received >= due // 2
@@ -223,10 +227,10 @@ async def test_a_record_that_expires_in_transit_is_dropped_without_blaming_its_h
     nodes = await grow(swarm, 6)
     writer, reader = nodes[1], nodes[2]
     key = "run/short-lived"
-    await writer.store(key, b"brief", time.time() + 60, sub_key=writer.peer_id)
+    await writer.store(key, b"brief", timebase.now() + 60, sub_key=writer.peer_id)
     reader.storage.remove(key, writer.peer_id)
     writer.storage.remove(key, writer.peer_id)
-    reader._clock = lambda: time.time() + 120  # the reader sees every reply after it expired
+    reader._clock = lambda: timebase.now() + 120  # the reader sees every reply after it expired
     assert await reader.get(key) is None
     assert reader.stats["expired_in_transit"] >= 1
     assert reader.stats["forged_records"] == 0

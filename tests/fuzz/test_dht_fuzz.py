@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import struct
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import pytest
 from fuzz.fuzzutil import (
     PEER_IDS,
@@ -137,14 +139,22 @@ def entry_metas(draw: st.DrawFn, count: int) -> list[Any]:
 @st.composite
 def value_replies(draw: st.DrawFn) -> Message:
     header = draw(headers(["nodes", "entries"]))
-    if draw(st.booleans()):
-        header["entries"] = entry_metas(draw, draw(st.integers(0, 4)))
+    payload = draw(st.binary(max_size=80))
+    if draw(st.booleans()):  # metadata as the payload carries it, possibly wrong
+        metas = entry_metas(draw, draw(st.integers(0, 4)))
+        header["entries"] = draw(st.one_of(st.just(len(metas)), wire_values))
+        try:
+            encoded = orjson.dumps(wire_json(metas))
+        except TypeError:  # nested past orjson's limit: the peer sends garbage instead
+            encoded = b"[" * 2000
+        length = draw(st.one_of(st.just(len(encoded)), st.integers(0, 2**32 - 1)))
+        payload = struct.pack(">I", length) + encoded + payload
     if draw(st.booleans()):
         header["nodes"] = [draw(st.one_of(
             st.fixed_dictionaries({"peer_id": st.one_of(texts, st.sampled_from(PEER_IDS))},
                                   optional={"addresses": st.lists(texts, max_size=9)}),
             wire_values)) for _ in range(draw(st.integers(0, 3)))]
-    return Message(wire_json(header), draw(st.binary(max_size=80)))
+    return Message(wire_json(header), payload)
 
 
 @given(headers([*CALLER_FIELDS, "target", "key"]))
@@ -214,7 +224,9 @@ def test_value_reply_decodes_or_is_malformed(key: str, reply: Message) -> None:
     except MalformedMessage as exc:
         assert str(exc)
         return
-    assert sum(len(e.value) for e in found) == len(reply.payload)
+    if found:  # the values follow their metadata, and fill the rest of the payload exactly
+        (size,) = struct.unpack(">I", bytes(reply.payload[:4]))
+        assert 4 + size + sum(len(e.value) for e in found) == len(reply.payload)
     assert all(e.key == key and len(e.signature) == 64 for e in found)
     assert len(contacts) <= protocol.MAX_NODES_IN_REPLY
     assert all(len(c.peer_id) <= protocol.MAX_PEER_ID_CHARS and len(c.addresses) <= 8 for c in contacts)

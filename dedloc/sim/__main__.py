@@ -1,0 +1,46 @@
+"""`python -m dedloc.sim SCENARIO --peers N [--aux M] [--seed S] [--epochs E] [--json]`: run one
+scenario of the swarm simulator and print what it measured (scenarios.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import orjson
+import structlog
+
+from .loop import run_virtual
+from .scenarios import SCENARIOS, run_scenario
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dedloc.sim", description=__doc__)
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--peers", type=int, default=16, help="trainers (default 16)")
+    parser.add_argument("--aux", type=int, default=None, help="aux peers (default peers/16)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=10, help="epochs to run (default 10)")
+    parser.add_argument("--max-group-size", type=int, default=None,
+                        help="averaging.max_group_size (default: one group for all)")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--log-level", default="error", help="the daemons' log level")
+    args = parser.parse_args(argv)
+    if args.peers < 1:
+        parser.error("--peers must be at least 1")
+    level = getattr(logging, args.log_level.upper(), logging.ERROR)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+    run = {} if args.max_group_size is None else {"max_group_size": args.max_group_size}
+    result = run_virtual(run_scenario(args.scenario, args.peers, aux=args.aux, seed=args.seed,
+                                      epochs=args.epochs, **run))
+    data = result.to_json()
+    if args.json:
+        sys.stdout.write(orjson.dumps(data).decode() + "\n")
+    else:
+        for key, value in data.items():
+            sys.stdout.write(f"{key:32} {value}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

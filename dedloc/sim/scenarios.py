@@ -1,0 +1,354 @@
+"""Scripted swarms and what users need of them, measured.
+
+Each scenario starts a `Swarm`, follows a script of joins, leaves, partitions and liars on
+virtual time, watches every peer (`Observer`) and returns a `Result`:
+- `split_brain`: two peers stepped the same epoch into different states (two lineages from one
+  epoch, or one lineage with different parameters); in `partition`, only outside the partition;
+- `min_round_participation`: the lowest share, over the rounds, of the live trainers that had
+  synced with the run before the round (stepped or downloaded once) and stepped in it;
+- `max_epoch_spread`: the largest gap between the epochs of such trainers, sampled every second;
+- `newcomer_epochs_to_contribute`: for peers that joined a running run, the most epochs between
+  the run's epoch when they joined and the first epoch they contributed samples to;
+- `max_donor_load_ratio`: the most state downloads one donor served over the mean of those that
+  served any;
+- `memory_growth`: resident memory per live peer at the end over the same after the first
+  epochs (flat: about 1);
+- `partition` also: `epochs_to_reconcile` (after the heal, epochs until every live trainer holds
+  the same parameters) and `epoch_went_backwards`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dedloc.daemon.collab.policy import Timing
+
+from .network import LinkProfile
+from .swarm import PeerSpec, RunSpec, SimPeer, Swarm
+
+__all__ = ["SCENARIOS", "Result", "run_scenario"]
+
+EPOCH_SECONDS = 20.0  # what a run's target batch takes its trainers, in simulated seconds
+TICK = 1.0
+
+
+@dataclass
+class Result:
+    scenario: str
+    peers: int
+    aux: int
+    seed: int
+    epochs: int = 0
+    split_brain: bool = False
+    min_round_participation: float = 1.0
+    max_epoch_spread: int = 0
+    newcomer_epochs_to_contribute: int = 0
+    newcomers: int = 0
+    max_donor_load_ratio: float = 0.0
+    state_downloads: int = 0
+    failed_rounds: int = 0
+    memory_growth: float = 1.0
+    rss_per_peer_bytes: int = 0
+    simulated_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    epochs_to_reconcile: int | None = None
+    epoch_went_backwards: bool | None = None
+    parameter_spread: float = 0.0  # relative, over live trainers at the end
+    errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.scenario != "partition":
+            data.pop("epochs_to_reconcile")
+            data.pop("epoch_went_backwards")
+        return data
+
+
+def _digest(peer: SimPeer) -> bytes:
+    assert peer.trainer is not None
+    return hashlib.blake2b(peer.trainer.parameters.tobytes(), digest_size=8).digest()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Observer:
+    """Samples every peer each simulated second and collects every step it took."""
+
+    def __init__(self, swarm: Swarm) -> None:
+        self.swarm = swarm
+        self.steps: dict[int, dict[str, set[bytes]]] = defaultdict(lambda: defaultdict(set))
+        self.participants: dict[tuple[int, str], int] = defaultdict(int)
+        self.live_at_round: dict[tuple[int, str], int] = {}
+        self.max_spread = 0
+        self.backwards = False
+        self.excluded_epochs: set[int] = set()  # stepped during a partition: not split brain
+        self.excluding = False
+        self._seen_rounds: dict[int, int] = {}
+        self._last_epoch: dict[int, int] = {}
+        self._first_contribution: dict[int, int] = {}
+        self.rss: list[tuple[float, int]] = []
+
+    def established(self) -> list[SimPeer]:
+        return [p for p in self.swarm.live if p.spec.role == "trainer" and p.synced_at is not None]
+
+    def sample(self) -> None:
+        now = self.swarm.loop.time()
+        for peer in self.swarm.live:
+            engine = peer.engine
+            if engine is None or peer.spec.role != "trainer":
+                continue
+            progress = engine.progress
+            if peer.synced_at is None and (progress.rounds or progress.state_downloads):
+                peer.synced_at = now
+            previous = self._last_epoch.get(peer.index)
+            if previous is not None and progress.epoch < previous:
+                self.backwards = True
+            self._last_epoch[peer.index] = progress.epoch
+            new = progress.rounds - self._seen_rounds.get(peer.index, 0)
+            if new > 0:
+                history = list(engine.epoch_history)[-new:]
+                for entry in history:
+                    self._record_step(peer, entry)
+                self._seen_rounds[peer.index] = progress.rounds
+        live = self.established()
+        if live and not self.excluding:
+            epochs = [p.engine.progress.epoch for p in live if p.engine is not None]
+            self.max_spread = max(self.max_spread, max(epochs) - min(epochs))
+        if int(now) % 10 == 0:
+            self.rss.append((now, _rss() // max(1, len(self.swarm.live))))
+
+    def _record_step(self, peer: SimPeer, entry: dict[str, Any]) -> None:
+        epoch, lineage = entry["epoch"], entry["lineage"]
+        assert peer.trainer is not None
+        # the parameters the step produced: the trainer's at the time of this sample only if it
+        # has not moved on since; a later step's state is recorded by that step
+        digest = _digest(peer) if peer.engine is not None and peer.engine.progress.epoch == epoch + 1 \
+            else b""
+        self.steps[epoch][lineage].add(digest)
+        if self.excluding:
+            self.excluded_epochs.add(epoch)
+        self.participants[(epoch, lineage)] += 1
+        key = (epoch, lineage)
+        if key not in self.live_at_round:
+            self.live_at_round[key] = sum(
+                1 for p in self.established() if p.synced_at is not None
+                and p.synced_at <= entry["target_reached_at"] - _unix_offset(self.swarm))
+        if entry["samples"] > 0 and peer.index not in self._first_contribution:
+            self._first_contribution[peer.index] = epoch
+
+    def split_brain(self) -> bool:
+        for epoch, lineages in self.steps.items():
+            if epoch in self.excluded_epochs:
+                continue
+            if len(lineages) > 1:
+                return True
+            if any(len({d for d in digests if d}) > 1 for digests in lineages.values()):
+                return True
+        return False
+
+    def min_participation(self) -> float:
+        shares = []
+        for key, live in self.live_at_round.items():
+            if key[0] in self.excluded_epochs or live == 0:
+                continue
+            shares.append(min(1.0, self.participants[key] / live))
+        return min(shares, default=1.0)
+
+    def newcomer_delay(self) -> tuple[int, int]:
+        worst, count = 0, 0
+        for peer in self.swarm.peers:
+            if peer.run_epoch_at_join is None or peer.spec.role != "trainer":
+                continue
+            count += 1
+            first = self._first_contribution.get(peer.index)
+            if first is None:
+                if peer.alive:  # never contributed while it was there
+                    current = max((p.engine.progress.epoch for p in self.swarm.live
+                                   if p.engine is not None), default=0)
+                    worst = max(worst, current - peer.run_epoch_at_join)
+                continue
+            worst = max(worst, first - peer.run_epoch_at_join)
+        return worst, count
+
+
+def _unix_offset(swarm: Swarm) -> float:
+    from .clock import UNIX_START
+    return UNIX_START
+
+
+async def _run_for(swarm: Swarm, observer: Observer, seconds: float,
+                   until: Callable[[], bool] | None = None) -> None:
+    end = swarm.loop.time() + seconds
+    while swarm.loop.time() < end:
+        await asyncio.sleep(TICK)
+        observer.sample()
+        if until is not None and until():
+            return
+
+
+def _run_epoch(swarm: Swarm) -> int:
+    return max((p.engine.progress.epoch for p in swarm.live
+                if p.engine is not None and p.spec.role == "trainer"), default=0)
+
+
+def _spec(swarm: Swarm, rng_speed: bool = True) -> PeerSpec:
+    rng = swarm.rng
+    speed = rng.uniform(50.0, 150.0) if rng_speed else 100.0
+    link = LinkProfile(upload=rng.choice((2.5e6, 5e6, 12.5e6)), download=12.5e6,
+                       latency=rng.uniform(0.005, 0.05))
+    return PeerSpec("trainer", speed, link, skew=rng.uniform(-3.0, 3.0))
+
+
+def _run_spec(peers: int, **overrides: Any) -> RunSpec:
+    spec = RunSpec(size=overrides.pop("size", 512),
+                   target_batch_size=int(peers * 100 * EPOCH_SECONDS),
+                   max_group_size=overrides.pop("max_group_size", 256), **overrides)
+    return spec
+
+
+Script = Callable[[Swarm, Observer, Result], Awaitable[None]]
+
+
+async def _start(swarm: Swarm, peers: int, aux: int, observer: Observer,
+                 liars: int = 0) -> None:
+    for index in range(peers):
+        spec = _spec(swarm)
+        if index < liars:
+            spec = PeerSpec(spec.role, spec.samples_per_second, spec.link, spec.skew,
+                            lie="epoch" if index % 2 == 0 else "samples")
+        await swarm.add(spec)
+    for _ in range(aux):
+        await swarm.add(PeerSpec("aux", link=LinkProfile(upload=12.5e6, download=12.5e6)))
+    swarm.running = True
+    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+
+
+async def _steady(swarm: Swarm, observer: Observer, result: Result, epochs: int) -> None:
+    await _start(swarm, result.peers, result.aux, observer)
+    start = _run_epoch(swarm)
+    await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
+                   until=lambda: _run_epoch(swarm) >= start + epochs)
+
+
+async def _flash_crowd(swarm: Swarm, observer: Observer, result: Result, epochs: int,
+                       joiners: int = 100) -> None:
+    await _start(swarm, result.peers, result.aux, observer)
+    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    await asyncio.gather(*(swarm.add(_spec(swarm)) for _ in range(joiners)))
+    start = _run_epoch(swarm)
+    await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
+                   until=lambda: _run_epoch(swarm) >= start + epochs)
+
+
+async def _churn(swarm: Swarm, observer: Observer, result: Result, epochs: int,
+                 period: float = 600.0, share: float = 0.2, joiners: int = 100) -> None:
+    await _start(swarm, result.peers, result.aux, observer)
+    rounds = max(1, math.ceil(epochs * EPOCH_SECONDS / period))
+    for turn in range(rounds):
+        await _run_for(swarm, observer, period / 2)
+        if turn == 0:  # a flash crowd, then it thins out again with the churn
+            await asyncio.gather(*(swarm.add(_spec(swarm)) for _ in range(joiners)))
+        await _run_for(swarm, observer, period / 2)
+        trainers = [p for p in swarm.live if p.spec.role == "trainer"]
+        leaving = swarm.rng.sample(trainers, int(share * result.peers))
+        await asyncio.gather(*(p.stop(crash=swarm.rng.random() < 0.5) for p in leaving))
+        await asyncio.gather(*(swarm.add(_spec(swarm)) for _ in leaving))
+    await _run_for(swarm, observer, 4 * EPOCH_SECONDS)
+
+
+async def _partition(swarm: Swarm, observer: Observer, result: Result, epochs: int,
+                     seconds: float = 300.0) -> None:
+    await _start(swarm, result.peers, result.aux, observer)
+    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    hosts = [p.host.index for p in swarm.live]
+    half = set(hosts[: len(hosts) // 2])
+    observer.excluding = True
+    swarm.network.partition(half, set(hosts) - half)
+    await _run_for(swarm, observer, seconds)
+    swarm.network.heal()
+    healed_at = _run_epoch(swarm)
+    # the stale reports of the other side go first: steps in the first epochs after the heal
+    # still belong to the partition
+    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    observer.excluding = False
+
+    def reconciled() -> bool:
+        trainers = [p for p in swarm.live if p.spec.role == "trainer" and p.trainer is not None]
+        heads = {(p.engine.progress.epoch, _digest(p)) for p in trainers if p.engine is not None}
+        return len(heads) == 1
+
+    await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3, until=reconciled)
+    result.epochs_to_reconcile = _run_epoch(swarm) - healed_at if reconciled() else None
+    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+
+
+async def _liars(swarm: Swarm, observer: Observer, result: Result, epochs: int) -> None:
+    liars = max(1, round(0.05 * result.peers))
+    await _start(swarm, result.peers, result.aux, observer, liars=liars)
+    start = _run_epoch(swarm)
+    await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
+                   until=lambda: _run_epoch(swarm) >= start + epochs)
+
+
+SCENARIOS: dict[str, Callable[..., Awaitable[None]]] = {
+    "steady": _steady, "churn": _churn, "flash-crowd": _flash_crowd, "partition": _partition,
+    "liars": _liars,
+}
+
+
+async def run_scenario(name: str, peers: int, *, aux: int | None = None, seed: int = 0,
+                       epochs: int = 10, **run: Any) -> Result:
+    """Run scenario `name` with `peers` trainers (and `aux` aux peers) on virtual time."""
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}")
+    aux = max(1, peers // 16) if aux is None else aux
+    loop = asyncio.get_running_loop()
+    wall, start = time.monotonic(), loop.time()
+    swarm = Swarm(_run_spec(peers, **run), seed=seed, timing=Timing())
+    observer = Observer(swarm)
+    result = Result(name, peers, aux, seed)
+    try:
+        await SCENARIOS[name](swarm, observer, result, epochs)
+        _finish(swarm, observer, result)
+    finally:
+        await swarm.close()
+    result.simulated_seconds = round(loop.time() - start, 1)
+    result.wall_seconds = round(time.monotonic() - wall, 1)
+    return result
+
+
+def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
+    result.epochs = _run_epoch(swarm)
+    result.split_brain = observer.split_brain()
+    result.min_round_participation = round(observer.min_participation(), 3)
+    result.max_epoch_spread = observer.max_spread
+    result.newcomer_epochs_to_contribute, result.newcomers = observer.newcomer_delay()
+    served = [p.sharing.served for p in swarm.peers if p.sharing is not None and p.sharing.served]
+    result.max_donor_load_ratio = round(max(served) / (sum(served) / len(served)), 2) if served else 0.0
+    result.state_downloads = sum(p.engine.progress.state_downloads for p in swarm.peers
+                                 if p.engine is not None)
+    result.failed_rounds = sum(p.engine.progress.failed_rounds for p in swarm.peers
+                               if p.engine is not None)
+    if len(observer.rss) >= 2:
+        first = observer.rss[min(2, len(observer.rss) - 1)][1]
+        result.memory_growth = round(observer.rss[-1][1] / max(1, first), 2)
+        result.rss_per_peer_bytes = observer.rss[-1][1]
+    result.epoch_went_backwards = observer.backwards if result.scenario == "partition" else None
+    trainers = [p for p in swarm.live if p.trainer is not None]
+    if trainers:
+        import numpy as np
+        stacked = np.stack([p.trainer.parameters for p in trainers if p.trainer is not None])
+        mean = stacked.mean(axis=0)
+        result.parameter_spread = float(np.abs(stacked - mean).max() / max(1e-12, np.abs(mean).max()))
+    result.errors = [f"peer {p.index}: {p.error!r}" for p in swarm.peers if p.error is not None]
