@@ -81,6 +81,12 @@ class Identity:
         return cls(key, peer_id_of(key.public_key()))
 
     @classmethod
+    def from_seed(cls, seed: bytes) -> Identity:
+        """The identity of a 32-byte private key (for reproducible simulations and tests)."""
+        key = Ed25519PrivateKey.from_private_bytes(seed)
+        return cls(key, peer_id_of(key.public_key()))
+
+    @classmethod
     def load_or_create(cls, state_dir: Path) -> Identity:
         """Read `identity.key` from the state directory, creating it (mode 0600) on first start."""
         path = state_dir / KEY_FILE

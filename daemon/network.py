@@ -285,8 +285,13 @@ class PeerNetwork:
                 log.info("address_record_not_stored", error=str(exc))
 
     async def _resolve(self, peer_id: str) -> list[PeerAddress]:
+        """Addresses of a peer known only by its id: the DHT's contact for it, else the circuit
+        addresses a peer nobody can dial publishes (`peer/<id>`)."""
         if self.dht is None or not self.dht.started:
             return []
+        found = await self.dht.addresses_of(peer_id, timeout=5)
+        if found:
+            return found
         record = await self.dht.get(f"peer/{peer_id}", timeout=5)
         entry = None if record is None else record.sub_keys.get(peer_id)
         if entry is None:

@@ -51,6 +51,8 @@ class RoundOptions:
     expected: int | None = None
     window: float | None = None
     min_trainers: int = 1  # matchmaking waits past its window for this many (RoundRequest)
+    peers: tuple[str, ...] = ()  # who is expected, when the caller knows (a direct round)
+    leaders: tuple[str, ...] = ()  # who may lead first (RoundRequest.leaders)
 
 
 class NonFiniteVector(AveragingError):
@@ -60,7 +62,8 @@ class NonFiniteVector(AveragingError):
 class Averager:
     def __init__(self, transport: PeerTransport, dht: DHTNode, config: AveragingSection, *,
                  reachable: bool = True,
-                 caps: Callable[[], tuple[float, float]] | None = None) -> None:
+                 caps: Callable[[], tuple[float, float]] | None = None,
+                 nonce: Callable[[int], bytes] | None = None) -> None:
         self.config = config
         self.peer_id = transport.peer_id
         self.reachable = reachable
@@ -76,7 +79,8 @@ class Averager:
                             seconds=config.ban_seconds, counters=self.counters)
         self.allreduce = AllReduceService(transport, policy=self.policy, bans=self.bans,
                                           corruption=corruption.from_environment())
-        self.matchmaker = Matchmaker(transport, dht, self._plan, bans=self.bans)
+        self.matchmaker = Matchmaker(transport, dht, self._plan, bans=self.bans,
+                                     **({} if nonce is None else {"nonce": nonce}))
 
     def chunk_elements(self, size: int) -> int:
         """Chunks of `averaging.chunk_bytes`, but at least ~32 per vector so that sending,
@@ -135,7 +139,8 @@ class Averager:
                                compression=options.compression,
                                window=window, deadline=options.deadline, expected=options.expected,
                                max_group_size=self.config.max_group_size,
-                               min_trainers=options.min_trainers)
+                               min_trainers=options.min_trainers, peers=options.peers,
+                               leaders=options.leaders)
         try:
             group = await self.matchmaker.form_group(request)
         except AveragingError:

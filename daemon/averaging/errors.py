@@ -11,3 +11,7 @@ class AveragingError(DaemonError):
 
 class MatchmakingError(AveragingError):
     """Matchmaking was misused, or a peer's join was refused (the message says why)."""
+
+
+class NotGathering(MatchmakingError):
+    """Asked to take a join for a round it is not forming (not yet, or no more)."""

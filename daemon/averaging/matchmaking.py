@@ -3,13 +3,15 @@
 1. Each peer announces itself in the DHT: a sub-key of `averaging/<key>` named by its own peer id
    (only it can write that), holding its `Member` info, expiring when its window closes.
 2. It reads the key until the window closes, or until it has seen `expected` peers.
-3. The leader is the reachable candidate with the smallest peer id. A follower asks the leader to
+3. The leader is the first reachable candidate in an order by a hash of the key and the peer id
+   (`_ranked`: the same for every peer that sees the same candidates, and not for sale by
+   grinding peer ids, since the key is not known in advance). A follower asks the leader to
    let it join (`avg.join`, acknowledged at once, so a silent leader is skipped quickly); the
    leader waits for joins until its window closes (or every candidate it saw has joined), then
    assembles the group: the ordered members, their shares of the vector from the load balancer,
    a fresh group id, the round's deadline, and sends that same `Group` to every member
    (`avg.group`).
-4. A peer asked to join while it follows someone else answers with a redirect to its leader; ids
+4. A peer asked to join while it follows someone else answers with a redirect to its leader; ranks
    only decrease along redirects, so they end. A peer asked while still gathering takes the join
    (it may well lead); if it then follows another leader after all (one its joiner had not seen),
    it redirects those it took there (`avg.redirect`), so that none waits for a group that never
@@ -18,14 +20,21 @@
    one), so matchmaking never deadlocks and never waits past the window.
 5. A peer banned here (bans.py) counts towards `expected` but is no candidate: it is not taken as
    a leader, not waited for, and its join is refused.
+
+Direct rounds. A caller that already knows who averages with it (a run's engine reads the peers
+at the run's head from its progress board) passes them as `RoundRequest.peers`: steps 1 and 2 are
+skipped, the candidates are those peers, and a follower whose leader has not begun its round yet
+(`NotGathering`) asks again for a moment instead of moving on. No DHT traffic, and no wait for
+announcements to spread: with a hundred peers, gathering through the DHT took most of a round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +43,18 @@ import structlog
 
 from .. import timebase
 from ..dht import DHTNode
-from ..net import Message, PeerTransport, RemoteError, RequestContext, TransportError
+from ..net import (
+    HandshakeError,
+    Message,
+    PeerAddress,
+    PeerTransport,
+    PeerUnreachableError,
+    RemoteError,
+    RequestContext,
+    TransportError,
+)
 from .bans import BanList
-from .errors import MatchmakingError
+from .errors import MatchmakingError, NotGathering
 from .group import Group, Member
 
 log = structlog.get_logger(__name__)
@@ -47,6 +65,10 @@ REDIRECT = "avg.redirect"
 JOIN_ACK_SECONDS = 3.0  # at most this long for a leader to acknowledge a join, else it is skipped
 DHT_PREFIX = "averaging/"
 POLL_SECONDS = (0.01, 0.2)  # between DHT reads while gathering: first, and at most (backing off)
+MAX_ADDRESSES = 8  # addresses an announcement gives, at most
+MAX_ADDRESS_CHARS = 512
+JOIN_ATTEMPTS = 4  # avg.join to a leader that refused the connection at once (see _call_leader)
+PATIENCE_WINDOWS = 1.0  # how long a direct round waits for its leader to begin, in windows
 EXTEND_WINDOWS = 4  # gathering lasts at most this many windows while too few trainers are seen
 
 # Given the members and the vector, the leader's choice of part ranges (the load balancer).
@@ -70,6 +92,13 @@ class RoundRequest:
     # (up to `EXTEND_WINDOWS` windows, within the deadline) instead of forming a group that
     # will not be stepped on (a peer that is late on a loaded machine still makes it).
     min_trainers: int = 1
+    # The peers the caller expects in the round (a run's engine knows them from the progress
+    # board): with them, matchmaking needs no DHT at all (see the module docstring).
+    peers: tuple[str, ...] = ()
+    # Who may lead, in the caller's words: the members of the round that made the run's head
+    # (they all know the same list, while views of who is at the head differ a little); the
+    # others of `peers` come after them.
+    leaders: tuple[str, ...] = ()
 
     def compatible(self, other: dict[str, Any]) -> bool:
         return (other.get("size") == self.size and other.get("compression") == self.compression
@@ -87,15 +116,19 @@ class _Gathering:
     joined: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
     redirect: asyncio.Future[str] | None = None  # while joining a leader: where it sends us instead
+    accepted: bool = False  # the leader we follow has taken our join
 
 
 class Matchmaker:
     def __init__(self, transport: PeerTransport, dht: DHTNode, planner: Planner, *,
-                 bans: BanList | None = None) -> None:
+                 bans: BanList | None = None,
+                 nonce: Callable[[int], bytes] = secrets.token_bytes) -> None:
         self._transport = transport
         self._dht = dht
         self._planner = planner
         self._bans = bans or BanList()
+        self._nonce = nonce  # of group ids (the simulator passes a seeded one)
+        self._rng = random.Random(nonce(8))
         self.peer_id = transport.peer_id
         self._rounds: dict[str, _Gathering] = {}
         transport.add_unary_handler(JOIN, self._on_join)
@@ -113,9 +146,17 @@ class Matchmaker:
         self._rounds[request.key] = gathering
         window_end = timebase.now() + request.window
         try:
+            if request.peers:
+                expected = {p for p in request.peers if self._bans.banned(p) is None}
+                expected.add(self.peer_id)
+                first = {p for p in request.leaders if self._bans.banned(p) is None}
+                order = [*_ranked(request.key, first), *_ranked(request.key, expected - first)]
+                return await self._settle(gathering, order, expected, window_end)
             await self._announce(request, window_end)
             candidates, window_end = await self._gather(request, window_end)
-            return await self._settle(gathering, candidates, window_end)
+            # Only a peer others can dial may lead; a peer nobody can dial only ever joins.
+            leaders = _ranked(request.key, [p for p, m in candidates.items() if m.can_reduce])
+            return await self._settle(gathering, leaders, set(candidates), window_end)
         finally:
             gathering.closed = True
             if not gathering.group.done():
@@ -126,7 +167,9 @@ class Matchmaker:
 
     async def _announce(self, request: RoundRequest, window_end: float) -> None:
         info = {**request.member.to_json(), "size": request.size, "compression": request.compression,
-                "chunk_elements": request.chunk_elements}
+                "chunk_elements": request.chunk_elements,
+                # how to reach us: a candidate may never have met us (a newcomer, a big swarm)
+                "addresses": [str(a) for a in self._transport.listen_addresses()[:MAX_ADDRESSES]]}
         try:
             await self._dht.store(DHT_PREFIX + request.key, orjson.dumps(info),
                                   window_end + 2 * _grace(request), sub_key=self.peer_id,
@@ -157,8 +200,11 @@ class Matchmaker:
                 log.debug("matchmaking_read_failed", key=request.key, error=str(exc))
                 record = None
             for sub_key, entry in (record.sub_keys.items() if record is not None else ()):
-                member = _member_from(entry.value, sub_key, request)
-                if member is not None:
+                found = _member_from(entry.value, sub_key, request)
+                if found is not None:
+                    member, addresses = found
+                    if sub_key not in seen and addresses:
+                        self._transport.learn_addresses(sub_key, addresses, first_hand=False)
                     seen[sub_key] = member
             if request.expected is not None and len(seen) >= request.expected:
                 break
@@ -171,11 +217,10 @@ class Matchmaker:
 
     # Deciding the leader -----------------------------------------------------------------
 
-    async def _settle(self, gathering: _Gathering, candidates: dict[str, Member],
+    async def _settle(self, gathering: _Gathering, leaders: list[str], candidates: set[str],
                       window_end: float) -> Group:
+        """Join the first of `leaders` that takes us (or lead, when we come first)."""
         request = gathering.request
-        # Only a peer others can dial may lead; a peer nobody can dial only ever joins.
-        leaders = sorted(pid for pid, m in candidates.items() if m.can_reduce)
         give_up = window_end + _grace(request)
         tried: set[str] = set()
         for _ in range(8):
@@ -186,6 +231,7 @@ class Matchmaker:
             if leader == self.peer_id:  # those that refused us have closed their round: not them
                 return await self._lead(gathering, candidates, give_up, gone=tried)
             gathering.leader = leader
+            gathering.accepted = False
             tried.add(leader)
             # Those that joined us while we were undecided follow us there (we do not lead).
             taken, gathering.joiners = list(gathering.joiners), {}
@@ -195,7 +241,7 @@ class Matchmaker:
             if isinstance(outcome, Group):
                 return outcome
             if outcome is not None and outcome not in tried:  # a redirect to the leader's leader
-                leaders = sorted({*leaders, outcome})
+                leaders = [outcome, *(p for p in leaders if p != outcome)]
         return self._alone(request)
 
     async def _join(self, gathering: _Gathering, leader: str, give_up: float) -> Group | str | None:
@@ -203,6 +249,8 @@ class Matchmaker:
         request = gathering.request
         header = {"key": request.key, "member": request.member.to_json(), "size": request.size,
                   "compression": request.compression, "chunk_elements": request.chunk_elements}
+        if request.peers:
+            header["direct"] = True
         access = self._dht.access  # a closed run's rounds need our membership token
         if access is not None and (token := access.credential(request.key)) is not None:
             header["token"] = token
@@ -216,12 +264,44 @@ class Matchmaker:
             gathering.redirect = None
             redirect.cancel()
 
+    async def _call_leader(self, leader: str, header: dict[str, Any], timeout: float,
+                           give_up: float) -> Message:
+        """avg.join, tried again (a few times, jittered) when the leader refused the connection
+        at once: a leader a hundred newcomers dial together has its handshake slots full for
+        a moment, which is no reason to give up on it (a leader that does not answer is)."""
+        attempt = 0
+        patience = timebase.now() + PATIENCE_WINDOWS * self._rounds_window(header)
+        while True:
+            started = timebase.monotonic()
+            try:
+                return await self._transport.call(leader, JOIN, Message(header), timeout=timeout)
+            except RemoteError as exc:
+                # the leader we expect has not begun its round yet (its last batch, a look at the
+                # run): it comes, give it a moment
+                if exc.kind != NotGathering.__name__ or not header.get("direct") \
+                        or timebase.now() + 0.2 >= min(give_up, patience):
+                    raise
+                await asyncio.sleep(0.1 + 0.2 * self._rng.random())
+                continue
+            except (PeerUnreachableError, HandshakeError) as exc:
+                attempt += 1
+                fast = timebase.monotonic() - started < timeout / 2
+                pause = (0.1 + 0.4 * self._rng.random()) * 2 ** attempt
+                if not fast or attempt >= JOIN_ATTEMPTS or timebase.now() + pause >= give_up:
+                    raise
+                log.debug("matchmaking_join_retry", leader=leader[:12], error=str(exc))
+                await asyncio.sleep(pause)
+
+    def _rounds_window(self, header: dict[str, Any]) -> float:
+        gathering = self._rounds.get(header.get("key", ""))
+        return gathering.request.window if gathering is not None else 1.0
+
     async def _join_leader(self, gathering: _Gathering, leader: str, header: dict[str, Any],
                            timeout: float, give_up: float,
                            redirect: asyncio.Future[str]) -> Group | str | None:
         request = gathering.request
         try:
-            reply = await self._transport.call(leader, JOIN, Message(header), timeout=timeout)
+            reply = await self._call_leader(leader, header, timeout, give_up)
         except RemoteError as exc:
             log.info("matchmaking_join_refused", leader=leader[:12], kind=exc.kind, error=exc.message)
             return None
@@ -230,6 +310,7 @@ class Matchmaker:
             return None
         if "redirect" in reply.header:
             return str(reply.header["redirect"])
+        gathering.accepted = True
         # accepted: the leader sends the group (avg.group) once it is assembled, or, if it follows
         # another peer after all, that peer's id (avg.redirect)
         await asyncio.wait([gathering.group, redirect], return_when=asyncio.FIRST_COMPLETED,
@@ -242,7 +323,7 @@ class Matchmaker:
         log.info("matchmaking_leader_never_sent_group", leader=leader[:12])
         return None
 
-    async def _lead(self, gathering: _Gathering, candidates: dict[str, Member], give_up: float,
+    async def _lead(self, gathering: _Gathering, candidates: set[str], give_up: float,
                     gone: set[str] | frozenset[str] = frozenset()) -> Group:
         """Wait for the others to join (until the window closes or all candidates are in)."""
         request = gathering.request
@@ -285,7 +366,7 @@ class Matchmaker:
         if len(members) == 1:
             return self._alone(request)
         ordered = tuple(sorted(members, key=lambda m: m.peer_id))
-        digest = hashlib.sha256(request.key.encode() + secrets.token_bytes(16)
+        digest = hashlib.sha256(request.key.encode() + self._nonce(16)
                                 + "".join(m.peer_id for m in ordered).encode()).hexdigest()
         # The load balancer's LP runs in a thread: the event loop never waits on it.
         bounds = await asyncio.to_thread(self._planner, ordered, request.size, request.chunk_elements)
@@ -296,7 +377,7 @@ class Matchmaker:
 
     def _alone(self, request: RoundRequest) -> Group:
         log.info("matchmaking_alone", key=request.key)
-        return Group("solo-" + secrets.token_hex(8), request.key, (request.member,), request.size,
+        return Group("solo-" + self._nonce(8).hex(), request.key, (request.member,), request.size,
                      ((0, request.size),), request.chunk_elements, request.compression,
                      request.deadline)
 
@@ -310,8 +391,12 @@ class Matchmaker:
             self._dht.access.authorize_read(ctx.peer_id, key, header.get("token"))
         gathering = self._rounds.get(key) if isinstance(key, str) else None
         if gathering is None:
-            raise MatchmakingError("no round of that key is being formed here")
+            raise NotGathering("no round of that key is being formed here")
         if gathering.leader is not None and gathering.leader != self.peer_id:
+            if gathering.request.peers and not gathering.accepted:
+                # a direct round: we still wait for the leader before us; if it never comes we
+                # lead, so ask again shortly rather than follow a leader that may not exist
+                raise NotGathering("still waiting for the round's leader; ask again shortly")
             return Message({"redirect": gathering.leader})
         try:
             member = Member.from_json(header["member"])
@@ -361,6 +446,13 @@ class Matchmaker:
         return Message({})
 
 
+def _ranked(key: str, peers: Iterable[str]) -> list[str]:
+    """Peers in the order they are asked to lead a round of `key`: by a hash of the key and the
+    peer id, so that every peer that sees the same candidates picks the same leader, and no peer
+    can choose an id that makes it lead (the key holds the run's lineage, unknown in advance)."""
+    return sorted(set(peers), key=lambda peer: hashlib.sha256(f"{key}\0{peer}".encode()).digest())
+
+
 def _ack_seconds(request: RoundRequest) -> float:
     return min(JOIN_ACK_SECONDS, max(0.5, 0.5 * request.window))
 
@@ -370,7 +462,10 @@ def _grace(request: RoundRequest) -> float:
     return max(0.5, 0.25 * request.window) + 2 * _ack_seconds(request)
 
 
-def _member_from(value: bytes, sub_key: str, request: RoundRequest) -> Member | None:
+def _member_from(value: bytes, sub_key: str, request: RoundRequest
+                 ) -> tuple[Member, list[PeerAddress]] | None:
+    """An announcement's member and the addresses it gives (at most MAX_ADDRESSES, each one
+    parsed; malformed ones are left out)."""
     try:
         info = orjson.loads(value)
         member = Member.from_json(info)
@@ -378,4 +473,14 @@ def _member_from(value: bytes, sub_key: str, request: RoundRequest) -> Member | 
         return None
     if member.peer_id != sub_key or not request.compatible(info):
         return None
-    return member
+    addresses: list[PeerAddress] = []
+    raw = info.get("addresses")
+    for text in raw[:MAX_ADDRESSES] if isinstance(raw, list) else ():
+        if isinstance(text, str) and len(text) <= MAX_ADDRESS_CHARS:
+            try:
+                address = PeerAddress.parse(text)
+            except ValueError:
+                continue
+            if address.target in (None, sub_key):
+                addresses.append(address)
+    return member, addresses

@@ -121,7 +121,8 @@ class RunEngine:
                  blocked: Callable[[], str | None] | None = None,
                  checkpoint: Callable[[], Awaitable[None]] | None = None,
                  checkpoint_every: int = 0, collaborative: bool = True, name: str = "",
-                 on_finished: Callable[[], None] | None = None) -> None:
+                 on_finished: Callable[[], None] | None = None,
+                 donors: DonorChoice | None = None) -> None:
         if role == "trainer" and trainer is None:
             raise ValueError("a trainer run needs a trainer")
         self.peer_id = peer_id
@@ -147,7 +148,7 @@ class RunEngine:
         self.epoch_history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.step_overhead: float | None = None
         self.paused_reason: str | None = None
-        self.donors = DonorChoice()
+        self.donors = donors or DonorChoice()
         self.started_at = timebase.now()
         self._stop = asyncio.Event()
         self._next_look = 0.0  # monotonic
@@ -156,6 +157,8 @@ class RunEngine:
         self._target_reached: tuple[Head, float] | None = None
         self._finished_at: float | None = None
         self._averaged: Head | None = None  # aux: the head of its last good round
+        self._head_group: tuple[str, ...] = ()  # the members of the round that made our head
+        self._aux_group: tuple[Head | None, tuple[str, ...]] = (None, ())  # aux: head it made
         self._farewell_sent = False
         self._epoch_loss = (0.0, 0)
         self._log = log.bind(run=name, role=role)
@@ -349,7 +352,8 @@ class RunEngine:
         report = await self.averaging.average(vector, round_key("grad", head), weight=weight,
                                               expected=action.expected, role="trainer",
                                               compression=self.compression,
-                                              min_trainers=needed_trainers(action, self.schedule))
+                                              min_trainers=needed_trainers(action, self.schedule),
+                                              peers=self._round_peers(), leaders=self._leaders())
         if report is not None:
             self.last_round = report
         result = None if report is None else RoundResult(report.trainers, report.senders,
@@ -366,17 +370,36 @@ class RunEngine:
         p.lr = await self.trainer.step(p.epoch)
         self._stepped(report)
         if state_round_due(self.schedule, p.epoch, report.trainers):
-            await self._average_state(report.trainers)
+            await self._average_state(report)
         every = self._checkpoint_every
         if every > 0 and p.epoch % every == 0:
             await self._save_checkpoint()
         self._schedule_look(0.0)  # the others are stepping too: look again now
+
+    def _leaders(self) -> tuple[str, ...]:
+        """Who leads a round at our head first: the members of the round that made it, as we
+        and every peer that came out of it know them; none when we do not know them (then every
+        peer ranks the same expected peers)."""
+        if self.role == "trainer":
+            return self._head_group
+        # an aux peer knows that list only if it was in the round that made the run's head
+        run = self.global_progress
+        return self._aux_group[1] if run is not None and self._aux_group[0] == run.head else ()
+
+    def _round_peers(self) -> tuple[str, ...]:
+        """Who a round at the run's head expects: the trainers there and the aux peers."""
+        run = self.global_progress
+        if run is None:
+            return ()
+        aux = [p["peer_id"] for p in run.live_peers if p["role"] == "aux"]
+        return tuple(sorted({*run.donors, *aux} - {self.peer_id}))
 
     def _stepped(self, report: AveragingReport) -> None:
         p = self.progress
         epoch, accumulated = p.epoch, p.accumulated
         p.epoch = epoch + 1
         p.lineage = next_lineage(p.lineage or "", report.group_id)
+        self._head_group = report.members
         p.accumulated = 0
         p.rounds += 1
         total, count = self._epoch_loss
@@ -396,7 +419,7 @@ class RunEngine:
             "matchmaking_seconds": report.matchmaking_seconds,
         })
 
-    async def _average_state(self, trainers: int) -> None:
+    async def _average_state(self, round_: AveragingReport) -> None:
         """Average parameters and optimizer state with the trainers of the round just done:
         float drift between devices is folded back in."""
         assert self.trainer is not None
@@ -404,9 +427,12 @@ class RunEngine:
         self.phase.set("averaging_state")
         state = await self.trainer.export_state()
         try:
+            aux = {p["peer_id"] for p in self.global_progress.live_peers if p["role"] == "aux"} \
+                if self.global_progress is not None else set()
+            peers = tuple(m for m in round_.members if m != self.peer_id and m not in aux)
             report = await self.averaging.average(
                 state.buffer.array[: state.numel], round_key("state", self.head), weight=1.0,
-                expected=trainers, role="trainer")
+                expected=round_.trainers, role="trainer", peers=peers, leaders=peers)
             if report is None or report.failed_parts or report.group_size < 2:
                 p.failed_state_rounds += 1
                 self._log.info("state_averaging_skipped", epoch=p.epoch,
@@ -415,6 +441,7 @@ class RunEngine:
             await self.trainer.load_state(state)
             p.state_rounds += 1
             p.lineage = next_lineage(p.lineage or "", f"state/{report.group_id}")
+            self._head_group = report.members
             self.last_state_round = report
         finally:
             state.close()
@@ -426,7 +453,8 @@ class RunEngine:
         report = await self.averaging.average(vector, round_key("grad", action.head), weight=0.0,
                                               expected=action.expected, role="aux",
                                               compression=self.compression,
-                                              min_trainers=needed_trainers(action, self.schedule))
+                                              min_trainers=needed_trainers(action, self.schedule),
+                                              peers=self._round_peers(), leaders=self._leaders())
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))
         if report is not None and report.group_size > 1:
@@ -435,6 +463,9 @@ class RunEngine:
                 and report.group_size > 1:
             self.progress.rounds += 1
             self._averaged = action.head
+            stepped_to = Head(action.head.epoch + 1,
+                              next_lineage(action.head.lineage or "", report.group_id))
+            self._aux_group = (stepped_to, report.members)
         else:
             self.progress.failed_rounds += 1
         self._schedule_look(0.0)
@@ -481,6 +512,7 @@ class RunEngine:
             state.close()
         self.donors.succeeded()
         p.epoch, p.lineage, p.accumulated = state.epoch, state.lineage, 0
+        self._head_group = state.group
         self._epoch_loss = (0.0, 0)
         p.state_downloads += 1
         self._schedule_look(0.0)
@@ -493,6 +525,7 @@ class RunEngine:
             raise StateSyncError("an aux peer holds no state")
         state = await self.trainer.export_state()
         state.epoch, state.lineage = self.progress.epoch, self.progress.lineage
+        state.group = self._head_group
         return state
 
     async def _save_checkpoint(self) -> None:

@@ -46,11 +46,13 @@ class ProgressBoard(Protocol):
 
 class RoundAverager(Protocol):
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
-                      role: Role, compression: str = "none",
-                      min_trainers: int = 1) -> AveragingReport | None:
+                      role: Role, compression: str = "none", min_trainers: int = 1,
+                      peers: tuple[str, ...] = (),
+                      leaders: tuple[str, ...] = ()) -> AveragingReport | None:
         """Average `vector` (float32, in place) with the peers averaging under the run's `key`,
-        waiting (a while) for at least `min_trainers` trainers; the round's report, or None if
-        no round could run at all."""
+        waiting (a while) for at least `min_trainers` trainers; `peers` are the ones expected
+        (no search for them is needed) and `leaders` those that may lead first. The round's
+        report, or None if no round could run."""
 
 
 class StateBuffer(Protocol):
@@ -72,6 +74,7 @@ class DownloadedState:
     meta: dict[str, Any]
     epoch: int
     lineage: str | None
+    group: tuple[str, ...] = ()  # the members of the round that made this head (they lead next)
 
     def close(self) -> None:
         self.buffer.close()

@@ -42,12 +42,14 @@ class NetworkRounds:
         await self.averager.prepare()
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
-                      role: Role, compression: str = "none",
-                      min_trainers: int = 1) -> AveragingReport | None:
+                      role: Role, compression: str = "none", min_trainers: int = 1,
+                      peers: tuple[str, ...] = (),
+                      leaders: tuple[str, ...] = ()) -> AveragingReport | None:
         averager = self.averager
         options = RoundOptions(key=f"{self.run_key}/{key}", weight=weight, role=role,
                                deadline=timebase.now() + ROUND_TIMEOUT, expected=expected,
-                               compression=compression, min_trainers=min_trainers)
+                               compression=compression, min_trainers=min_trainers,
+                               peers=peers, leaders=leaders)
         try:
             return await averager.average(vector, options)
         except AveragingError as exc:
@@ -62,8 +64,9 @@ class SoloRounds:
         self.peer_id = peer_id
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
-                      role: Role, compression: str = "none",
-                      min_trainers: int = 1) -> AveragingReport | None:
+                      role: Role, compression: str = "none", min_trainers: int = 1,
+                      peers: tuple[str, ...] = (),
+                      leaders: tuple[str, ...] = ()) -> AveragingReport | None:
         now = timebase.now()
         return AveragingReport(key=key, group_id=f"local/{key}", members=(self.peer_id,),
                                trainers=1 if role == "trainer" else 0,

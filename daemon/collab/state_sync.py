@@ -35,6 +35,8 @@ CHUNK_BYTES = 4 << 20
 MAX_STATE_BYTES = 64 << 30
 MAX_CONCURRENT_SERVES = 2  # a donor streams its state to at most this many peers at once
 BUSY_RETRY_SECONDS = 0.2
+MAX_GROUP = 1024  # peer ids of the round that made the state's head, at most
+MAX_PEER_ID = 128
 ROUND_WAIT_SECONDS = 20.0  # a donor mid-round serves its state after the round, waiting this long
 
 
@@ -90,7 +92,8 @@ class StateSharing:
         exported = await run.export_state()
         try:
             await stream.send(Message({"meta": exported.meta, "numel": exported.numel,
-                                       "epoch": exported.epoch, "lineage": exported.lineage}),
+                                       "epoch": exported.epoch, "lineage": exported.lineage,
+                                       "group": list(exported.group[:MAX_GROUP])}),
                               timeout=30)
             view = memoryview(exported.buffer.array).cast("B")[: exported.numel * 4]
             try:
@@ -122,9 +125,11 @@ async def download_state(transport: PeerTransport, donor: str, key: str, token: 
     if first is None or not isinstance(first.header.get("numel"), int):
         raise StateSyncError(f"{donor[:12]} sent no state header")
     numel, epoch, meta = first.header["numel"], first.header.get("epoch"), first.header.get("meta")
-    lineage = first.header.get("lineage")
+    lineage, group = first.header.get("lineage"), first.header.get("group", [])
     if not 0 < numel * 4 <= MAX_STATE_BYTES or not isinstance(epoch, int) or epoch < 0 \
-            or not isinstance(meta, dict) or not (lineage is None or is_lineage(lineage)):
+            or not isinstance(meta, dict) or not (lineage is None or is_lineage(lineage)) \
+            or not isinstance(group, list) or len(group) > MAX_GROUP \
+            or not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in group):
         raise StateSyncError(f"{donor[:12]} sent a malformed state header")
     buffer = allocate(numel)
     view = memoryview(buffer.array).cast("B")
@@ -144,7 +149,7 @@ async def download_state(transport: PeerTransport, donor: str, key: str, token: 
         buffer.close()
         raise StateSyncError(f"state download from {donor[:12]} failed: {exc}") from exc
     view.release()
-    return DownloadedState(buffer, numel, meta, epoch, lineage)
+    return DownloadedState(buffer, numel, meta, epoch, lineage, tuple(group))
 
 
 class NetworkStates:

@@ -291,6 +291,15 @@ class DHTNode:
             self._joined_event.set()
         return True
 
+    async def addresses_of(self, peer_id: str, *, timeout: float | None = None) -> list[PeerAddress]:
+        """How to dial `peer_id` as the DHT knows it: its routing-table entry, else a lookup of
+        it (the transport asks this for a peer known only by id, e.g. a round's leader)."""
+        node = self.routing_table.get(peer_id)
+        if node is not None and node.addresses:
+            return list(node.addresses)
+        contact = await self.find_peer(peer_id, timeout=timeout)
+        return [] if contact is None else list(contact.addresses)
+
     async def find_peer(self, peer_id: str, *, timeout: float | None = None) -> Contact | None:
         """Look up `peer_id` in the DHT; its contact if some node knows it (or it answered)."""
         if peer_id == self.peer_id:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import orjson
@@ -15,6 +16,9 @@ from .scenarios import SCENARIOS, run_scenario
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("PYTHONHASHSEED") != "0":  # set iteration orders too: one seed, one run
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, "-m", "dedloc.sim", *(argv or sys.argv[1:])])
     parser = argparse.ArgumentParser(prog="python -m dedloc.sim", description=__doc__)
     parser.add_argument("scenario", choices=sorted(SCENARIOS))
     parser.add_argument("--peers", type=int, default=16, help="trainers (default 16)")
@@ -23,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=10, help="epochs to run (default 10)")
     parser.add_argument("--max-group-size", type=int, default=None,
                         help="averaging.max_group_size (default: one group for all)")
+    parser.add_argument("--joiners", type=int, default=None,
+                        help="flash-crowd, churn: peers joining at once (default 100)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--log-level", default="error", help="the daemons' log level")
     args = parser.parse_args(argv)
@@ -31,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     level = getattr(logging, args.log_level.upper(), logging.ERROR)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
     run = {} if args.max_group_size is None else {"max_group_size": args.max_group_size}
+    script = {} if args.joiners is None or args.scenario not in ("flash-crowd", "churn") \
+        else {"joiners": args.joiners}
     result = run_virtual(run_scenario(args.scenario, args.peers, aux=args.aux, seed=args.seed,
-                                      epochs=args.epochs, **run))
+                                      epochs=args.epochs, script=script, **run))
     data = result.to_json()
     if args.json:
         sys.stdout.write(orjson.dumps(data).decode() + "\n")

@@ -308,8 +308,11 @@ SCENARIOS: dict[str, Callable[..., Awaitable[None]]] = {
 
 
 async def run_scenario(name: str, peers: int, *, aux: int | None = None, seed: int = 0,
-                       epochs: int = 10, **run: Any) -> Result:
-    """Run scenario `name` with `peers` trainers (and `aux` aux peers) on virtual time."""
+                       epochs: int = 10, script: dict[str, Any] | None = None,
+                       **run: Any) -> Result:
+    """Run scenario `name` with `peers` trainers (and `aux` aux peers) on virtual time.
+    `script`: the scenario's own knobs (flash-crowd: `joiners`; churn: `period`, `share`,
+    `joiners`; partition: `seconds`); `run`: RunSpec fields (e.g. `max_group_size`)."""
     if name not in SCENARIOS:
         raise ValueError(f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}")
     aux = max(1, peers // 16) if aux is None else aux
@@ -319,7 +322,7 @@ async def run_scenario(name: str, peers: int, *, aux: int | None = None, seed: i
     observer = Observer(swarm)
     result = Result(name, peers, aux, seed)
     try:
-        await SCENARIOS[name](swarm, observer, result, epochs)
+        await SCENARIOS[name](swarm, observer, result, epochs, **(script or {}))
         _finish(swarm, observer, result)
     finally:
         await swarm.close()

@@ -20,6 +20,7 @@ import structlog
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.averager import Averager
 from dedloc.daemon.collab.board import DhtProgressBoard
+from dedloc.daemon.collab.donors import DonorChoice
 from dedloc.daemon.collab.engine import RunEngine, RunProgress
 from dedloc.daemon.collab.lineage import initial_lineage
 from dedloc.daemon.collab.manifest import RunManifest
@@ -116,7 +117,8 @@ class SimPeer:
         self.swarm = swarm
         self.index = index
         self.spec = spec
-        self.identity = Identity.generate()
+        self.identity = Identity.from_seed(swarm.rng.randbytes(32))
+        self.rng = random.Random(swarm.rng.random())
         self.peer_id = self.identity.peer_id
         self.context = contextvars.copy_context()
         self.context.run(timebase.use, SkewedClock(swarm.loop, spec.skew))
@@ -146,11 +148,12 @@ class SimPeer:
                                                limits=TransportLimits(link=SIM_LINKS))
         self.membership = MembershipRegistry(self.identity)
         self.dht = DHTNode(self.transport, self.identity, SIM_DHT, access=self.membership,
-                           rng=random.Random(swarm.rng.random()))
+                           rng=random.Random(self.rng.random()))
         averaging = AveragingSection(window=run.window, max_group_size=run.max_group_size,
                                      upload_mbps=self.spec.link.upload * 8 / 1e6,
                                      download_mbps=self.spec.link.download * 8 / 1e6)
-        self.averager = Averager(self.transport, self.dht, averaging)
+        self.transport.set_address_resolver(lambda peer: self.dht.addresses_of(peer, timeout=5))
+        self.averager = Averager(self.transport, self.dht, averaging, nonce=self.rng.randbytes)
         manifest = run.manifest()
         board = DhtProgressBoard(self.dht, self.identity, self.membership, "sim", manifest,
                                  self.spec.role, run.size)
@@ -160,7 +163,7 @@ class SimPeer:
         await self.dht.start(bootstrap, wait=True)
         if self.spec.role == "trainer":
             self.trainer = VectorTrainer(run.size, samples_per_second=self.spec.samples_per_second,
-                                         run_seed=swarm.seed, data_seed=swarm.rng.randrange(2**31),
+                                         run_seed=swarm.seed, data_seed=self.rng.randrange(2**31),
                                          lr=run.lr)
         progress = RunProgress(lineage=initial_lineage(manifest.fingerprint()))
         self.engine = RunEngine(
@@ -168,7 +171,7 @@ class SimPeer:
             averaging=NetworkRounds(self.averager, board.key),
             states=NetworkStates(self.transport, self.membership, board.key, allocate=ArrayBuffer),
             trainer=self.trainer, progress=progress, parameters=run.size, timing=swarm.timing,
-            name="sim")
+            name="sim", donors=DonorChoice(rng=random.Random(self.rng.random())))
         self._key = board.key
         self._task = self.swarm.loop.create_task(self.engine.run(), context=self.context)
 

@@ -27,7 +27,10 @@ async def test_three_trainers_step_together(daemon_factory: Any) -> None:
     statuses = await wait_until(finished, timeout=240)
     for status in statuses:
         assert status["epoch"] == EPOCHS
-        assert status["failed_rounds"] == 0
+        # every epoch was stepped by all three in one round (min_peers 3: a round of fewer is
+        # not stepped on; on a loaded machine one may come too late and the round is repeated,
+        # which is what failed_rounds counts)
+        assert [e["trainers"] for e in status["epoch_history"]] == [3] * EPOCHS, status
         assert status["last_round"]["group_size"] == 3
         # every peer trained: the run needed all of them
         assert status["samples"] > 0

@@ -1,0 +1,73 @@
+"""The swarm simulator's scenarios, at sizes a test can afford (the command line runs the big
+ones: `python -m dedloc.sim steady --peers 64 --aux 4`), asserting what users of a run need:
+every live trainer in every round, one state per epoch (no split brain), peers in step, newcomers
+that contribute within two epochs, donors that share the load, flat memory.
+
+Each runs the real DHT, matchmaking, all-reduce, state download and run engine of every peer on
+virtual time: the wall time is what the code costs, and no timeout depends on the machine's load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dedloc.sim.scenarios import Result, run_scenario
+
+pytestmark = pytest.mark.virtual_time
+
+
+def _healthy(result: Result) -> None:
+    assert result.errors == [], result.errors
+    assert not result.split_brain, result.to_json()
+    assert result.max_epoch_spread <= 1, result.to_json()
+    assert result.memory_growth <= 1.5, result.to_json()
+
+
+async def test_steady_every_trainer_is_in_every_round() -> None:
+    result = await run_scenario("steady", 16, aux=2, epochs=4)
+    _healthy(result)
+    assert result.epochs >= 4
+    assert result.min_round_participation == 1.0, result.to_json()
+    assert result.failed_rounds == 0, result.to_json()
+    assert result.parameter_spread <= 1e-5, result.to_json()  # one state (float rounding aside)
+
+
+async def test_peers_that_lie_about_their_epoch_or_samples_change_nothing() -> None:
+    result = await run_scenario("liars", 20, aux=1, epochs=4)  # 1 liar in 20 (5 %)
+    _healthy(result)
+    assert result.epochs >= 4
+    assert result.min_round_participation >= 0.9, result.to_json()
+
+
+async def test_a_flash_crowd_of_newcomers_contributes_within_two_epochs() -> None:
+    result = await run_scenario("flash-crowd", 8, aux=1, epochs=4, script={"joiners": 16})
+    _healthy(result)
+    assert result.newcomers == 16
+    assert result.newcomer_epochs_to_contribute <= 2, result.to_json()
+    assert result.max_donor_load_ratio <= 3.0, result.to_json()
+    assert result.min_round_participation >= 0.9, result.to_json()
+
+
+async def test_a_partition_heals_into_one_run_without_going_back() -> None:
+    result = await run_scenario("partition", 12, aux=1, epochs=4, script={"seconds": 120.0})
+    _healthy(result)
+    assert result.epoch_went_backwards is False, result.to_json()
+    assert result.epochs_to_reconcile is not None and result.epochs_to_reconcile <= 2, \
+        result.to_json()
+
+
+async def test_churn_replaces_trainers_and_the_run_goes_on() -> None:
+    script: dict[str, Any] = {"period": 120.0, "share": 0.25, "joiners": 6}
+    result = await run_scenario("churn", 12, aux=1, epochs=8, script=script)
+    _healthy(result)
+    assert result.epochs >= 6, result.to_json()
+    assert result.newcomer_epochs_to_contribute <= 2, result.to_json()
+    assert result.min_round_participation >= 0.9, result.to_json()
+
+
+def test_an_unknown_scenario_is_named() -> None:
+    import asyncio
+    with pytest.raises(ValueError, match="unknown scenario"):
+        asyncio.run(run_scenario("tornado", 4))
