@@ -159,6 +159,7 @@ class RunEngine:
         self._averaged: Head | None = None  # aux: the head of its last good round
         self._head_group: tuple[str, ...] = ()  # the members of the round that made our head
         self._aux_group: tuple[Head | None, tuple[str, ...]] = (None, ())  # aux: head it made
+        self._promise: tuple[Head | None, int] = (None, 0)  # Local.promised, at that head
         self._farewell_sent = False
         self._epoch_loss = (0.0, 0)
         self._log = log.bind(run=name, role=role)
@@ -192,6 +193,8 @@ class RunEngine:
                 action = decide(view)
                 if read and view.blocked is None:  # what we do next is in our report
                     await self._publish(action)
+                if read and isinstance(action, Train):  # look again when the action says
+                    self._schedule_look(action.seconds)
                 if isinstance(action, Leave):
                     return action.reason
                 if isinstance(action, Train):
@@ -231,6 +234,12 @@ class RunEngine:
     async def _publish(self, action: Action) -> None:
         accumulated = self.progress.accumulated if self.role == "trainer" else 0
         planned = accumulated + action.samples if isinstance(action, Train) else accumulated
+        # what the others may extrapolate us to (they do only with a rate): trained before we
+        # average (policy: Local.promised)
+        if self._promise[0] != self.head:
+            self._promise = (self.head, 0)
+        if self.progress.samples_per_second:
+            self._promise = (self.head, max(self._promise[1], planned))
         self._farewell_sent = False
         await self.board.publish(self.own_report(planned))
 
@@ -258,8 +267,9 @@ class RunEngine:
                 self._target_reached is None or self._target_reached[0] != run.head):
             self._target_reached = (run.head, self._estimate_reached(run, now))
         p = self.progress
+        promised = self._promise[1] if self._promise[0] == self.head else 0
         local = Local(self.role, p.epoch, p.lineage, p.accumulated if self.role == "trainer" else 0,
-                      float(p.samples_per_second or 0.0))
+                      float(p.samples_per_second or 0.0), promised)
         if self.schedule.epochs is not None and self.role == "trainer" \
                 and p.epoch >= self.schedule.epochs and self._finished_at is None:
             self._finished_at = now
@@ -283,7 +293,6 @@ class RunEngine:
 
     async def _train(self, action: Train) -> None:
         assert self.trainer is not None
-        self._schedule_look(action.seconds)
         remaining = action.samples
         deadline = timebase.monotonic() + action.seconds
         while remaining > 0 and not self._stop.is_set():

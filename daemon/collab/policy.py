@@ -11,7 +11,10 @@ The rules, one each:
   there, average with everyone there (a trainer that has accumulated nothing, e.g. just after a
   download, first trains one batch, so that it contributes and steps with the others instead of
   falling behind); until then train, and look again after half the time to the target
-  (`next_report_delay`).
+  (`next_report_delay`). What a trainer says it will have accumulated by its next look
+  (`planned` in its report, no more than it trains until then) is what the others extrapolate
+  it to; it trains that much before it averages (`Local.promised`), so that the round's batch
+  is never short of the target because peers counted on each other's plans.
 - **Behind the head, or at its epoch on another lineage** (new, restarted, back from a pause, a
   round that failed for it, the smaller side of a partition): catch up, i.e. download the state
   of a peer at the head. A state never goes back to an earlier epoch.
@@ -31,6 +34,7 @@ once, when its trainers average.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -90,6 +94,9 @@ class Local:
     lineage: str | None
     accumulated: int = 0
     samples_per_second: float = 0.0
+    # the most this peer said it would accumulate at this head (its reports' `planned`, where
+    # others extrapolate it): it trains that much before it averages (see `decide`)
+    promised: int = 0
 
     @property
     def head(self) -> Head:
@@ -171,6 +178,10 @@ def decide(view: View) -> Action:
             return Average(run.head, run.trainers_at_epoch + run.live_aux, run.trainers_at_epoch)
         return Wait(now + look, "following the run")
     if local.head == run.head:
+        if run.ready and local.accumulated < local.promised:
+            # the others counted on what we said we would have: keep the word, or the round's
+            # batch falls short of the target
+            return Train(local.promised - local.accumulated, timing.max_chunk)
         if run.ready and local.accumulated == 0:  # one batch first: every trainer contributes
             return Train(1, timing.min_look)
         if run.ready:
@@ -184,14 +195,22 @@ def decide(view: View) -> Action:
                         " needed" if here < schedule.min_peers else
                         f"waiting for trainers: {here} of {base} at the head, a majority needed")
         wanted = min(schedule.target_batch_size - local.accumulated, run.remaining)
-        return Train(max(1, wanted), look)
+        return Train(_chunk(local, wanted, look), look)
     if local.epoch <= run.epoch:  # behind, or at the head's epoch on another lineage
         if run.donors:
             return CatchUp(run.head, run.donors)
         # the head is only the aux peers' word: nobody to download from
         return Wait(now + look, "waiting for a trainer at the run's head")
     # ahead: our step is not confirmed yet; what we accumulate counts once it is
-    return Train(max(1, schedule.target_batch_size - local.accumulated), look)
+    return Train(_chunk(local, schedule.target_batch_size - local.accumulated, look), look)
+
+
+def _chunk(local: Local, wanted: int, look: float) -> int:
+    """What to train before the next look: `wanted`, but no more than this peer trains in
+    `look` seconds (what it trains is what it promises, `Local.promised`)."""
+    if local.samples_per_second > 0 and math.isfinite(local.samples_per_second):
+        wanted = min(wanted, math.ceil(local.samples_per_second * look))
+    return max(1, wanted)
 
 
 def quorum_base(run: GlobalProgress) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given
@@ -170,10 +171,25 @@ def test_train_until_the_target_then_average() -> None:
     own = peer("me", samples=200)
     action = decide(view(own, [peer("a", samples=300)]))
     assert isinstance(action, Train)
-    assert action.samples == TARGET - 500
     assert 0 < action.seconds <= 5.0
+    # what the run needs, but no more than this peer trains before it looks again (10/s)
+    assert action.samples == min(TARGET - 500, math.ceil(10.0 * action.seconds))
+    unknown_rate = decide(view(peer("me", samples=200, sps=0.0), [peer("a", samples=300)]))
+    assert isinstance(unknown_rate, Train) and unknown_rate.samples == TARGET - 500
     ready = decide(view(peer("me", samples=500), [peer("a", samples=500), peer("x", role="aux")]))
     assert ready == Average(Head(1, L1), expected=3, trainers=2)
+
+
+def test_a_peer_trains_what_it_promised_before_it_averages() -> None:
+    """The others extrapolated us to what our last report planned: a round that starts on that
+    estimate gets those samples from us, so the batch is never short of the target."""
+    others = [peer("a", samples=TARGET)]
+    me = peer("me", samples=40)
+    promised = dataclasses.replace(view(me, others).local, promised=100)
+    action = decide(dataclasses.replace(view(me, others), local=promised))
+    assert action == Train(60, 0.5)
+    kept = dataclasses.replace(promised, accumulated=100)
+    assert isinstance(decide(dataclasses.replace(view(me, others), local=kept)), Average)
 
 
 def test_a_peer_with_nothing_accumulated_trains_a_batch_then_joins_the_round() -> None:
