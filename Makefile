@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml tests/example_plugin/pyproject.toml | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): most tests wait on real daemons, so more than the cores pay off.
+TEST_PROCESSES ?= 3
 
 .PHONY: demo test lint docs venv system-deps clean
 
@@ -43,7 +45,7 @@ demo: venv
 
 test: venv system-deps
 	$(PIP) install -q --force-reinstall --no-deps ./tests/example_plugin
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """Collaborative-run benchmark: N real dedlocd daemons train the built-in `tiny` workload together.
 
-    python benchmarks/collab.py --peers 4 --json [--epochs 15] [--target-batch-size 512]
+    python benchmarks/collab.py --peers 4 [--aux M] --json [--epochs 15] [--target-batch-size 512]
                                 [--batch-size 64] [--profile [--profile-dir DIR]]
 
 Starts N daemons on 127.0.0.1 only (temporary state directories), waits until every one has joined
@@ -26,6 +26,9 @@ the run.start calls to the last run finished (`run_start_seconds` of it until ev
 answered: worker start-up); `run_samples_per_second` is every peer's samples over `seconds`, and
 `steady_samples_per_second` the samples of epochs 1.. over the time from epoch 0 applied to the
 last epoch applied. If a daemon's run.status lacks a field this needs, it fails naming the field.
+With --aux M, M aux daemons (no worker) join the run by name and reduce in its rounds: a full
+group is then N + M. `daemon_peak_rss_mb` and `worker_peak_rss_mb` ({max, mean}) are the peak
+resident memory of each daemon and of each trainer's worker process, sampled every 0.5 s.
 
 Prints one JSON object (with --json, only that; without it a per-epoch table first).
 
@@ -115,7 +118,7 @@ class Daemon:
 
     @classmethod
     async def start(cls, index: int, root: Path, bootstrap: str | None, log_level: str,
-                    profile_dir: Path | None) -> Daemon:
+                    profile_dir: Path | None, extra: tuple[str, ...] = ()) -> Daemon:
         root.mkdir(parents=True)
         profile = profile_dir / f"d{index}.prof" if profile_dir else None
         argv = [sys.executable]
@@ -125,6 +128,7 @@ class Daemon:
                  "--log.level", log_level, "--net.listen", f"/ip4/{HOST}/tcp/0"]
         if bootstrap:
             argv += ["--net.bootstrap", bootstrap]
+        argv += extra
         log = (root / "dedlocd.log").open("wb")
         try:
             # A session of its own: a Ctrl-C in the terminal reaches only this script, which then
@@ -213,7 +217,9 @@ def check_fields(index: int, status: dict[str, Any]) -> None:
 
 
 def summarize(statuses: list[dict[str, Any]], peers: int,
-              target: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+              target: int, group: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(`group`: the full round's size, trainers and aux peers; default `peers`.)"""
+    group = peers if group is None else group
     """The result's numbers, and one row per epoch (for the table)."""
     for index, status in enumerate(statuses):
         check_fields(index, status)
@@ -242,7 +248,7 @@ def summarize(statuses: list[dict[str, Any]], peers: int,
         })
     steady = [r for r in rows if r["epoch"] != 0]
     first = next((r for r in rows if r["epoch"] == 0), None)
-    full = [r["epoch"] for r in rows if all(g == peers for g in r["groups"])]
+    full = [r["epoch"] for r in rows if all(g == group for g in r["groups"])]
     steady_seconds = (steady[-1]["applied_last"] - first["applied_last"]) if first and steady else None
     result = {
         "epoch_overhead_seconds": stats([r["overhead"] for r in steady]),
@@ -339,16 +345,98 @@ async def wait_finished(daemons: list[Daemon], timeout: float) -> None:
         await asyncio.sleep(0.25)
 
 
+AUX_ARGS = ("--node.role", "aux", "--averaging.upload_mbps", "10000", "--averaging.download_mbps",
+            "10000")  # an aux peer states its link (loopback): it has measured nothing yet
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+class MemorySampler:
+    """The peak resident memory of each daemon and of its worker processes (its children),
+    sampled every `interval` seconds while the run goes on."""
+
+    def __init__(self, daemons: list[Daemon], interval: float = 0.5) -> None:
+        self.daemons = daemons
+        self.interval = interval
+        self.daemon_peak = [0] * len(daemons)
+        self.worker_peak = [0] * len(daemons)
+
+    def sample(self) -> None:
+        for index, daemon in enumerate(self.daemons):
+            pid = daemon.process.pid
+            self.daemon_peak[index] = max(self.daemon_peak[index], _rss_bytes(pid))
+            workers = [_rss_bytes(child) for child in _children(pid)]
+            if workers:
+                self.worker_peak[index] = max(self.worker_peak[index], max(workers))
+
+    async def run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.interval)
+
+    def result(self, trainers: int) -> dict[str, Any]:
+        mib = 1024 * 1024
+        daemons = [v / mib for v in self.daemon_peak if v]
+        workers = [v / mib for v in self.worker_peak[:trainers] if v]
+        return {
+            "daemon_peak_rss_mb": {"max": round(max(daemons), 1) if daemons else None,
+                                   "mean": round(float(np.mean(daemons)), 1) if daemons else None},
+            "worker_peak_rss_mb": {"max": round(max(workers), 1) if workers else None,
+                                   "mean": round(float(np.mean(workers)), 1) if workers else None},
+            "total_peak_rss_mb": round(sum(daemons) + sum(workers), 1),
+        }
+
+
+async def _start_aux(daemon: Daemon, timeout: float = 120.0) -> None:
+    """run.start by name on an aux daemon, once the trainers' manifest is in the DHT."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await daemon.call("run.start", {"name": RUN})
+            return
+        except RpcError as exc:
+            if "no peer publishes" not in str(exc) or time.monotonic() > deadline:
+                raise BenchmarkError(f"aux daemon {daemon.index} could not join: {exc}") from None
+        await asyncio.sleep(0.5)
+
+
 async def benchmark(args: argparse.Namespace, workdir: Path, profile_dir: Path | None) -> dict[str, Any]:
     daemons: list[Daemon] = []
     codes: list[int] = []
+    sampler: asyncio.Task[None] | None = None
+    memory = MemorySampler(daemons)
     try:
         daemons.append(await Daemon.start(0, workdir / "d0", None, args.log_level, profile_dir))
         bootstrap = daemons[0].p2p_address(await daemons[0].wait_serving())
         daemons += await asyncio.gather(*(
-            Daemon.start(i, workdir / f"d{i}", bootstrap, args.log_level, profile_dir)
-            for i in range(1, args.peers)))
+            Daemon.start(i, workdir / f"d{i}", bootstrap, args.log_level, profile_dir,
+                         AUX_ARGS if i >= args.peers else ())
+            for i in range(1, args.peers + args.aux)))
         await asyncio.gather(*(d.wait_serving() for d in daemons[1:]))
+        memory = MemorySampler(daemons)
+        sampler = asyncio.create_task(memory.run())
+        trainers, aux = daemons[:args.peers], daemons[args.peers:]
         infos: list[dict[str, Any]] = []
         try:
             async with asyncio.timeout(60):
@@ -367,21 +455,30 @@ async def benchmark(args: argparse.Namespace, workdir: Path, profile_dir: Path |
                   "config": {"batch_size": args.batch_size}, "checkpoint_every": 0,
                   "average_state_every": 0}
         started = time.time()
-        await asyncio.gather(*(d.call("run.start", params) for d in daemons))
+        if aux:  # the aux peers first follow the run (min_peers keeps one trainer from stepping)
+            await trainers[0].call("run.start", params)
+            await asyncio.gather(*(_start_aux(d) for d in aux))
+            await asyncio.gather(*(d.call("run.start", params) for d in trainers[1:]))
+        else:
+            await asyncio.gather(*(d.call("run.start", params) for d in trainers))
         start_seconds = time.time() - started
-        await wait_finished(daemons, args.max_seconds)
+        await wait_finished(trainers, args.max_seconds)
         seconds = time.time() - started
-        statuses = [(await d.call("run.status", {"name": RUN}))[0] for d in daemons]
-        result, rows = summarize(statuses, args.peers, args.target_batch_size)
-        result.update(epoch_metrics(dedloc_histories(statuses, args.peers), args.peers))
+        statuses = [(await d.call("run.status", {"name": RUN}))[0] for d in trainers]
+        result, rows = summarize(statuses, args.peers, args.target_batch_size,
+                                 group=args.peers + args.aux)
+        result.update(epoch_metrics(dedloc_histories(statuses, args.peers + args.aux), args.peers))
         samples = sum(s["samples"] for s in statuses)
     finally:
+        if sampler is not None:
+            sampler.cancel()
         codes = list(await asyncio.shield(asyncio.gather(*(d.stop(args.stop_timeout) for d in daemons))))
     if not args.json:
         sys.stdout.write(table(rows))
     return {**result, "samples": samples, "seconds": round(seconds, 2),
             "run_start_seconds": round(start_seconds, 2),
-            "run_samples_per_second": round(samples / seconds, 1), "daemon_exit_codes": codes}
+            "run_samples_per_second": round(samples / seconds, 1), "daemon_exit_codes": codes,
+            "aux": args.aux, **memory.result(args.peers)}
 
 
 def hivemind_table(rows: list[dict[str, Any]]) -> str:
@@ -492,7 +589,9 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impl", choices=["dedloc", "hivemind", "both"], default="dedloc",
                         help="dedloc daemons, hivemind.Optimizer (collab_hivemind.py), or both in turn")
-    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--peers", type=int, default=4, help="trainers")
+    parser.add_argument("--aux", type=int, default=0,
+                        help="aux daemons (no worker: they only reduce), besides the trainers")
     parser.add_argument("--epochs", type=int,
                         help=f"default 15 (dedloc), 10 (hivemind, both); run.status keeps the last "
                              f"{HISTORY} epochs: more leave out the first")

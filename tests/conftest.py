@@ -26,6 +26,15 @@ settings.register_profile("ci", derandomize=True, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` runs the suite in a few processes (pytest-xdist, `--dist loadgroup`): the NAT
+    lab's tests share the root namespace's bridges, NAT rules and conntrack table, so they run
+    one after another in one process."""
+    for item in items:
+        if "natlab" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("natlab"))
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
                                   ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     """Tests marked `virtual_time` run on the simulator's virtual clock: their timeouts cannot

@@ -34,8 +34,14 @@ def _resources(pid: int) -> tuple[int, int]:
     return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _shm_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith(("dedloc", "psm_"))}
+def _shm_segments(pids: set[int] | None = None) -> set[str]:
+    """Shared-memory segments of ours: those the daemons `pids` created (their names carry the
+    creator's pid; other tests may run at the same time), else every dedloc and unnamed one."""
+    names = set(os.listdir("/dev/shm"))
+    if pids is None:
+        return {n for n in names if n.startswith(("dedloc", "psm_"))}
+    return {n for n in names
+            if n.startswith("dedloc-") and n.split("-")[1].isdigit() and int(n.split("-")[1]) in pids}
 
 
 async def _status(daemon: DaemonProcess) -> dict[str, Any]:
@@ -73,7 +79,6 @@ async def _settled(daemons: list[DaemonProcess]) -> list[tuple[int, int]]:
 
 
 async def test_killing_and_restarting_two_of_five_trainers(daemon_factory: Any) -> None:
-    shm_before = _shm_segments()
     daemons = await start_swarm(daemon_factory, 5, "--workers.threads", "1")
     address = await p2p_address(daemons[0])
     stable, victims = daemons[:3], daemons[3:]
@@ -154,10 +159,12 @@ async def test_killing_and_restarting_two_of_five_trainers(daemon_factory: Any) 
         for daemon in restarted:
             if daemon.process.returncode is None:
                 await daemon.kill()
+    pids = {d.process.pid for d in (*daemons, *restarted)}
+
     async def no_new_segments() -> bool:  # a killed daemon's resource tracker unlinks late
-        return _shm_segments() <= shm_before
+        return not _shm_segments(pids)
 
     try:
         await wait_until(no_new_segments, timeout=20, interval=0.5)
     except TimeoutError:
-        raise AssertionError(f"shared memory left behind: {_shm_segments() - shm_before}") from None
+        raise AssertionError(f"shared memory left behind: {_shm_segments(pids)}") from None

@@ -87,7 +87,7 @@ async def test_no_shared_memory_left_behind(launch: Callable[..., Any], buffers:
     del array
     buffers.close()
     # Only what this test and its worker made: other processes on the machine use /dev/shm too.
-    ours = (f"torch_{worker.process.pid}_", "dedloc", "psm_")
+    ours = (f"torch_{worker.process.pid}_", f"dedloc-{os.getpid()}-", "psm_")
     assert {n for n in set(os.listdir(SHM)) - before if n.startswith(ours)} == set()
     assert "resource_tracker" not in worker.log()
 
