@@ -53,6 +53,7 @@ class RoundOptions:
     min_trainers: int = 1  # matchmaking waits past its window for this many (RoundRequest)
     peers: tuple[str, ...] = ()  # who is expected, when the caller knows (a direct round)
     leaders: tuple[str, ...] = ()  # who may lead first (RoundRequest.leaders)
+    represents: int = 1  # trainers this peer's vector stands for (Member.represents)
 
 
 class NonFiniteVector(AveragingError):
@@ -131,7 +132,8 @@ class Averager:
         if role != "client" and not self.reachable:
             role = "client"  # nobody can dial us: we send, we do not reduce
         upload, download = self.advertised_bandwidth()
-        member = Member(self.peer_id, role, weight, upload, download, reachable=self.reachable)
+        member = Member(self.peer_id, role, weight, upload, download, reachable=self.reachable,
+                        represents=options.represents if weight > 0 else 0)
         window = options.window if options.window is not None else self.config.window
         window = max(0.1, min(window, (options.deadline - started) / 2))
         request = RoundRequest(options.key, member, size=int(vector.size),
@@ -175,6 +177,8 @@ class Averager:
     def _summarise(self, options: RoundOptions, group: Group, report: AllReduceReport | None,
                    started: float, matched: float, finished: float) -> AveragingReport:
         index = group.index_of(self.peer_id)
+        excluded = report.senders_excluded if report else {}
+        averaged = [m for m in group.members if m.sends and m.peer_id not in excluded]
         return AveragingReport(
             key=options.key,
             group_id=group.group_id,
@@ -192,6 +196,8 @@ class Averager:
             senders_excluded=dict(report.senders_excluded) if report else {},
             senders_rejected=dict(report.senders_rejected) if report else {},
             finished_at=finished,
+            weight=float(sum(m.weight for m in averaged)),
+            represented=sum(m.represents for m in averaged),
         )
 
     def status(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 Role = Literal["trainer", "aux", "client"]
 ROLES: tuple[Role, ...] = ("trainer", "aux", "client")
+MAX_REPRESENTS = 1 << 16  # trainers one member's vector may stand for (a grid round's stage)
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,9 @@ class Member:
 
     role: "trainer" sends its vector and may reduce; "aux" reduces but sends nothing (weight 0);
     "client" sends but never reduces (nobody can dial it). Bandwidths are bytes per second,
-    measured from past transfers (or the configured guess).
+    measured from past transfers (or the configured guess). `represents`: how many trainers'
+    contributions the member's vector already averages (1, but more in the later stages of a
+    grid round, collab/grid.py); at most `MAX_REPRESENTS`.
     """
 
     peer_id: str
@@ -29,6 +32,7 @@ class Member:
     upload: float
     download: float
     reachable: bool = True
+    represents: int = 1
 
     @property
     def sends(self) -> bool:
@@ -51,8 +55,12 @@ class Member:
             raise ValueError(f"a member's weight must be finite and not negative, not {weight}")
         if not (math.isfinite(upload) and math.isfinite(download) and upload > 0 and download > 0):
             raise ValueError("a member's bandwidths must be finite and positive")
+        represents = data.get("represents", 1)
+        if not isinstance(represents, int) or isinstance(represents, bool) \
+                or not 0 <= represents <= MAX_REPRESENTS:
+            raise ValueError(f"a member represents 0 to {MAX_REPRESENTS} trainers, not {represents!r}")
         return cls(str(data["peer_id"]), role, weight, upload, download,
-                   bool(data.get("reachable", True)))
+                   bool(data.get("reachable", True)), represents)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,9 @@ class AveragingReport:
     `shares` of the vector each reduces), how many members are `trainers` (every role but aux:
     the members that step on a gradient round) and `senders` (members that sent a vector), this
     peer's `part`, the timings, the traffic, and what failed (`failed_parts`: element ranges left
-    at the local value; `senders_excluded` and `senders_rejected`: peer id -> why)."""
+    at the local value; `senders_excluded` and `senders_rejected`: peer id -> why). `weight` is
+    the total weight of the senders whose vectors were averaged, `represented` the trainers they
+    stand for (`Member.represents`); a grid round's report (collab/grid.py) sums its `stages`."""
 
     key: str
     group_id: str
@@ -93,6 +95,9 @@ class AveragingReport:
     senders_excluded: dict[str, str]
     senders_rejected: dict[str, str]
     finished_at: float
+    weight: float = 0.0
+    represented: int = 0
+    stages: int = 1
 
     @property
     def group_size(self) -> int:
@@ -113,6 +118,7 @@ class AveragingReport:
             "failed_parts": [list(p) for p in self.failed_parts],
             "senders_excluded": dict(self.senders_excluded),
             "senders_rejected": dict(self.senders_rejected), "finished_at": self.finished_at,
+            "weight": self.weight, "represented": self.represented, "stages": self.stages,
         }
 
 

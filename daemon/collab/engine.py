@@ -362,7 +362,8 @@ class RunEngine:
                                               expected=action.expected, role="trainer",
                                               compression=self.compression,
                                               min_trainers=needed_trainers(action, self.schedule),
-                                              peers=self._round_peers(), leaders=self._leaders())
+                                              peers=self._round_peers(), leaders=self._leaders(),
+                                              aux=self._aux_peers())
         if report is not None:
             self.last_round = report
         result = None if report is None else RoundResult(report.trainers, report.senders,
@@ -400,8 +401,14 @@ class RunEngine:
         run = self.global_progress
         if run is None:
             return ()
-        aux = [p["peer_id"] for p in run.live_peers if p["role"] == "aux"]
-        return tuple(sorted({*run.donors, *aux} - {self.peer_id}))
+        return tuple(sorted({*run.donors, *self._aux_peers()} - {self.peer_id}))
+
+    def _aux_peers(self) -> tuple[str, ...]:
+        run = self.global_progress
+        if run is None:
+            return ()
+        return tuple(sorted({p["peer_id"] for p in run.live_peers if p["role"] == "aux"}
+                            - {self.peer_id}))
 
     def _stepped(self, report: AveragingReport) -> None:
         p = self.progress
@@ -425,7 +432,7 @@ class RunEngine:
             "target_reached_at": reached, "applied_at": applied_at, "overhead_seconds": overhead,
             "group_size": report.group_size, "trainers": report.trainers,
             "senders": report.senders, "round_seconds": report.seconds,
-            "matchmaking_seconds": report.matchmaking_seconds,
+            "matchmaking_seconds": report.matchmaking_seconds, "stages": report.stages,
         })
 
     async def _average_state(self, round_: AveragingReport) -> None:
@@ -441,7 +448,8 @@ class RunEngine:
             peers = tuple(m for m in round_.members if m != self.peer_id and m not in aux)
             report = await self.averaging.average(
                 state.buffer.array[: state.numel], round_key("state", self.head), weight=1.0,
-                expected=round_.trainers, role="trainer", peers=peers, leaders=peers)
+                expected=round_.trainers, role="trainer", peers=peers,
+                leaders=tuple(m for m in round_.members if m not in aux))
             if report is None or report.failed_parts or report.group_size < 2:
                 p.failed_state_rounds += 1
                 self._log.info("state_averaging_skipped", epoch=p.epoch,
@@ -463,7 +471,8 @@ class RunEngine:
                                               expected=action.expected, role="aux",
                                               compression=self.compression,
                                               min_trainers=needed_trainers(action, self.schedule),
-                                              peers=self._round_peers(), leaders=self._leaders())
+                                              peers=self._round_peers(), leaders=self._leaders(),
+                                              aux=self._aux_peers())
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))
         if report is not None and report.group_size > 1:
@@ -477,6 +486,10 @@ class RunEngine:
             self._aux_group = (stepped_to, report.members)
         else:
             self.progress.failed_rounds += 1
+            self._log.info("aux_round_failed", epoch=action.head.epoch,
+                           group_size=report and report.group_size,
+                           trainers=report and report.trainers, expected=action.trainers,
+                           failed_parts=report and len(report.failed_parts))
         self._schedule_look(0.0)
 
     async def _catch_up(self, action: CatchUp) -> None:

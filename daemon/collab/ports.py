@@ -47,12 +47,12 @@ class ProgressBoard(Protocol):
 class RoundAverager(Protocol):
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,
-                      peers: tuple[str, ...] = (),
-                      leaders: tuple[str, ...] = ()) -> AveragingReport | None:
+                      peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
+                      aux: tuple[str, ...] = ()) -> AveragingReport | None:
         """Average `vector` (float32, in place) with the peers averaging under the run's `key`,
         waiting (a while) for at least `min_trainers` trainers; `peers` are the ones expected
-        (no search for them is needed) and `leaders` those that may lead first. The round's
-        report, or None if no round could run."""
+        (no search for them is needed; `aux`: which of them are aux peers) and `leaders` those
+        that may lead first. The round's report, or None if no round could run."""
 
 
 class StateBuffer(Protocol):

@@ -4,7 +4,8 @@ A collaborative run's rounds go through `Averager.average` under `<run key>/<rou
 node's matchmaking window (averaging.window, 5 s by default), which ends as soon as the expected
 peers are seen; a shorter one loses peers far away (on a 200 ms lossy link, announcing takes a
 peer about 2 s, and the join's acknowledgement, half the window, runs out). A local run averages
-alone: its "round" is a group of one, at once.
+alone: its "round" is a group of one, at once. A round of more peers than
+`averaging.max_group_size` is a grid round (grid.py): a few stages of one group each.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .. import timebase
 from ..averaging.averager import RoundOptions
 from ..averaging.errors import AveragingError
 from ..averaging.report import AveragingReport
+from .grid import GridRounds
 from .progress import Role
 
 if TYPE_CHECKING:
@@ -31,11 +33,13 @@ ROUND_TIMEOUT = 60.0
 
 
 class NetworkRounds:
-    """Rounds with the run's peers, through the node's averager."""
+    """Rounds with the run's peers, through the node's averager: one group, or a grid round
+    (grid.py) when the peers expected are more than a group holds."""
 
     def __init__(self, averager: Averager, run_key: str) -> None:
         self.averager = averager
         self.run_key = run_key
+        self.grid = GridRounds(averager.peer_id, averager.config.max_group_size)
 
     async def prepare(self) -> None:
         """Load the load balancer before the first round needs it."""
@@ -43,15 +47,35 @@ class NetworkRounds:
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,
-                      peers: tuple[str, ...] = (),
-                      leaders: tuple[str, ...] = ()) -> AveragingReport | None:
-        averager = self.averager
+                      peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
+                      aux: tuple[str, ...] = ()) -> AveragingReport | None:
+        layout = self.grid.layout(key, [p for p in peers if p not in aux], aux, role, leaders) \
+            if peers else None
+        if layout is None:
+            return await self._round(vector, key, weight=weight, expected=expected, role=role,
+                                     compression=compression, min_trainers=min_trainers,
+                                     peers=peers, leaders=leaders)
+
+        async def stage(part: np.ndarray, label: str, stage_weight: float, represents: int,
+                        stage_peers: tuple[str, ...], first: tuple[str, ...],
+                        stage_min: int) -> AveragingReport | None:
+            return await self._round(part, f"{key}/{label}", weight=stage_weight,
+                                     expected=len(stage_peers) + 1, role=role,
+                                     compression=compression, min_trainers=stage_min,
+                                     peers=stage_peers, leaders=first, represents=represents)
+
+        return await self.grid.average(layout, vector, key, weight=weight, role=role,
+                                       stage_round=stage)
+
+    async def _round(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
+                     role: Role, compression: str, min_trainers: int, peers: tuple[str, ...],
+                     leaders: tuple[str, ...], represents: int = 1) -> AveragingReport | None:
         options = RoundOptions(key=f"{self.run_key}/{key}", weight=weight, role=role,
                                deadline=timebase.now() + ROUND_TIMEOUT, expected=expected,
                                compression=compression, min_trainers=min_trainers,
-                               peers=peers, leaders=leaders)
+                               peers=peers, leaders=leaders, represents=represents)
         try:
-            return await averager.average(vector, options)
+            return await self.averager.average(vector, options)
         except AveragingError as exc:
             log.warning("averaging_round_not_run", run=self.run_key, round=key, error=str(exc))
             return None
@@ -65,8 +89,8 @@ class SoloRounds:
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,
-                      peers: tuple[str, ...] = (),
-                      leaders: tuple[str, ...] = ()) -> AveragingReport | None:
+                      peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
+                      aux: tuple[str, ...] = ()) -> AveragingReport | None:
         now = timebase.now()
         return AveragingReport(key=key, group_id=f"local/{key}", members=(self.peer_id,),
                                trainers=1 if role == "trainer" else 0,

@@ -1,5 +1,6 @@
-"""`python -m dedloc.sim SCENARIO --peers N [--aux M] [--seed S] [--epochs E] [--json]`: run one
-scenario of the swarm simulator and print what it measured (scenarios.py)."""
+"""`python -m dedloc.sim SCENARIO --peers N [--aux M] [--seed S] [--epochs E] [--max-group-size G]
+[--average-state-every K] [--joiners J] [--json]`: run one scenario of the swarm simulator and
+print what it measured (scenarios.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=10, help="epochs to run (default 10)")
     parser.add_argument("--max-group-size", type=int, default=None,
                         help="averaging.max_group_size (default: one group for all)")
+    parser.add_argument("--average-state-every", type=int, default=None,
+                        help="the manifest's average_state_every (default 0: never)")
     parser.add_argument("--joiners", type=int, default=None,
                         help="flash-crowd, churn: peers joining at once (default 100)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     level = getattr(logging, args.log_level.upper(), logging.ERROR)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
     run = {} if args.max_group_size is None else {"max_group_size": args.max_group_size}
+    if args.average_state_every is not None:
+        run["average_state_every"] = args.average_state_every
     script = {} if args.joiners is None or args.scenario not in ("flash-crowd", "churn") \
         else {"joiners": args.joiners}
     result = run_virtual(run_scenario(args.scenario, args.peers, aux=args.aux, seed=args.seed,

@@ -3,7 +3,9 @@
 Each scenario starts a `Swarm`, follows a script of joins, leaves, partitions and liars on
 virtual time, watches every peer (`Observer`) and returns a `Result`:
 - `split_brain`: two peers stepped the same epoch into different states (two lineages from one
-  epoch, or one lineage with different parameters); in `partition`, only outside the partition;
+  epoch, or one lineage with different parameters; after a grid round, collab/grid.py, only two
+  lineages: its slices' averages agree up to float rounding, see `parameter_spread`); in
+  `partition`, only outside the partition;
 - `min_round_participation`: the lowest share, over the rounds, of the live trainers that had
   synced with the run before the round (stepped or downloaded once) and stepped in it;
 - `max_epoch_spread`: the largest gap between the epochs of such trainers, sampled every second;
@@ -13,6 +15,8 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   served any;
 - `memory_growth`: resident memory per live peer at the end over the same after the first
   epochs (flat: about 1);
+- `parameter_spread`: over the live trainers at the end, the largest deviation of a parameter
+  from their mean, over the largest mean parameter (relative);
 - `partition` also: `epochs_to_reconcile` (after the heal, epochs until every live trainer holds
   the same parameters) and `epoch_went_backwards`.
 """
@@ -135,7 +139,9 @@ class Observer:
         # has not moved on since; a later step's state is recorded by that step
         digest = _digest(peer) if peer.engine is not None and peer.engine.progress.epoch == epoch + 1 \
             else b""
-        self.steps[epoch][lineage].add(digest)
+        # a grid round's slices average in another order: the same state up to float rounding,
+        # not to the bit (parameter_spread measures it)
+        self.steps[epoch][lineage].add(digest if entry.get("stages", 1) == 1 else b"")
         if self.excluding:
             self.excluded_epochs.add(epoch)
         self.participants[(epoch, lineage)] += 1
@@ -202,6 +208,12 @@ def _run_epoch(swarm: Swarm) -> int:
                 if p.engine is not None and p.spec.role == "trainer"), default=0)
 
 
+def _all_at(swarm: Swarm, epoch: int) -> bool:
+    """Every live trainer has stepped to `epoch` (a scenario ends between rounds, not in one)."""
+    return all(p.engine.progress.epoch >= epoch for p in swarm.live
+               if p.engine is not None and p.spec.role == "trainer")
+
+
 def _spec(swarm: Swarm, rng_speed: bool = True) -> PeerSpec:
     rng = swarm.rng
     speed = rng.uniform(50.0, 150.0) if rng_speed else 100.0
@@ -238,7 +250,7 @@ async def _steady(swarm: Swarm, observer: Observer, result: Result, epochs: int)
     await _start(swarm, result.peers, result.aux, observer)
     start = _run_epoch(swarm)
     await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
-                   until=lambda: _run_epoch(swarm) >= start + epochs)
+                   until=lambda: _all_at(swarm, start + epochs))
 
 
 async def _flash_crowd(swarm: Swarm, observer: Observer, result: Result, epochs: int,

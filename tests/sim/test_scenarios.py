@@ -34,6 +34,20 @@ async def test_steady_every_trainer_is_in_every_round() -> None:
     assert result.parameter_spread <= 1e-5, result.to_json()  # one state (float rounding aside)
 
 
+async def test_more_trainers_than_a_group_holds_still_train_one_model() -> None:
+    # 24 trainers + 2 aux with groups of at most 8: grid rounds of 5 x 5 (collab/grid.py)
+    result = await run_scenario("steady", 24, aux=2, epochs=4, max_group_size=8,
+                                average_state_every=2)
+    _healthy(result)
+    assert result.epochs >= 4
+    assert result.min_round_participation == 1.0, result.to_json()
+    # (an aux peer whose view of the first head differs from the trainers' may reduce nothing
+    # in that round: its round fails, no trainer's does)
+    assert result.failed_rounds <= result.aux, result.to_json()
+    assert result.state_downloads == 0, result.to_json()  # nobody fell off the head
+    assert result.parameter_spread <= 1e-3, result.to_json()
+
+
 async def test_peers_that_lie_about_their_epoch_or_samples_change_nothing() -> None:
     result = await run_scenario("liars", 20, aux=1, epochs=4)  # 1 liar in 20 (5 %)
     _healthy(result)

@@ -1,0 +1,204 @@
+"""Grid rounds: a run with more peers than one group may hold still averages as one.
+
+A round of `n` trainers, more than `averaging.max_group_size` (G) with the aux peers, runs as a
+Moshpit-style grid average (Ryabinin et al., "Moshpit SGD", NeurIPS 2021): the trainers are laid
+out on a `d`-dimensional grid of side `M` (the least `d` with `M = ceil(n ** (1/d))` small enough
+that a group of M and its aux peers fits in G), each trainer at the cell given by its rank in an
+order by a hash of the round's key and its peer id. The round has `d` stages; in stage `s` each
+trainer averages with the trainers that share all its coordinates but the s-th (a row, then a
+column, ...), weighted by the weight each brings: after stage `s` its vector is the weighted mean
+of the `M ** (s+1)` trainers of its slice, and their total weight is the weight it brings to the
+next stage. On a full grid (n = M ** d) that is the exact weighted mean of all n trainers after
+the last stage, the same on every trainer; on a partly filled one the slices of the last stage
+differ by the cells left empty, and the averages differ a little (state averaging, which runs on
+the same grid, brings the parameters back together: each pass divides their spread).
+
+Every peer that sees the same trainers at the run's head (the progress board) computes the same
+grid, so stages need no search for peers: each is a direct round (matchmaking.py) under a key
+that names the stage and the slice. A peer whose view differs (a trainer that joined a moment
+ago) lands in a smaller slice for one round; nothing else breaks. Aux peers hold no cell: in
+each stage an aux peer reduces for one slice, chosen by a hash, and the trainers of that slice
+expect it.
+
+What a stage reports (`AveragingReport.represented`, `weight`) is what the next stage sends;
+the round's report (`grid_report`) says how many trainers the final average stands for (its
+`trainers` and `senders`, which the step rule measures against the run's trainers), names the
+round after its key (`grid/<key>`, the same for every member: the lineage after the step is
+then the same on every trainer of the round), and lists as its members every peer the grid was
+laid out for (each one's slices met all of them, directly or through the others: the state
+round that may follow lays out the same grid from them). The cells go to the members of the
+round that made the run's head (every peer out of it knows the same list); trainers new to the
+head help like aux peers. Pure layout functions here; `GridRounds` runs the stages through
+one-group rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from ..averaging.report import AveragingReport, merge_ranges
+from .progress import Role
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["GridLayout", "GridRounds", "Stage", "grid_layout", "grid_report"]
+
+MAX_STAGES = 4
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a grid round for one peer: the key suffix naming its slice and the peers
+    (trainers and aux) it averages with there, itself included."""
+
+    label: str
+    peers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """Where each trainer of a grid round sits (`cells`), and who else takes part (`helpers`:
+    aux peers, and trainers that hold no cell: newcomers to the head)."""
+
+    side: int
+    dimensions: int
+    cells: dict[str, tuple[int, ...]]  # trainer -> its coordinates
+    helpers: tuple[str, ...] = ()
+
+    def stages(self, peer: str, key: str = "") -> list[Stage]:
+        """The stages `peer` (a trainer with a cell, or one of the helpers) takes part in."""
+        out = []
+        for s in range(self.dimensions):
+            slices: dict[str, list[str]] = {}
+            for trainer, cell in self.cells.items():
+                slices.setdefault(_label(cell, s), []).append(trainer)
+            labels = sorted(slices)
+            label = _label(self.cells[peer], s) if peer in self.cells \
+                else labels[_hash_index(key, f"helper\0{peer}\0{s}", len(labels))]
+            helpers = [h for h in self.helpers
+                       if labels[_hash_index(key, f"helper\0{h}\0{s}", len(labels))] == label]
+            out.append(Stage(f"m{s}/{label}", tuple(sorted({*slices[label], *helpers}))))
+        return out
+
+
+def grid_layout(key: str, trainers: Sequence[str], max_group_size: int,
+                helpers: Sequence[str] = ()) -> GridLayout | None:
+    """The grid of a round of `trainers` (each given a cell) and `helpers` under `key`, or None
+    when they fit in one group (or no grid of at most MAX_STAGES stages fits)."""
+    base = sorted(set(trainers))
+    extra = sorted(set(helpers) - set(base))
+    n = len(base)
+    if n + len(extra) <= max_group_size or n < 2:
+        return None
+    for dimensions in range(2, MAX_STAGES + 1):
+        side = _root_ceil(n, dimensions)
+        slices = math.ceil(n / side)  # slices per stage, about
+        if side < 2 or side + math.ceil(2 * len(extra) / slices) > max_group_size:
+            continue  # (helpers land in slices by a hash: room for twice their mean)
+        ranked = sorted(base, key=lambda p: hashlib.sha256(f"{key}\0grid\0{p}".encode()).digest())
+        cells = {p: tuple((i // side ** s) % side for s in range(dimensions))
+                 for i, p in enumerate(ranked)}
+        return GridLayout(side, dimensions, cells, tuple(extra))
+    return None
+
+
+def _root_ceil(n: int, d: int) -> int:
+    """The least m with m ** d >= n."""
+    m = max(1, round(n ** (1 / d)))
+    while m ** d < n:
+        m += 1
+    while m > 1 and (m - 1) ** d >= n:
+        m -= 1
+    return m
+
+
+def _label(cell: tuple[int, ...], s: int) -> str:
+    return ".".join("x" if i == s else str(c) for i, c in enumerate(cell))
+
+
+def _hash_index(key: str, text: str, count: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{key}\0{text}".encode()).digest()[:8], "big") % count
+
+
+def grid_report(key: str, stages: Sequence[AveragingReport], everyone: Sequence[str]) -> AveragingReport:
+    """The round's report from its stages' (see the module docstring); its members are
+    `everyone` the grid was laid out for (met in a stage or through one)."""
+    last = stages[-1]
+    represented = last.represented
+    members = sorted({*everyone, *(m for r in stages for m in r.members)})
+    failed = merge_ranges(p for r in stages for p in r.failed_parts)
+    excluded: dict[str, str] = {}
+    rejected: dict[str, str] = {}
+    for r in stages:
+        excluded.update(r.senders_excluded)
+        rejected.update(r.senders_rejected)
+    return AveragingReport(
+        key=key, group_id=f"grid/{key}", members=tuple(members), trainers=represented,
+        senders=represented, part=stages[0].part, shares=stages[0].shares,
+        seconds=round(sum(r.seconds for r in stages), 4),
+        matchmaking_seconds=round(sum(r.matchmaking_seconds for r in stages), 4),
+        allreduce_seconds=round(sum(r.allreduce_seconds for r in stages), 4),
+        bytes_sent=sum(r.bytes_sent for r in stages),
+        bytes_received=sum(r.bytes_received for r in stages), failed_parts=failed,
+        senders_excluded=excluded, senders_rejected=rejected, finished_at=last.finished_at,
+        weight=last.weight, represented=represented, stages=len(stages))
+
+
+# One stage: (vector, key suffix, weight, represents, peers, leaders, min_trainers) -> report.
+StageRound = Callable[[np.ndarray, str, float, int, tuple[str, ...], tuple[str, ...], int],
+                      Awaitable[AveragingReport | None]]
+
+
+class GridRounds:
+    """Runs a grid round's stages through `stage_round` (one group each)."""
+
+    def __init__(self, peer_id: str, max_group_size: int) -> None:
+        self.peer_id = peer_id
+        self.max_group_size = max_group_size
+
+    def layout(self, key: str, trainers: Sequence[str], aux: Sequence[str], role: Role,
+               leaders: Sequence[str] = ()) -> GridLayout | None:
+        """The grid of a round with `trainers` and `aux` peers (this peer aside). The cells go
+        to the trainers among `leaders` (the members of the round that made the head: the same
+        list on every peer that came out of it, where views of who is at the head differ a
+        little, and a grid laid out on another set of trainers puts everyone elsewhere); the
+        other trainers and the aux peers are helpers. Without leaders, the cells go to all the
+        trainers this peer sees."""
+        me = {self.peer_id}
+        seen = {*trainers, *(me if role == "trainer" else set())}
+        base = (seen & set(leaders)) - set(aux) if leaders else seen
+        if len(base) < 2:
+            base = seen
+        helpers = {*aux, *(me if role == "aux" else set()), *(seen - base)}
+        return grid_layout(key, sorted(base), self.max_group_size, sorted(helpers))
+
+    async def average(self, layout: GridLayout, vector: np.ndarray, key: str, *, weight: float,
+                      role: Role, stage_round: StageRound) -> AveragingReport | None:
+        """The grid round; None if its first stage could not run. A stage that fails ends the
+        round there (its report says what failed)."""
+        everyone = [*layout.cells, *layout.helpers]
+        reports: list[AveragingReport] = []
+        represents = 1 if weight > 0 and role != "aux" else 0
+        for stage in layout.stages(self.peer_id, key):
+            peers = tuple(p for p in stage.peers if p != self.peer_id)
+            first: tuple[str, ...] = ()  # who leads: by rank in the slice (the same for all)
+            expected_trainers = sum(1 for p in stage.peers if p in layout.cells)
+            report = await stage_round(vector, stage.label, weight, represents, peers, first,
+                                       expected_trainers // 2 + 1)
+            if report is None:
+                return grid_report(key, reports, everyone) if reports else None
+            reports.append(report)
+            log.debug("grid_stage_done", key=key, stage=stage.label, role=role,
+                      group_size=report.group_size, represented=report.represented,
+                      expected=len(stage.peers), failed_parts=len(report.failed_parts))
+            if report.failed_parts:
+                break
+            if role != "aux":
+                weight, represents = report.weight, report.represented
+        return grid_report(key, reports, everyone)

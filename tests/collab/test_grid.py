@@ -1,0 +1,155 @@
+"""Grid rounds (collab/grid.py): the layout, and the stages composed over an in-memory rendezvous
+that averages each slice exactly (so what is tested is the composition, in milliseconds)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from dedloc.daemon.averaging.report import AveragingReport
+from dedloc.daemon.collab.grid import GridRounds, grid_layout
+
+
+def _ids(n: int) -> list[str]:
+    return [f"{i:04x}" + "ab" * 30 for i in range(n)]
+
+
+@pytest.mark.parametrize(("n", "group", "expected"), [
+    (8, 8, None), (8, 9, None), (9, 8, (3, 2)), (256, 32, (16, 2)), (256, 16, (16, 2)),
+    (257, 16, (7, 3)), (1000, 8, (6, 4)), (5000, 8, None),
+])
+def test_the_grid_is_the_smallest_that_fits(n: int, group: int, expected: tuple[int, int] | None) -> None:
+    layout = grid_layout("k", _ids(n), group)
+    assert (None if layout is None else (layout.side, layout.dimensions)) == expected
+
+
+def test_a_full_grid_meets_every_trainer_once_per_stage() -> None:
+    trainers = _ids(256)
+    layout = grid_layout("grad/3/abc", trainers, 32)
+    assert layout is not None and len(set(layout.cells.values())) == 256
+    for s in range(layout.dimensions):
+        slices = {layout.stages(p)[s] for p in trainers}
+        assert len(slices) == 16 and all(len(stage.peers) == 16 for stage in slices)
+        # every trainer is in exactly one slice per stage, and its own
+        assert Counter(p for stage in slices for p in stage.peers) == Counter(trainers)
+        assert all(p in layout.stages(p, "grad/3/abc")[s].peers for p in trainers)
+
+
+def test_every_peer_computes_the_same_grid_and_another_key_another_one() -> None:
+    trainers = _ids(100)
+    a = grid_layout("grad/1/x", trainers, 16)
+    b = grid_layout("grad/1/x", list(reversed(trainers)), 16)
+    c = grid_layout("grad/2/y", trainers, 16)
+    assert a is not None and b is not None and c is not None
+    assert a.cells == b.cells and a.cells != c.cells
+
+
+def test_aux_peers_reduce_for_one_slice_per_stage_and_those_trainers_expect_them() -> None:
+    trainers, aux = _ids(64), [f"aux{i}" for i in range(4)]
+    layout = grid_layout("k", trainers, 12, aux)
+    assert layout is not None
+    for s in range(layout.dimensions):
+        for a in aux:
+            stage = layout.stages(a, "k")[s]
+            assert a in stage.peers
+            for t in (p for p in stage.peers if p in layout.cells):
+                assert layout.stages(t, "k")[s] == stage
+
+
+def test_the_cells_go_to_the_last_rounds_members_and_newcomers_help() -> None:
+    trainers = _ids(40)
+    old, new = trainers[:36], trainers[36:]
+    views = [GridRounds(p, 8).layout("k", [t for t in trainers if t != p], (), "trainer", old)
+             for p in (old[0], old[17], new[0])]
+    assert all(v is not None for v in views)
+    assert views[0] == views[1] == views[2]  # every peer lays out the same grid
+    assert set(views[0].cells) == set(old) and set(views[0].helpers) == set(new)
+    # a peer that does not see one newcomer yet still puts every old member in the same cell
+    partial = GridRounds(old[3], 8).layout("k", [t for t in trainers if t not in (old[3], new[1])],
+                                           (), "trainer", old)
+    assert partial is not None and partial.cells == views[0].cells
+
+
+@dataclass
+class Rendezvous:
+    """Averages each stage key's vectors exactly once every expected peer has arrived."""
+
+    arrivals: dict[str, list[tuple[str, np.ndarray, float, int, asyncio.Future[AveragingReport]]]] = \
+        field(default_factory=dict)
+    missing: set[str] = field(default_factory=set)  # these peers never come
+
+    def stage_round(self, peer: str, key: str):
+        async def run(vector, label, weight, represents, peers, leaders, min_trainers):
+            slot = self.arrivals.setdefault(f"{key}/{label}", [])
+            done: asyncio.Future[AveragingReport] = asyncio.get_running_loop().create_future()
+            slot.append((peer, vector, weight, represents, done))
+            expected = {peer, *peers} - self.missing
+            if {p for p, *_ in slot} == expected:
+                senders = [(v, w, r) for _, v, w, r, _ in slot if w > 0]
+                total = sum(w for _, w, _ in senders)
+                mean = sum(v * w for v, w, _ in senders) / total
+                members = tuple(sorted(p for p, *_ in slot))
+                for _, v, _, _, future in slot:
+                    v[:] = mean
+                    future.set_result(AveragingReport(
+                        key=label, group_id=label, members=members, trainers=len(members),
+                        senders=len(senders), part=(0, 0), shares=(), seconds=0.0,
+                        matchmaking_seconds=0.0, allreduce_seconds=0.0, bytes_sent=0,
+                        bytes_received=0, failed_parts=(), senders_excluded={},
+                        senders_rejected={}, finished_at=0.0, weight=total,
+                        represented=sum(r for *_, r in senders)))
+            return await done
+        return run
+
+
+async def _grid_round(n: int, group: int, key: str = "grad/0/x", missing: int = 0):
+    rng = np.random.default_rng(5)
+    trainers = _ids(n)
+    vectors = {p: rng.normal(size=6).astype(np.float32) for p in trainers}
+    inputs = {p: v.copy() for p, v in vectors.items()}
+    weights = {p: float(rng.integers(1, 50)) for p in trainers}
+    rendezvous = Rendezvous(missing=set(trainers[:missing]))
+    present = trainers[missing:]
+    exact = sum(vectors[p] * weights[p] for p in present) / sum(weights[p] for p in present)
+
+    async def one(peer: str) -> AveragingReport | None:
+        rounds = GridRounds(peer, group)
+        layout = rounds.layout(key, [p for p in trainers if p != peer], (), "trainer")
+        assert layout is not None
+        return await rounds.average(layout, vectors[peer], key, weight=weights[peer],
+                                    role="trainer", stage_round=rendezvous.stage_round(peer, key))
+    reports = await asyncio.gather(*(one(p) for p in present))
+    spread = float(np.mean([np.linalg.norm(inputs[p] - exact) for p in present]))
+    return reports, {p: vectors[p] for p in present}, exact, spread
+
+
+async def test_a_full_grid_round_is_the_exact_weighted_mean_and_counts_every_trainer() -> None:
+    reports, vectors, exact, _ = await _grid_round(64, 8)  # 8 x 8
+    for report, vector in zip(reports, vectors.values(), strict=True):
+        assert report is not None and report.stages == 2
+        assert report.trainers == report.represented == 64
+        assert report.group_id == "grid/grad/0/x"  # one name: one lineage after the step
+        np.testing.assert_allclose(vector, exact, rtol=1e-5)
+
+
+async def test_a_partly_filled_grid_is_close_to_the_mean_and_counts_what_it_holds() -> None:
+    reports, vectors, exact, spread = await _grid_round(70, 9)  # 9 x 9 with 11 cells empty
+    for report, vector in zip(reports, vectors.values(), strict=True):
+        assert report is not None and 56 <= report.trainers <= 70
+        # one round takes the peers most of the way to the mean (the spread shrinks 5x at least)
+        assert np.linalg.norm(vector - exact) < 0.2 * spread
+
+
+async def test_a_trainer_that_never_comes_is_left_out_of_its_slices_only() -> None:
+    rendezvous_timeout = 5.0
+    async with asyncio.timeout(rendezvous_timeout):  # a safety net: the rendezvous needs no wait
+        reports, vectors, exact, spread = await _grid_round(64, 8, missing=1)
+    counts = sorted(r.trainers for r in reports if r is not None)
+    assert counts[-1] == 63 and counts[0] >= 56
+    # the slices that met the missing trainer's row average without it: close to the mean
+    for vector in vectors.values():
+        assert np.linalg.norm(vector - exact) < 0.2 * spread
