@@ -54,6 +54,7 @@ class RoundOptions:
     peers: tuple[str, ...] = ()  # who is expected, when the caller knows (a direct round)
     leaders: tuple[str, ...] = ()  # who may lead first (RoundRequest.leaders)
     represents: int = 1  # trainers this peer's vector stands for (Member.represents)
+    max_represents: int = 1  # what any member's claim counts for, at most (Group.averaged)
 
 
 class NonFiniteVector(AveragingError):
@@ -177,8 +178,8 @@ class Averager:
     def _summarise(self, options: RoundOptions, group: Group, report: AllReduceReport | None,
                    started: float, matched: float, finished: float) -> AveragingReport:
         index = group.index_of(self.peer_id)
-        excluded = report.senders_excluded if report else {}
-        averaged = [m for m in group.members if m.sends and m.peer_id not in excluded]
+        weight, represented = group.averaged(report.senders_excluded if report else (),
+                                             options.max_represents)
         return AveragingReport(
             key=options.key,
             group_id=group.group_id,
@@ -196,8 +197,7 @@ class Averager:
             senders_excluded=dict(report.senders_excluded) if report else {},
             senders_rejected=dict(report.senders_rejected) if report else {},
             finished_at=finished,
-            weight=float(sum(m.weight for m in averaged)),
-            represented=sum(m.represents for m in averaged),
+            weight=weight, represented=represented,
         )
 
     def status(self) -> dict[str, Any]:

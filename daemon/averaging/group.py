@@ -7,6 +7,7 @@ load balancing fills `part_bounds`; the all-reduce reads it. Pure data, JSON-abl
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -83,6 +84,14 @@ class Group:
             if member.peer_id == peer_id:
                 return index
         raise KeyError(f"{peer_id} is not a member of group {self.group_id}")
+
+    def averaged(self, excluded: Collection[str] = (), max_represents: int = 1) -> tuple[float, int]:
+        """The total weight of the senders whose vectors were averaged (all but `excluded`) and
+        how many trainers they stand for, each member's claim (`Member.represents`) counted at
+        most `max_represents` (what the caller knows a member of this round can stand for)."""
+        averaged = [m for m in self.members if m.sends and m.peer_id not in excluded]
+        return (float(sum(m.weight for m in averaged)),
+                sum(min(m.represents, max_represents) for m in averaged))
 
     def to_json(self) -> dict[str, Any]:
         return {"group_id": self.group_id, "key": self.key,

@@ -86,6 +86,12 @@ class GridLayout:
             out.append(Stage(f"m{s}/{label}", tuple(sorted({*slices[label], *helpers}))))
         return out
 
+    def max_represents(self, stage: int) -> int:
+        """The most trainers one member's vector can stand for in `stage` (a member's claim
+        counts for no more: a peer claiming thousands cannot make a slice a majority): what
+        the slices of the stages before can hold, at most every trainer of the grid."""
+        return min((self.side + len(self.helpers)) ** stage, len(self.cells) + len(self.helpers))
+
 
 def grid_layout(key: str, trainers: Sequence[str], max_group_size: int,
                 helpers: Sequence[str] = ()) -> GridLayout | None:
@@ -130,7 +136,7 @@ def grid_report(key: str, stages: Sequence[AveragingReport], everyone: Sequence[
     """The round's report from its stages' (see the module docstring); its members are
     `everyone` the grid was laid out for (met in a stage or through one)."""
     last = stages[-1]
-    represented = last.represented
+    represented = min(last.represented, len(everyone))  # never more than the grid holds
     members = sorted({*everyone, *(m for r in stages for m in r.members)})
     failed = merge_ranges(p for r in stages for p in r.failed_parts)
     excluded: dict[str, str] = {}
@@ -150,8 +156,9 @@ def grid_report(key: str, stages: Sequence[AveragingReport], everyone: Sequence[
         weight=last.weight, represented=represented, stages=len(stages))
 
 
-# One stage: (vector, key suffix, weight, represents, peers, leaders, min_trainers) -> report.
-StageRound = Callable[[np.ndarray, str, float, int, tuple[str, ...], tuple[str, ...], int],
+# One stage: (vector, key suffix, weight, represents, max_represents, peers, min_trainers) ->
+# its report; `max_represents` bounds what any member's `represents` counts for.
+StageRound = Callable[[np.ndarray, str, float, int, int, tuple[str, ...], int],
                       Awaitable[AveragingReport | None]]
 
 
@@ -184,13 +191,12 @@ class GridRounds:
         round there (its report says what failed)."""
         everyone = [*layout.cells, *layout.helpers]
         reports: list[AveragingReport] = []
-        represents = 1 if weight > 0 and role != "aux" else 0
-        for stage in layout.stages(self.peer_id, key):
+        represents = 1  # the averager counts a member that sends nothing (aux, weight 0) as 0
+        for s, stage in enumerate(layout.stages(self.peer_id, key)):
             peers = tuple(p for p in stage.peers if p != self.peer_id)
-            first: tuple[str, ...] = ()  # who leads: by rank in the slice (the same for all)
             expected_trainers = sum(1 for p in stage.peers if p in layout.cells)
-            report = await stage_round(vector, stage.label, weight, represents, peers, first,
-                                       expected_trainers // 2 + 1)
+            report = await stage_round(vector, stage.label, weight, represents,
+                                       layout.max_represents(s), peers, expected_trainers // 2 + 1)
             if report is None:
                 return grid_report(key, reports, everyone) if reports else None
             reports.append(report)
@@ -199,6 +205,5 @@ class GridRounds:
                       expected=len(stage.peers), failed_parts=len(report.failed_parts))
             if report.failed_parts:
                 break
-            if role != "aux":
-                weight, represents = report.weight, report.represented
+            weight, represents = report.weight, report.represented
         return grid_report(key, reports, everyone)

@@ -57,23 +57,27 @@ class NetworkRounds:
                                      peers=peers, leaders=leaders)
 
         async def stage(part: np.ndarray, label: str, stage_weight: float, represents: int,
-                        stage_peers: tuple[str, ...], first: tuple[str, ...],
+                        max_represents: int, stage_peers: tuple[str, ...],
                         stage_min: int) -> AveragingReport | None:
+            # the slice's leader: by rank among its peers (the same on all of them)
             return await self._round(part, f"{key}/{label}", weight=stage_weight,
                                      expected=len(stage_peers) + 1, role=role,
                                      compression=compression, min_trainers=stage_min,
-                                     peers=stage_peers, leaders=first, represents=represents)
+                                     peers=stage_peers, leaders=(), represents=represents,
+                                     max_represents=max_represents)
 
         return await self.grid.average(layout, vector, key, weight=weight, role=role,
                                        stage_round=stage)
 
     async def _round(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                      role: Role, compression: str, min_trainers: int, peers: tuple[str, ...],
-                     leaders: tuple[str, ...], represents: int = 1) -> AveragingReport | None:
+                     leaders: tuple[str, ...], represents: int = 1,
+                     max_represents: int = 1) -> AveragingReport | None:
         options = RoundOptions(key=f"{self.run_key}/{key}", weight=weight, role=role,
                                deadline=timebase.now() + ROUND_TIMEOUT, expected=expected,
                                compression=compression, min_trainers=min_trainers,
-                               peers=peers, leaders=leaders, represents=represents)
+                               peers=peers, leaders=leaders, represents=represents,
+                               max_represents=max_represents)
         try:
             return await self.averager.average(vector, options)
         except AveragingError as exc:

@@ -83,7 +83,7 @@ class Rendezvous:
     missing: set[str] = field(default_factory=set)  # these peers never come
 
     def stage_round(self, peer: str, key: str):
-        async def run(vector, label, weight, represents, peers, leaders, min_trainers):
+        async def run(vector, label, weight, represents, max_represents, peers, min_trainers):
             slot = self.arrivals.setdefault(f"{key}/{label}", [])
             done: asyncio.Future[AveragingReport] = asyncio.get_running_loop().create_future()
             slot.append((peer, vector, weight, represents, done))
@@ -101,7 +101,7 @@ class Rendezvous:
                         matchmaking_seconds=0.0, allreduce_seconds=0.0, bytes_sent=0,
                         bytes_received=0, failed_parts=(), senders_excluded={},
                         senders_rejected={}, finished_at=0.0, weight=total,
-                        represented=sum(r for *_, r in senders)))
+                        represented=sum(min(r, max_represents) for *_, r in senders)))
             return await done
         return run
 
@@ -145,11 +145,24 @@ async def test_a_partly_filled_grid_is_close_to_the_mean_and_counts_what_it_hold
 
 
 async def test_a_trainer_that_never_comes_is_left_out_of_its_slices_only() -> None:
-    rendezvous_timeout = 5.0
-    async with asyncio.timeout(rendezvous_timeout):  # a safety net: the rendezvous needs no wait
+    async with asyncio.timeout(60):  # a safety net: the rendezvous itself never waits
         reports, vectors, exact, spread = await _grid_round(64, 8, missing=1)
     counts = sorted(r.trainers for r in reports if r is not None)
     assert counts[-1] == 63 and counts[0] >= 56
     # the slices that met the missing trainer's row average without it: close to the mean
     for vector in vectors.values():
         assert np.linalg.norm(vector - exact) < 0.2 * spread
+
+
+def test_a_members_claim_to_stand_for_many_trainers_counts_for_what_its_stage_allows() -> None:
+    from dedloc.daemon.averaging.group import Group, Member
+
+    layout = grid_layout("k", _ids(256), 32)
+    assert layout is not None
+    assert [layout.max_represents(s) for s in range(layout.dimensions)] == [1, 16]
+    honest = [Member(p, "trainer", 10.0, 1e6, 1e6, represents=16) for p in _ids(15)]
+    liar = Member("f" * 64, "trainer", 10.0, 1e6, 1e6, represents=60_000)
+    group = Group("g", "k", (*honest, liar), 1, ((0, 1),) + ((1, 1),) * 15, 1, "none", 0.0)
+    assert group.averaged((), layout.max_represents(1)) == (160.0, 256)  # not 60 240
+    assert group.averaged({liar.peer_id}, layout.max_represents(1)) == (150.0, 240)
+    assert group.averaged((), 1) == (160.0, 16)  # a one-group round: one trainer each
