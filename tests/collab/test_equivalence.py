@@ -104,8 +104,12 @@ async def test_an_aux_peer_reduces_and_changes_nothing(daemon_factory: Any) -> N
     await wait_until(aux_seen, timeout=60)
     await trainers[1].call("run.start", params)
     statuses = await _finish(trainers, "helped")
-    for status in statuses:  # the aux was in every round
-        assert {e["group_size"] for e in status["epoch_history"]} == {3}, status["epoch_history"]
+    for status in statuses:  # both trainers stepped every epoch, with the aux in the group
+        history = status["epoch_history"]  # (mostly: an aux that looks late on a loaded machine
+        # misses a round, which then runs without it; whether it helps is checked below)
+        assert [e["trainers"] for e in history] == [2] * EPOCHS, history
+        assert {e["group_size"] for e in history} <= {2, 3}, history
+        assert any(e["group_size"] == 3 for e in history), history
     (aux_status,) = await aux.call("run.status", {"name": "helped"})
     assert aux_status["rounds"] >= 1, aux_status
     aux_id = (await aux.call("node.info"))["peer_id"]
