@@ -216,8 +216,11 @@ async def test_a_trainer_cut_off_for_30s_is_left_out_then_rejoins(natlab: NatLab
         statuses = await _statuses(daemons)
         return statuses if all(len(_rounds(s, 2, after=cut_epoch)) >= 2 for s in statuses[:2]) else None
 
+    # (the cut lasts CUT_SECONDS or until those rounds are seen, whichever is longer: on a loaded
+    # machine an epoch of the two takes longer than the calibrated one, and the test is about what
+    # happens, not how fast)
     try:
-        await wait_until(going_on_without_it, timeout=CUT_SECONDS, interval=0.5)
+        await wait_until(going_on_without_it, timeout=120, interval=0.5)
     except TimeoutError:
         pytest.fail(f"no rounds of two while cut off: {_brief(await _statuses(daemons))}")
     await asyncio.sleep(max(0.0, CUT_SECONDS - (time.monotonic() - cut_at)))
