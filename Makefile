@@ -43,9 +43,12 @@ WORKLOAD ?= tiny
 demo: venv
 	$(PY) -m dedloc.cli.demo --workload $(WORKLOAD)
 
+# One OpenMP/MKL thread per torch process: the suite runs several test processes, daemons and
+# workers on two cores, and OpenMP threads that spin-wait on an oversubscribed CPU made a 17 s
+# model test take 100 s (tests that want more threads ask torch for them).
 test: venv system-deps
 	$(PIP) install -q --force-reinstall --no-deps ./tests/example_plugin
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
