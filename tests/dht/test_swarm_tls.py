@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-
 from dataclasses import replace
 
 from dht.swarm import FAST
@@ -14,7 +13,6 @@ from dedloc.daemon.dht import DHTNode
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import PeerAddress
 from dedloc.daemon.net.transport import TlsTransport
-
 
 # Generous call and lookup timeouts: 64 TLS handshakes in one process on a loaded 2-core machine
 # take seconds, and a call that times out there is a test of the machine, not of the DHT. (The
