@@ -199,7 +199,9 @@ class Matchmaker:
             except (TransportError, TimeoutError) as exc:
                 log.debug("matchmaking_read_failed", key=request.key, error=str(exc))
                 record = None
-            for sub_key, entry in (record.sub_keys.items() if record is not None else ()):
+            # (only sub-keys written by the peer they name: anyone may write "1", "11", ...,
+            # which would sort first and use up the attempts to settle)
+            for sub_key, entry in (record.own_sub_keys.items() if record is not None else ()):
                 found = _member_from(entry.value, sub_key, request)
                 if found is not None:
                     member, addresses = found

@@ -108,9 +108,9 @@ class DhtProgressBoard:
                 self._last_full = mono
                 self._held = {}
         if record is not None and record.has_sub_keys:
-            reports, rejected = reports_from_sub_keys(
-                {sub: entry.value for sub, entry in record.sub_keys.items()})
-            self.rejected_reports += len(rejected)
+            own = record.own_sub_keys  # one report per identity: not-a-peer-id sub-keys are junk
+            reports, rejected = reports_from_sub_keys({sub: entry.value for sub, entry in own.items()})
+            self.rejected_reports += len(rejected) + len(record.sub_keys) - len(own)
             for report in reports:
                 held = self._held.get(report.peer_id)
                 if held is None or (report.time, report.expiration) > (held.time, held.expiration):

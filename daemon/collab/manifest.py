@@ -170,7 +170,7 @@ async def find_manifests(dht: DHTNode, name: str, owner: str | None = None) -> l
     if record is None or not record.has_sub_keys:
         return []
     found: dict[str, PublishedManifest] = {}
-    for publisher, entry in record.sub_keys.items():
+    for publisher, entry in record.own_sub_keys.items():  # one vote per identity, not per sub-key
         try:
             if len(entry.value) > MAX_MANIFEST_BYTES:
                 raise ManifestError("too large")

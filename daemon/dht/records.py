@@ -135,6 +135,15 @@ class Record:
         return {entry.sub_key: entry for entry in self.entries if entry.sub_key is not None}
 
     @property
+    def own_sub_keys(self) -> dict[str, Entry]:
+        """The sub-keys that are their writer's own peer id: what a key with one entry per peer
+        (progress boards, matchmaking, manifests) counts. Anyone may write a sub-key that is not
+        a peer id ("1", "11", ...): one identity could write a thousand of those, so readers
+        that count peers must take only these."""
+        return {entry.sub_key: entry for entry in self.entries
+                if entry.sub_key is not None and entry.sub_key == entry.signer}
+
+    @property
     def expiration(self) -> float:
         return max(entry.expiration for entry in self.entries)
 

@@ -190,6 +190,10 @@ class FakeRecord:
     def has_sub_keys(self) -> bool:
         return bool(self.sub_keys)
 
+    @property
+    def own_sub_keys(self) -> dict[str, FakeEntry]:  # every publisher here writes its own sub-key
+        return self.sub_keys
+
 
 @dataclass
 class FakeDHT:
