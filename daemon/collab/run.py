@@ -195,7 +195,8 @@ class Run:
             self.board = DhtProgressBoard(dht, network.identity, network.membership, spec.name,
                                           spec.manifest, "trainer", parameters, spec.owner_signature)
             rounds: NetworkRounds | SoloRounds = NetworkRounds(averager, self.board.key)
-            states = NetworkStates(transport, network.membership, self.board.key)
+            states = NetworkStates(transport, network.membership, self.board.key,
+                                   parameters=parameters)
             board: DhtProgressBoard | LocalBoard = self.board
             peer_id = network.identity.peer_id
         else:

@@ -8,10 +8,19 @@ over them, and a donor streams to at most `MAX_CONCURRENT_SERVES` peers at once 
 as busy); a donor in the middle of a round serves the state it steps to, once the round is over
 (it awaits its engine's phase). Every step has a deadline; a failed download is retried after a
 backoff with another donor (`DonorChoice`).
+
+Both ends bound what a stranger can make them hold. A donor serves one stream per asking peer
+and cuts a stream that is slower than `MIN_SERVE_RATE` overall (two readers that read a byte a
+second no longer keep a donor busy for hours). A receiver allocates only what its own model can
+need (`max_numel`, from the run's parameter count, and never more than the free shared memory:
+a header announcing more would otherwise end the daemon with SIGBUS) and gives up on a donor
+that is slower than the same rate.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -38,6 +47,30 @@ BUSY_RETRY_SECONDS = 0.2
 MAX_GROUP = 1024  # peer ids of the round that made the state's head, at most
 MAX_PEER_ID = 128
 ROUND_WAIT_SECONDS = 20.0  # a donor mid-round serves its state after the round, waiting this long
+MIN_SERVE_RATE = 256 << 10  # bytes/s over a whole transfer, both ways; slower streams are cut
+SERVE_GRACE_SECONDS = 60.0  # on top of the state's size at MIN_SERVE_RATE
+STATE_SLOTS_PER_PARAMETER = 8  # a state holds the parameters, an optimizer's slots and buffers
+STATE_EXTRA_ELEMENTS = 1 << 20  # (scalars, small buffers)
+SHARED_MEMORY = "/dev/shm"
+
+
+def transfer_seconds(numel: int) -> float:
+    """The longest a state transfer of `numel` float32 may take, either end."""
+    return SERVE_GRACE_SECONDS + numel * 4 / MIN_SERVE_RATE
+
+
+def max_state_numel(parameters: int) -> int:
+    """The most elements a run's state can have for a model of `parameters` elements."""
+    return STATE_SLOTS_PER_PARAMETER * parameters + STATE_EXTRA_ELEMENTS
+
+
+def shared_memory_free() -> int | None:
+    """Bytes free in the shared-memory filesystem (None where there is none to ask)."""
+    try:
+        stats = os.statvfs(SHARED_MEMORY)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
 
 
 class StateSharing:
@@ -50,7 +83,8 @@ class StateSharing:
         self._membership = membership
         self.served = 0
         self.refused_busy = 0
-        self._serving = 0
+        self.cut_slow = 0  # streams cut for reading slower than MIN_SERVE_RATE
+        self._serving: set[str] = set()  # the peers being served (one stream each)
         transport.add_stream_handler(METHOD, self._serve)
 
     async def _serve(self, ctx: RequestContext, stream: Stream) -> None:
@@ -66,10 +100,13 @@ class StateSharing:
         if run is None or run.trainer is None or run.stopping:
             await stream.abort("this peer has no active run of that key")
             return
-        if self._serving >= MAX_CONCURRENT_SERVES:
+        if ctx.peer_id in self._serving:
+            await self._refuse(stream, "already sending its state to this peer")
+            return
+        if len(self._serving) >= MAX_CONCURRENT_SERVES:
             await self._refuse(stream, "already sending its state to others")
             return
-        self._serving += 1
+        self._serving.add(ctx.peer_id)
         try:
             # Mid-round, the state is about to move on with the round's step: serve the state
             # after it. Refusing instead (asking again later) never ends in a run whose rounds
@@ -81,7 +118,7 @@ class StateSharing:
                 return
             await self._send_state(ctx, stream, run, key)
         finally:
-            self._serving -= 1
+            self._serving.discard(ctx.peer_id)
 
     async def _refuse(self, stream: Stream, busy: str) -> None:
         self.refused_busy += 1
@@ -97,9 +134,16 @@ class StateSharing:
                               timeout=30)
             view = memoryview(exported.buffer.array).cast("B")[: exported.numel * 4]
             try:
-                for offset in range(0, len(view), CHUNK_BYTES):
-                    await stream.send(Message({"o": offset}, view[offset:offset + CHUNK_BYTES]),
-                                      timeout=120)
+                async with asyncio.timeout(transfer_seconds(exported.numel)):
+                    for offset in range(0, len(view), CHUNK_BYTES):
+                        await stream.send(Message({"o": offset}, view[offset:offset + CHUNK_BYTES]),
+                                          timeout=120)
+            except TimeoutError:
+                self.cut_slow += 1
+                log.warning("state_serve_too_slow", peer=ctx.peer_id[:12], run=key,
+                            bytes=len(view), min_rate=MIN_SERVE_RATE)
+                await stream.abort(f"slower than {MIN_SERVE_RATE} B/s: cut off")
+                return
             finally:
                 view.release()
             await stream.close()
@@ -110,9 +154,12 @@ class StateSharing:
 
 
 async def download_state(transport: PeerTransport, donor: str, key: str, token: str | None = None,
-                         *, allocate: Callable[[int], StateBuffer] = SharedBuffer) -> DownloadedState:
+                         *, allocate: Callable[[int], StateBuffer] = SharedBuffer,
+                         max_numel: int = MAX_STATE_BYTES // 4,
+                         free_bytes: Callable[[], int | None] = shared_memory_free) -> DownloadedState:
     """Fetch a run's state from `donor` (a closed run's with our membership `token`) into a
-    buffer of `allocate(numel)`; StateSyncError (and nothing half-loaded) on failure."""
+    buffer of `allocate(numel)`, refusing a header of more than `max_numel` elements or than
+    `free_bytes()` can hold; StateSyncError (and nothing half-loaded) on failure."""
     header = {"key": key} if token is None else {"key": key, "token": token}
     try:
         stream = await transport.open_stream(donor, METHOD, header, timeout=15)
@@ -130,21 +177,31 @@ async def download_state(transport: PeerTransport, donor: str, key: str, token: 
             or not isinstance(meta, dict) or not (lineage is None or is_lineage(lineage)) \
             or not isinstance(group, list) or len(group) > MAX_GROUP \
             or not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in group):
+        await stream.abort("malformed header")
         raise StateSyncError(f"{donor[:12]} sent a malformed state header")
+    free = free_bytes()
+    if numel > max_numel or (free is not None and numel * 4 > free):
+        await stream.abort("state too large")
+        room = f"{max_numel} elements for this model" if numel > max_numel \
+            else f"{free} bytes of free shared memory"
+        raise StateSyncError(f"{donor[:12]} announced a state of {numel} elements, more than "
+                             f"{room}: refused before allocating it")
     buffer = allocate(numel)
     view = memoryview(buffer.array).cast("B")
     try:
         received = 0
-        while received < len(view):
-            message = await stream.receive(timeout=120)
-            if message is None:
-                raise StateSyncError(f"{donor[:12]} closed the stream after {received} bytes")
-            payload = memoryview(message.payload).cast("B")
-            if message.header.get("o") != received or received + len(payload) > len(view):
-                raise StateSyncError(f"{donor[:12]} sent a chunk out of place")
-            view[received:received + len(payload)] = payload
-            received += len(payload)
+        async with asyncio.timeout(transfer_seconds(numel)):  # a donor that trickles is left
+            while received < len(view):
+                message = await stream.receive(timeout=120)
+                if message is None:
+                    raise StateSyncError(f"{donor[:12]} closed the stream after {received} bytes")
+                payload = memoryview(message.payload).cast("B")
+                if message.header.get("o") != received or received + len(payload) > len(view):
+                    raise StateSyncError(f"{donor[:12]} sent a chunk out of place")
+                view[received:received + len(payload)] = payload
+                received += len(payload)
     except (TransportError, TimeoutError, StateSyncError) as exc:
+        await stream.abort("download failed")
         view.release()
         buffer.close()
         raise StateSyncError(f"state download from {donor[:12]} failed: {exc}") from exc
@@ -157,12 +214,15 @@ class NetworkStates:
     buffers of `allocate` (shared memory, for a worker to load)."""
 
     def __init__(self, transport: PeerTransport, membership: MembershipRegistry, key: str,
-                 allocate: Callable[[int], StateBuffer] = SharedBuffer) -> None:
+                 allocate: Callable[[int], StateBuffer] = SharedBuffer,
+                 parameters: int | None = None) -> None:
         self.transport = transport
         self.membership = membership
         self.key = key
         self.allocate = allocate
+        self.max_numel = MAX_STATE_BYTES // 4 if parameters is None else max_state_numel(parameters)
 
     async def download(self, donor: str) -> DownloadedState:
         return await download_state(self.transport, donor, self.key,
-                                    self.membership.credential(self.key), allocate=self.allocate)
+                                    self.membership.credential(self.key), allocate=self.allocate,
+                                    max_numel=self.max_numel)

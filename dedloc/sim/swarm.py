@@ -169,7 +169,8 @@ class SimPeer:
         self.engine = RunEngine(
             peer_id=self.peer_id, role=self.spec.role, schedule=run.schedule(), board=published,
             averaging=NetworkRounds(self.averager, board.key),
-            states=NetworkStates(self.transport, self.membership, board.key, allocate=ArrayBuffer),
+            states=NetworkStates(self.transport, self.membership, board.key, allocate=ArrayBuffer,
+                                parameters=run.size),
             trainer=self.trainer, progress=progress, parameters=run.size, timing=swarm.timing,
             name="sim", donors=DonorChoice(rng=random.Random(self.rng.random())))
         self._key = board.key

@@ -148,3 +148,67 @@ def test_a_malformed_state_header_is_refused(header: dict[str, Any]) -> None:
         await serving.close()
 
     run_virtual(main())
+
+
+@pytest.mark.parametrize(("numel", "free", "refusal"), [
+    (9_000_000, None, "more than 8999999 elements for this model"),  # past max_numel
+    (1_000_000, 1_000_000, "more than 1000000 bytes of free shared memory"),  # past /dev/shm
+])
+def test_a_state_larger_than_the_model_or_the_memory_is_refused_before_allocating(
+        numel: int, free: int | None, refusal: str) -> None:
+    async def main() -> None:
+        network = SimNetwork()
+        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+        asking = SimTransport.start_on(network, network.add_host(), Identity.generate())
+
+        async def inflated(ctx: RequestContext, stream: Stream) -> None:
+            await stream.send(Message({"meta": {}, "numel": numel, "epoch": 1}), timeout=10)
+            await asyncio.sleep(3600)
+
+        serving.add_stream_handler(state_sync.METHOD, inflated)
+        asking.learn_addresses(serving.peer_id, serving.listen_addresses())
+        allocated: list[int] = []
+
+        def allocate(n: int) -> ArrayBuffer:
+            allocated.append(n)
+            return ArrayBuffer(n)
+
+        with pytest.raises(StateSyncError, match=refusal):
+            await download_state(asking, serving.peer_id, KEY, allocate=allocate,
+                                 max_numel=8_999_999,
+                                 free_bytes=lambda: free)
+        assert allocated == []
+        await asking.close()
+        await serving.close()
+
+    run_virtual(main())
+
+
+def test_a_slow_reader_is_cut_off_and_holds_one_slot_only() -> None:
+    """The attacker asks twice at once (one slot per peer: the second is told busy), then reads
+    nothing: an honest peer still gets the donor's other slot, and the donor cuts the attacker's
+    stream once it is slower than MIN_SERVE_RATE over the state's size (it used to wait 120 s per
+    chunk, for ever, while the attacker read a byte now and then)."""
+    async def main() -> None:
+        donor = Donor(size=16 << 20)  # 64 MiB: far more than the links' buffers hold unread
+        network = SimNetwork()
+        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+        sharing = StateSharing(serving, lambda key: donor)
+        attacker, honest = (SimTransport.start_on(network, network.add_host(), Identity.generate())
+                            for _ in range(2))
+        for transport in (attacker, honest):
+            transport.learn_addresses(serving.peer_id, serving.listen_addresses())
+
+        streams = [await attacker.open_stream(serving.peer_id, state_sync.METHOD, {"key": KEY},
+                                              timeout=15) for _ in range(2)]
+        firsts = [await s.receive(timeout=60) for s in streams]
+        assert [("busy" in f.header) for f in firsts if f is not None] == [False, True]
+        state = await download_state(honest, serving.peer_id, KEY, allocate=ArrayBuffer)
+        assert state.numel == 16 << 20 and sharing.served == 1
+        # the attacker's first stream sits unread: cut within the transfer's allowance
+        await asyncio.sleep(state_sync.transfer_seconds(16 << 20) + 30)  # (virtual time)
+        assert sharing.cut_slow == 1
+        for transport in (attacker, honest, serving):
+            await transport.close()
+
+    run_virtual(main())
