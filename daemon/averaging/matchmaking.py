@@ -131,6 +131,7 @@ class Matchmaker:
         self._rng = random.Random(nonce(8))
         self.peer_id = transport.peer_id
         self._rounds: dict[str, _Gathering] = {}
+        self.refused_groups = 0  # groups from leaders that did not match what we asked for
         transport.add_unary_handler(JOIN, self._on_join)
         transport.add_unary_handler(GROUP, self._on_group)
         transport.add_unary_handler(REDIRECT, self._on_redirect)
@@ -431,6 +432,12 @@ class Matchmaker:
             raise MatchmakingError("not waiting for a group from you under that key")
         if self.peer_id not in {m.peer_id for m in group.members}:
             raise MatchmakingError("the group does not include this peer")
+        refusal = group_refusal(group, gathering.request, timebase.now())
+        if refusal is not None:  # we wait out the leader and go on without it
+            self.refused_groups += 1
+            log.warning("matchmaking_group_refused", leader=ctx.peer_id[:12], key=group.key,
+                        reason=refusal)
+            raise MatchmakingError(f"refused the group: {refusal}")
         if not gathering.group.done():
             gathering.group.set_result(group)
         return Message({})
@@ -457,6 +464,30 @@ def _ranked(key: str, peers: Iterable[str]) -> list[str]:
 
 def _ack_seconds(request: RoundRequest) -> float:
     return min(JOIN_ACK_SECONDS, max(0.5, 0.5 * request.window))
+
+
+def group_refusal(group: Group, request: RoundRequest, now: float) -> str | None:
+    """Why a follower refuses the group its leader sent (None: it takes it). A leader is just
+    another peer: its group must be the round the follower asked for (vector, chunking,
+    compression), hold the follower as it joined (its weight, role and links unchanged: a
+    leader that rewrote them would get honest members banned for a stream that does not match),
+    name each member once, fit the size asked for, and end no later than twice the time the
+    follower was prepared to give the round (a deadline of 1e308 would freeze it)."""
+    if (group.size, group.chunk_elements, group.compression) != (
+            request.size, request.chunk_elements, request.compression):
+        return (f"it averages {group.size} elements in chunks of {group.chunk_elements} with "
+                f"{group.compression!r}, not what was asked")
+    ids = [m.peer_id for m in group.members]
+    if len(set(ids)) != len(ids):
+        return "it names a member twice"
+    if len(ids) > request.max_group_size:
+        return f"{len(ids)} members, more than the {request.max_group_size} asked for"
+    mine = next(m for m in group.members if m.peer_id == request.member.peer_id)
+    if mine != request.member:
+        return "it changed this peer's own entry (weight, role or bandwidth)"
+    if not now < group.deadline <= request.deadline + max(0.0, request.deadline - now):
+        return f"its deadline is {group.deadline - now:.3g} s away, out of bounds"
+    return None
 
 
 def _grace(request: RoundRequest) -> float:

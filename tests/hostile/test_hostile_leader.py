@@ -1,0 +1,110 @@
+"""A leader is just another peer: the group it sends is checked against what the follower asked
+for before the follower averages in it (avg.group). Pure checks of `group_refusal`, then a
+hostile leader over the in-memory DHT whose followers go on without it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from dedloc.daemon.averaging.group import Group, Member
+from dedloc.daemon.averaging.matchmaking import RoundRequest, group_refusal
+
+NOW = 1_000_000.0
+ME = Member("peer-b", "trainer", 32.0, 1e7, 1e7, True)
+LEADER = Member("peer-a", "trainer", 32.0, 1e7, 1e7, True)
+REQUEST = RoundRequest("run/grad/3", ME, size=10_000, chunk_elements=1000, compression="none",
+                       window=2.0, deadline=NOW + 30, max_group_size=8)
+
+
+def _group(**changes: Any) -> Group:
+    members = changes.pop("members", (LEADER, ME))
+    bounds = changes.pop("part_bounds", tuple(
+        (i * 10_000 // len(members), (i + 1) * 10_000 // len(members)) for i in range(len(members))))
+    group = Group("g", REQUEST.key, members, 10_000, bounds, 1000, "none", NOW + 30)
+    return dataclasses.replace(group, **changes)
+
+
+def test_the_group_asked_for_is_taken() -> None:
+    assert group_refusal(_group(), REQUEST, NOW) is None
+    assert group_refusal(_group(deadline=NOW + 50), REQUEST, NOW) is None  # a later start: fine
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    ({"deadline": 1e308}, "deadline"),  # freezes the round
+    ({"deadline": NOW - 1}, "deadline"),
+    ({"chunk_elements": 1}, "chunks of 1"),  # a million chunks: memory and CPU
+    ({"compression": "fp16"}, "not what was asked"),
+    ({"size": 20_000, "part_bounds": ((0, 10_000), (10_000, 20_000))}, "not what was asked"),
+    ({"members": (LEADER, dataclasses.replace(ME, weight=1e15))}, "own entry"),
+    ({"members": (LEADER, dataclasses.replace(ME, role="aux", weight=0.0))}, "own entry"),
+    ({"members": (LEADER, ME, LEADER)}, "twice"),
+    ({"members": (*(dataclasses.replace(LEADER, peer_id=f"p{i}") for i in range(9)), ME)},
+     "more than the 8"),
+])
+def test_a_group_other_than_asked_is_refused(changes: dict[str, Any], reason: str) -> None:
+    refusal = group_refusal(_group(**changes), REQUEST, NOW)
+    assert refusal is not None and reason in refusal, refusal
+
+
+@pytest.mark.virtual_time
+async def test_followers_refuse_a_frozen_group_and_go_on_without_its_leader() -> None:
+    import asyncio
+
+    from dht.swarm import Swarm
+
+    from dedloc.daemon import timebase
+    from dedloc.daemon.averaging.matchmaking import GROUP, JOIN, Matchmaker
+    from dedloc.daemon.net import Message, RemoteError
+
+    swarm = Swarm()
+    for _ in range(3):
+        await swarm.add()
+    try:
+        attacker = swarm.transports[2]
+        makers = [Matchmaker(t, n, _halves) for t, n in zip(swarm.transports[:2], swarm.nodes[:2],
+                                                           strict=True)]
+        refused: list[str] = []
+
+        async def send_frozen_group(joiner: Member, key: str) -> None:
+            await asyncio.sleep(0.2)
+            me = Member(attacker.peer_id, "trainer", 32.0, 1e7, 1e7, True)
+            members = tuple(sorted((me, joiner), key=lambda m: m.peer_id))
+            group = Group("frozen", key, members, 10_000, ((0, 5_000), (5_000, 10_000)), 1000,
+                          "none", 1e308)
+            try:
+                await attacker.call(joiner.peer_id, GROUP, Message({"group": group.to_json()}),
+                                    timeout=5)
+            except RemoteError as exc:
+                refused.append(exc.message)
+
+        async def on_join(ctx: Any, message: Message) -> Message:
+            joiner = Member.from_json(message.header["member"])
+            asyncio.get_running_loop().create_task(send_frozen_group(joiner, message.header["key"]))
+            return Message({"accepted": True})
+
+        attacker.add_unary_handler(JOIN, on_join)
+        peers = (attacker.peer_id, *(m.peer_id for m in makers))
+
+        def request(maker: Matchmaker) -> RoundRequest:
+            member = Member(maker.peer_id, "trainer", 32.0, 1e7, 1e7, True)
+            return RoundRequest("run/grad/7", member, size=10_000, chunk_elements=1000,
+                                compression="none", window=2.0, deadline=timebase.now() + 30,
+                                peers=peers, leaders=(attacker.peer_id,))
+
+        groups = await asyncio.gather(*(m.form_group(request(m)) for m in makers))
+        for group in groups:
+            assert attacker.peer_id not in {m.peer_id for m in group.members}
+            assert group.deadline < 1e308
+            group.check()
+        assert [m.refused_groups for m in makers] == [1, 1]
+        assert len(refused) == 2 and all("deadline" in r for r in refused)
+    finally:
+        await swarm.close()
+
+
+def _halves(members: tuple[Member, ...], size: int, chunk: int) -> tuple[tuple[int, int], ...]:
+    share = -(-size // len(members))
+    return tuple((min(size, i * share), min(size, (i + 1) * share)) for i in range(len(members)))
