@@ -5,8 +5,10 @@ trainers train the built-in `tiny` workload in one collaborative run: they avera
 run's target batch and step together; the aux daemon has no worker, finds the run by its name in
 the DHT and lends its bandwidth to every round as a reducer. Midway a fourth trainer joins by the
 run's name only, downloads the run's state from a peer and takes part. The demo shows the run's
-progress, stops everything it started, and prints a one-line JSON summary as its last line. Exit
-code 0 only if the loss went down and the newcomer took part.
+progress and what it still waits to see, stops everything it started, and prints a one-line JSON
+summary as its last line. It ends when it has shown all of it, however fast this machine trains
+(no fixed deadline); it gives up only when nothing moved for a while, and says what it waited for.
+Exit code 0 only if the loss went down and the newcomer took part.
 """
 
 from __future__ import annotations
@@ -39,6 +41,50 @@ WORKLOADS: dict[str, dict[str, Any]] = {
                         "total_steps": 2000},
              "target_batch_size": 32, "drop": 0.9},
 }
+
+
+class StallWatch:
+    """When to give up: only when nothing moved for a while, never on a fixed deadline (the
+    demo's epochs take 0.1 s on one machine and 20 s on another). The window is `minimum`
+    seconds, or 5 times the longest gap between two moves seen so far, whichever is longer."""
+
+    def __init__(self, minimum: float) -> None:
+        self.minimum = minimum
+        self._last: Any = None
+        self._moved_at = time.monotonic()
+        self._longest_gap = 0.0
+
+    def observe(self, now: float, value: Any) -> None:
+        if value != self._last:
+            if self._last is not None:
+                self._longest_gap = max(self._longest_gap, now - self._moved_at)
+            self._last, self._moved_at = value, now
+
+    def window(self, now: float) -> float:
+        return now - self._moved_at
+
+    def stalled(self, now: float) -> bool:
+        return self.window(now) > max(self.minimum, 5 * self._longest_gap)
+
+
+def waiting_for(status: dict[str, Any], late: dict[str, Any] | None, args: argparse.Namespace,
+                drop: float) -> list[str]:
+    """What the demo still waits to see, in words (empty: it has shown everything)."""
+    waiting = []
+    losses = status["epoch_losses"]
+    if len(losses) < args.min_epochs:
+        waiting.append(f"{args.min_epochs} epochs (at {len(losses)})")
+    if not losses or losses[-1] > drop * losses[0]:
+        now = f"{losses[-1] / losses[0]:.2f}" if losses and losses[0] else "-"
+        waiting.append(f"the loss at {drop:g} of the first epoch's (now {now})")
+    if late is None:
+        waiting.append(f"epoch {args.join_epoch}, when a fourth trainer joins")
+    else:
+        if not late["state_downloads"]:
+            waiting.append("the newcomer's state download")
+        if (late["last_round"] or {}).get("senders") != args.peers + 1:
+            waiting.append(f"a round of all {args.peers + 1} trainers with the newcomer in it")
+    return waiting
 
 
 class DemoPeer:
@@ -75,13 +121,14 @@ class DemoPeer:
         async with await JsonRpcClient.connect(self.root / "dedlocd.sock", default_timeout=300) as client:
             return await client.call(method, params)
 
-    async def join(self, deadline: float) -> dict[str, Any]:
-        """run.start with only the run's name: the manifest comes from the peers, via the DHT."""
+    async def join(self, progress: StallWatch) -> dict[str, Any]:
+        """run.start with only the run's name: the manifest comes from the peers, via the DHT
+        (retried while the run's record is not there yet, until `progress` says it stalled)."""
         while True:
             try:
                 return await self.call("run.start", {"name": RUN})
             except RpcCallError as exc:
-                if "no peer publishes" not in exc.message or time.monotonic() > deadline:
+                if "no peer publishes" not in exc.message or progress.stalled(time.monotonic()):
                     raise
             await asyncio.sleep(0.2)
 
@@ -104,7 +151,6 @@ class DemoPeer:
 
 async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     started = time.monotonic()
-    deadline = started + args.max_seconds
     peers: list[DemoPeer] = []
     helpers: list[DemoPeer] = []
     newcomer: DemoPeer | None = None
@@ -125,37 +171,44 @@ async def demo(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         # The first trainer publishes the run (it cannot step alone: min_peers), the aux daemons
         # join it by name, then the other trainers start: the aux is in the rounds from the first.
         await peers[0].call("run.start", params)
-        await asyncio.gather(*(helper.join(deadline) for helper in helpers))
+        joining = StallWatch(args.stall_seconds)
+        await asyncio.gather(*(helper.join(joining) for helper in helpers))
         await asyncio.gather(*(peer.call("run.start", params) for peer in peers[1:]))
         tty = sys.stdout.isatty()
         drawn = 0
+        progress = StallWatch(args.stall_seconds)
+        drop = args.drop or preset["drop"]
         while True:
             status = await peers[0].status()
+            late = await newcomer.status() if newcomer is not None else None
+            if status["state"] != "running":
+                raise RuntimeError(f"the run stopped: {status['state']} {status.get('error')}")
+            waiting = waiting_for(status, late, args, drop)
             text = render_status(status)
-            if newcomer is not None:
-                late = await newcomer.status()
+            if late is not None:
                 text += (f"\n  newcomer: epoch {late['epoch']}, {late['state_downloads']} state "
                          f"download(s), last round of {(late['last_round'] or {}).get('senders')} "
                          "trainers")
-            text += "\n"
+            text += "\n  waiting for: " + ("; ".join(waiting) or "nothing (done)") + "\n"
             sys.stdout.write((f"\x1b[{drawn}F\x1b[J" if tty and drawn else "") + text)
             sys.stdout.flush()
             drawn = text.count("\n")
-            if status["state"] != "running":
-                raise RuntimeError(f"the run stopped: {status['state']} {status.get('error')}")
+            if not waiting:
+                break
             if newcomer is None and status["epoch"] >= args.join_epoch:
                 newcomer = await DemoPeer.start(workdir / "newcomer", bootstrap)
-                await newcomer.join(deadline)
+                await newcomer.join(progress)
                 sys.stdout.write("a fourth trainer joined the run by its name\n")
                 drawn = 0
-            losses = status["epoch_losses"]
-            if newcomer is not None and len(losses) >= args.min_epochs \
-                    and losses[-1] <= (args.drop or preset["drop"]) * losses[0]:
-                late = await newcomer.status()
-                if late["state_downloads"] and (late["last_round"] or {}).get("senders") == args.peers + 1:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no result within {args.max_seconds} s")
+            now = time.monotonic()
+            progress.observe(now, (status["epoch"], late["epoch"] if late else -1,
+                                   late["state_downloads"] if late else -1))
+            if progress.stalled(now):
+                raise RuntimeError(f"no progress for {progress.window(now):.0f} s while waiting for: "
+                                   + "; ".join(waiting))
+            if args.max_seconds and now - started > args.max_seconds:
+                raise RuntimeError(f"--max-seconds {args.max_seconds:g} passed while waiting for: "
+                                   + "; ".join(waiting))
             await asyncio.sleep(0.5)
         trainers = [*peers, newcomer]
         statuses = [await peer.status() for peer in trainers]
@@ -193,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-epochs", type=int, default=8)
     parser.add_argument("--drop", type=float, default=0.0,
                         help="finish once the epoch loss is this fraction of the first epoch's")
-    parser.add_argument("--max-seconds", type=float, default=170)
+    parser.add_argument("--stall-seconds", type=float, default=120,
+                        help="give up when nothing moved for this long (or 5 times the longest "
+                             "gap between two epochs so far, if longer)")
+    parser.add_argument("--max-seconds", type=float, default=0,
+                        help="give up after this long in all (0: never; the demo ends when done)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="dedloc-demo-", dir="/tmp"))
