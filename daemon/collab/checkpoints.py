@@ -135,6 +135,18 @@ class CheckpointStore:
         return entry
 
 
+    def discard_unlisted(self, epoch: int) -> None:
+        """Remove what a failed save at `epoch` left (its file unless listed, the record's .tmp)."""
+        listed = {entry.file for entry in self.entries()}
+        name = self.path_for(epoch).name
+        left = [self.path_for(epoch), self.record_path.with_name(RECORD + ".tmp"),
+                *self.run_dir.glob(f".{name}.*.tmp")]  # (the worker's temporary file)
+        for path in left:
+            if path.name not in listed:
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+
+
 def _sha256(path: Path) -> tuple[str, int]:
     digest = hashlib.sha256()
     size = 0

@@ -13,7 +13,6 @@ reason; the worker is stopped either way.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -100,6 +99,8 @@ class Run:
         self.state: RunState = "starting"
         self.progress = RunProgress()
         self.error: dict[str, Any] | None = None
+        self.checkpoint_failures = 0
+        self.last_checkpoint_error: dict[str, Any] | None = None
         self.started_at = timebase.now()
         self.description: dict[str, Any] = {}
         self.resumed_from: dict[str, Any] | None = None
@@ -207,7 +208,7 @@ class Run:
             averaging=rounds, states=states, trainer=self._trainer, progress=self.progress,
             parameters=parameters, compression=spec.manifest.compression,
             blocked=None if availability is None else availability.blocked,
-            checkpoint=self.checkpoint, checkpoint_every=spec.checkpoint_every,
+            checkpoint=self._periodic_checkpoint, checkpoint_every=spec.checkpoint_every,
             collaborative=network is not None, name=spec.name, on_finished=self._finished)
 
     def _finished(self) -> None:
@@ -262,10 +263,13 @@ class Run:
             self.engine.stop()
         if self._task is not None:
             await finish_or_cancel(self._task, self._stop_timeout)
-        if checkpoint and self._worker is not None and self._worker.exit_code is None:
-            with contextlib.suppress(WorkerError, RpcCallError):
-                await self.checkpoint()
-        await self._release(state="stopped")
+        try:
+            if checkpoint and self._worker is not None and self._worker.exit_code is None:
+                await self._periodic_checkpoint()
+        except WorkerError as exc:  # the worker died meanwhile: nothing to save
+            self._log.warning("checkpoint_at_stop_skipped", error=str(exc))
+        finally:  # the worker stops whatever the checkpoint did
+            await self._release(state="stopped")
 
     async def _release(self, state: RunState) -> None:
         if self._worker is not None:
@@ -292,18 +296,39 @@ class Run:
     # Checkpoints -------------------------------------------------------------------------
 
     async def checkpoint(self) -> None:
+        """Save and list a checkpoint at this epoch; on failure what was half-written is removed
+        (the listed checkpoints are untouched) and the error raised."""
         trainer, store = self._trainer, self.store
         if trainer is None or store is None:
             raise RunNotActiveError(f"run {self.spec.name!r} has no worker")
-        async with trainer.model_lock:
-            epoch = self.progress.epoch
-            # what was accumulated and not stepped on is lost with the worker's gradients
-            progress = {**asdict(self.progress), "accumulated": 0,
-                        "samples": self.progress.samples - self.progress.accumulated}
-            await trainer.worker.call(WorkerMethod.CHECKPOINT_SAVE, {"path": str(store.path_for(epoch))})
-        spec = {"name": self.spec.name, "manifest": self.spec.manifest.to_json()}
-        await asyncio.to_thread(store.commit, epoch, progress, spec)
+        epoch = self.progress.epoch
+        try:
+            async with trainer.model_lock:
+                epoch = self.progress.epoch
+                # what was accumulated and not stepped on is lost with the worker's gradients
+                progress = {**asdict(self.progress), "accumulated": 0,
+                            "samples": self.progress.samples - self.progress.accumulated}
+                await trainer.worker.call(WorkerMethod.CHECKPOINT_SAVE,
+                                          {"path": str(store.path_for(epoch))})
+            spec = {"name": self.spec.name, "manifest": self.spec.manifest.to_json()}
+            await asyncio.to_thread(store.commit, epoch, progress, spec)
+        except BaseException:
+            await asyncio.to_thread(store.discard_unlisted, epoch)
+            raise
         self._log.debug("run_checkpointed", epoch=epoch)
+
+    async def _periodic_checkpoint(self) -> None:
+        """The engine's checkpoints and the one at stop: one that fails (a full disk, a save the
+        worker refused) is skipped and reported in run.status; training goes on."""
+        try:
+            await self.checkpoint()
+        except (OSError, RpcCallError) as exc:
+            message = exc.message if isinstance(exc, RpcCallError) else f"{type(exc).__name__}: {exc}"
+            self.checkpoint_failures += 1
+            self.last_checkpoint_error = {"message": message, "epoch": self.progress.epoch,
+                                          "at": timebase.now()}
+            self._log.warning("checkpoint_failed", epoch=self.progress.epoch, error=message,
+                              hint="free disk space under the state directory; training goes on")
 
     async def _resume(self) -> None:
         """Load the newest intact checkpoint of this manifest, if any."""

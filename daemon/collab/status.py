@@ -79,6 +79,8 @@ def run_status(run: Run) -> dict[str, Any]:
         "restarts": p.restarts,
         "resumed_from": run.resumed_from,
         "checkpoints_rejected": 0 if run.store is None else run.store.rejected,
+        "checkpoint_failures": run.checkpoint_failures,
+        "last_checkpoint_error": run.last_checkpoint_error,
         "paused": None if engine is None else engine.paused_reason,
         "device": run.description.get("device"),
         "devices": run.description.get("devices"),
