@@ -55,6 +55,7 @@ class RoundOptions:
     leaders: tuple[str, ...] = ()  # who may lead first (RoundRequest.leaders)
     represents: int = 1  # trainers this peer's vector stands for (Member.represents)
     max_represents: int = 1  # what any member's claim counts for, at most (Group.averaged)
+    max_weight: float | None = None  # the most weight a member may claim (RoundRequest.max_weight)
 
 
 class NonFiniteVector(AveragingError):
@@ -143,7 +144,7 @@ class Averager:
                                window=window, deadline=options.deadline, expected=options.expected,
                                max_group_size=self.config.max_group_size,
                                min_trainers=options.min_trainers, peers=options.peers,
-                               leaders=options.leaders)
+                               leaders=options.leaders, max_weight=options.max_weight)
         try:
             group = await self.matchmaker.form_group(request)
         except AveragingError:

@@ -99,6 +99,10 @@ class RoundRequest:
     # (they all know the same list, while views of who is at the head differ a little); the
     # others of `peers` come after them.
     leaders: tuple[str, ...] = ()
+    # The most weight any member may claim (None: no bound): what an honest peer of the round
+    # can have (a run's target batch). A leader refuses a joiner that claims more, a follower a
+    # group that lists one (weight 1e15 with a normal vector made the average that vector).
+    max_weight: float | None = None
 
     def compatible(self, other: dict[str, Any]) -> bool:
         return (other.get("size") == self.size and other.get("compression") == self.compression
@@ -411,6 +415,11 @@ class Matchmaker:
         if banned is not None:
             self._bans.refused(ctx.peer_id, "join")
             raise MatchmakingError(f"you are {banned}")
+        limit = gathering.request.max_weight
+        if limit is not None and member.weight > limit:
+            self._bans.offence(ctx.peer_id, "weight", f"claimed {member.weight:g} > {limit:g}")
+            raise MatchmakingError(f"a weight of {member.weight:g} is more than this round's "
+                                   f"{limit:g}")
         if not gathering.request.compatible(header):
             raise MatchmakingError("this round averages a vector of another size, chunking or "
                                    "compression")
@@ -482,6 +491,9 @@ def group_refusal(group: Group, request: RoundRequest, now: float) -> str | None
         return "it names a member twice"
     if len(ids) > request.max_group_size:
         return f"{len(ids)} members, more than the {request.max_group_size} asked for"
+    heaviest = max(m.weight for m in group.members)
+    if request.max_weight is not None and heaviest > request.max_weight:
+        return f"a member claims a weight of {heaviest:g}, more than the round's {request.max_weight:g}"
     mine = next(m for m in group.members if m.peer_id == request.member.peer_id)
     if mine != request.member:
         return "it changed this peer's own entry (weight, role or bandwidth)"

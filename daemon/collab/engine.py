@@ -61,6 +61,7 @@ Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averagi
 IN_ROUND: tuple[Phase, ...] = ("averaging", "stepping", "averaging_state")
 STALE_AFTER = 30.0  # seconds a progress report stays believable
 HISTORY = 200
+WEIGHT_SLACK = 8  # a gradient round's weights: at most this many target batches (_max_weight)
 
 
 @dataclass
@@ -342,6 +343,12 @@ class RunEngine:
             self.progress.accumulated = 0
         self._log.info("run_resumed", epoch=self.progress.epoch)
 
+    def _max_weight(self) -> float:
+        """The most samples a member of this run's gradient rounds may claim: an honest trainer
+        stops at the target, overshooting by at most one of its batches (WEIGHT_SLACK covers a
+        batch of up to 7 targets); a claim of 1e15 is refused, not averaged."""
+        return float(WEIGHT_SLACK * self.schedule.target_batch_size)
+
     async def _average(self, action: Average) -> None:
         """A gradient round at the head, then the step if the round allows it."""
         assert self.trainer is not None
@@ -363,7 +370,8 @@ class RunEngine:
                                               compression=self.compression,
                                               min_trainers=needed_trainers(action, self.schedule),
                                               peers=self._round_peers(), leaders=self._leaders(),
-                                              aux=self._aux_peers())
+                                              aux=self._aux_peers(),
+                                              max_weight=self._max_weight())
         if report is not None:
             self.last_round = report
         result = None if report is None else RoundResult(report.trainers, report.senders,
@@ -449,7 +457,8 @@ class RunEngine:
             report = await self.averaging.average(
                 state.buffer.array[: state.numel], round_key("state", self.head), weight=1.0,
                 expected=round_.trainers, role="trainer", peers=peers,
-                leaders=tuple(m for m in round_.members if m not in aux))
+                leaders=tuple(m for m in round_.members if m not in aux),
+                max_weight=1.0)  # one vote per trainer: a state round is a plain mean
             if report is None or report.failed_parts or report.group_size < 2:
                 p.failed_state_rounds += 1
                 self._log.info("state_averaging_skipped", epoch=p.epoch,
@@ -472,7 +481,8 @@ class RunEngine:
                                               compression=self.compression,
                                               min_trainers=needed_trainers(action, self.schedule),
                                               peers=self._round_peers(), leaders=self._leaders(),
-                                              aux=self._aux_peers())
+                                              aux=self._aux_peers(),
+                                              max_weight=self._max_weight())
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))
         if report is not None and report.group_size > 1:

@@ -48,13 +48,14 @@ class NetworkRounds:
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
-                      aux: tuple[str, ...] = ()) -> AveragingReport | None:
+                      aux: tuple[str, ...] = (),
+                      max_weight: float | None = None) -> AveragingReport | None:
         layout = self.grid.layout(key, [p for p in peers if p not in aux], aux, role, leaders) \
             if peers else None
         if layout is None:
             return await self._round(vector, key, weight=weight, expected=expected, role=role,
                                      compression=compression, min_trainers=min_trainers,
-                                     peers=peers, leaders=leaders)
+                                     peers=peers, leaders=leaders, max_weight=max_weight)
 
         async def stage(part: np.ndarray, label: str, stage_weight: float, represents: int,
                         max_represents: int, stage_peers: tuple[str, ...],
@@ -64,7 +65,10 @@ class NetworkRounds:
                                      expected=len(stage_peers) + 1, role=role,
                                      compression=compression, min_trainers=stage_min,
                                      peers=stage_peers, leaders=(), represents=represents,
-                                     max_represents=max_represents)
+                                     max_represents=max_represents,
+                                     # a stage's vector stands for its slice's trainers
+                                     max_weight=None if max_weight is None
+                                     else max_weight * max_represents)
 
         return await self.grid.average(layout, vector, key, weight=weight, role=role,
                                        stage_round=stage)
@@ -72,12 +76,13 @@ class NetworkRounds:
     async def _round(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                      role: Role, compression: str, min_trainers: int, peers: tuple[str, ...],
                      leaders: tuple[str, ...], represents: int = 1,
-                     max_represents: int = 1) -> AveragingReport | None:
+                     max_represents: int = 1,
+                     max_weight: float | None = None) -> AveragingReport | None:
         options = RoundOptions(key=f"{self.run_key}/{key}", weight=weight, role=role,
                                deadline=timebase.now() + ROUND_TIMEOUT, expected=expected,
                                compression=compression, min_trainers=min_trainers,
                                peers=peers, leaders=leaders, represents=represents,
-                               max_represents=max_represents)
+                               max_represents=max_represents, max_weight=max_weight)
         try:
             return await self.averager.average(vector, options)
         except AveragingError as exc:
@@ -94,7 +99,8 @@ class SoloRounds:
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
-                      aux: tuple[str, ...] = ()) -> AveragingReport | None:
+                      aux: tuple[str, ...] = (),
+                      max_weight: float | None = None) -> AveragingReport | None:
         now = timebase.now()
         return AveragingReport(key=key, group_id=f"local/{key}", members=(self.peer_id,),
                                trainers=1 if role == "trainer" else 0,

@@ -1,0 +1,61 @@
+"""A member claims an averaging weight of 1e15 (samples it never computed) to make the round's
+weighted mean its own vector. A round's weight is bounded by what an honest peer can have (in a
+run: WEIGHT_SLACK target batches, room for one batch past the target; 1 in a state round): the
+leader refuses such a joiner, a follower a group that lists one, and the honest peers average
+without it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from dht.swarm import Swarm
+
+from dedloc.daemon import timebase
+from dedloc.daemon.averaging.group import Member
+from dedloc.daemon.averaging.matchmaking import Matchmaker, RoundRequest, group_refusal
+
+from .test_hostile_leader import NOW, REQUEST, _group, _halves
+
+pytestmark = pytest.mark.virtual_time
+TARGET = 4096.0
+
+
+def test_a_group_listing_a_heavier_member_than_the_round_allows_is_refused() -> None:
+    request = dataclasses.replace(REQUEST, max_weight=TARGET)
+    honest = _group()
+    assert group_refusal(honest, request, NOW) is None
+    heavy = dataclasses.replace(honest.members[0], weight=1e15)
+    refusal = group_refusal(_group(members=(heavy, honest.members[1])), request, NOW)
+    assert refusal is not None and "weight of 1e+15" in refusal
+
+
+async def test_a_member_claiming_1e15_samples_averages_with_nobody() -> None:
+    swarm = Swarm()
+    for _ in range(4):
+        await swarm.add()
+    try:
+        makers = [Matchmaker(t, n, _halves) for t, n in zip(swarm.transports, swarm.nodes,
+                                                           strict=True)]
+        *honest, attacker = makers
+
+        def request(maker: Matchmaker, weight: float, limit: float | None) -> RoundRequest:
+            member = Member(maker.peer_id, "trainer", weight, 1e7, 1e7, True)
+            return RoundRequest("run/grad/5", member, size=10_000, chunk_elements=1000,
+                                compression="none", window=2.0, deadline=timebase.now() + 30,
+                                expected=4, max_weight=limit)
+
+        groups = await asyncio.gather(
+            *(m.form_group(request(m, 1000.0, TARGET)) for m in honest),
+            attacker.form_group(request(attacker, 1e15, None)))
+        *honest_groups, _ = groups
+        for group in honest_groups:
+            ids = {m.peer_id for m in group.members}
+            assert attacker.peer_id not in ids
+            assert all(m.weight <= TARGET for m in group.members)
+        # the honest three still found each other (one group, not three averaging alone)
+        assert len({g.group_id for g in honest_groups}) == 1
+        assert len(honest_groups[0].members) == 3
+    finally:
+        await swarm.close()
