@@ -43,6 +43,10 @@ __all__ = ["AllReduceError", "AllReduceReport", "AllReduceService", "PartFailure
 log = structlog.get_logger(__name__)
 
 _MAX_WAITING_STREAMS = 256
+# A sender opens one stream to each reducer of a round, and a peer is in a few rounds at once
+# (a gradient round, a state round, grid stages): more waiting streams from one peer are a
+# stranger taking the slots that honest members of rounds about to start need.
+_MAX_WAITING_PER_PEER = 8
 _FINISHED_MEMORY = 256
 _FINITE_CHECK_BLOCK = 1 << 20
 
@@ -80,6 +84,7 @@ class AllReduceService:
         self._rounds: dict[str, Round] = {}
         self._arrivals: dict[str, asyncio.Event] = {}
         self._arrival_waiters: collections.Counter[str] = collections.Counter()
+        self._waiting_by_peer: collections.Counter[str] = collections.Counter()  # by sender
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._closed = False
         self.counters: collections.Counter[str] = collections.Counter()
@@ -158,30 +163,39 @@ class AllReduceService:
         """Route a sender's stream to its round; refusals abort the stream with the reason."""
         try:
             opened = StreamOpen.parse(stream.header)
-            round_ = self._rounds.get(opened.group_id) or await self._wait_for_round(opened)
+            round_ = self._rounds.get(opened.group_id) or await self._wait_for_round(opened,
+                                                                                 ctx.peer_id)
         except PeerFault:
             self.counters["streams_refused"] += 1
             raise
         async with asyncio.timeout_at(round_.deadline + 1.0):
             await round_.adopt(ctx.peer_id, stream, opened)
 
-    async def _wait_for_round(self, opened: StreamOpen) -> Round:
+    async def _wait_for_round(self, opened: StreamOpen, peer_id: str) -> Round:
         group_id = opened.group_id
         if self._closed:
             raise PeerFault("the all-reduce service is closing")
         if group_id in self._finished:
             raise PeerFault(f"round {group_id} is over here")
+        if self._waiting_by_peer[peer_id] >= _MAX_WAITING_PER_PEER:
+            self.counters["streams_refused_peer_waiting"] += 1
+            raise PeerFault(f"this peer already has {_MAX_WAITING_PER_PEER} streams waiting for "
+                            "rounds that have not started here")
         if self._arrival_waiters.total() >= _MAX_WAITING_STREAMS:
             raise PeerFault("too many streams wait for rounds that have not started")
         wait = min(self.arrival_grace, max(0.0, opened.deadline - timebase.now()))
         event = self._arrivals.setdefault(group_id, asyncio.Event())
         self._arrival_waiters[group_id] += 1
+        self._waiting_by_peer[peer_id] += 1
         try:
             async with asyncio.timeout(wait):
                 await event.wait()
         except TimeoutError:
             raise PeerFault(f"no round of group {group_id} here (waited {wait:.1f}s)") from None
         finally:
+            self._waiting_by_peer[peer_id] -= 1
+            if self._waiting_by_peer[peer_id] <= 0:
+                del self._waiting_by_peer[peer_id]
             self._arrival_waiters[group_id] -= 1
             if self._arrival_waiters[group_id] <= 0:
                 del self._arrival_waiters[group_id]
