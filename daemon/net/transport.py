@@ -5,7 +5,10 @@ smaller peer id (between two links dialed by the same side: the older one); the 
 GOAWAY, takes no new calls, finishes what runs on it and closes once both sides said GOAWAY.
 
 Inbound connections each get one handshake task under `handshake_timeout` (TLS + hellos), at most
-`max_handshakes` at once; garbage, silence, half-done handshakes and slowloris clients are dropped
+`max_handshakes` at once and `max_handshakes_per_source` from one source address (an IPv6 /64
+counts as one; loopback is exempt unless `limit_loopback`: a host's own peers, the tests' and
+benchmarks' many, all come from 127.0.0.1), so that one host's silent connections cannot hold
+every slot; garbage, silence, half-done handshakes and slowloris clients are dropped
 and counted without disturbing established links. `counters()` gives the counts for metrics.
 
 Bandwidth caps: `bandwidth` (ratelimit.py) is one pair of token buckets that every link of this
@@ -19,7 +22,9 @@ link to a peer opens, "down" when its last link closes), synchronously from the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import ipaddress
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -57,6 +62,8 @@ class TransportLimits:
     dial_timeout: float = 15.0
     direct_attempt_timeout: float = 3.0  # per direct address, when a relayed path is known too
     max_handshakes: int = 64
+    max_handshakes_per_source: int = 16
+    limit_loopback: bool = False  # apply max_handshakes_per_source to loopback sources too
     max_links: int = 1024
     listen_backlog: int = 128
     link: LinkLimits = field(default_factory=LinkLimits)
@@ -112,10 +119,12 @@ class TlsTransport:
         self._all_links: set[Link] = set()
         self._accept_tasks: set[asyncio.Task[None]] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
+        self._handshakes_by_source: collections.Counter[str] = collections.Counter()
         self._dialing: dict[str, asyncio.Task[Link]] = {}
         self._link_listeners: list[LinkListener] = []
         self._counters: dict[str, int] = {
-            "connections_accepted": 0, "connections_refused": 0, "handshake_failures": 0,
+            "connections_accepted": 0, "connections_refused": 0, "connections_refused_per_source": 0,
+            "handshake_failures": 0,
             "protocol_violations": 0, "limits_exceeded": 0, "links_opened": 0, "links_closed": 0,
             "dial_failures": 0, "peer_id_mismatches": 0, "streams_refused": 0, "unknown_methods": 0,
         }
@@ -484,12 +493,42 @@ class TlsTransport:
                 self._counters["connections_refused"] += 1
                 sock.close()
                 continue
+            source = self._source_of(sock)
+            if source is not None and \
+                    self._handshakes_by_source[source] >= self.limits.max_handshakes_per_source:
+                self._counters["connections_refused"] += 1
+                self._counters["connections_refused_per_source"] += 1
+                sock.close()
+                continue
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = self._loop.create_task(self._serve_handshake(sock), name="handshake")
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
+            if source is not None:
+                self._handshakes_by_source[source] += 1
+                task.add_done_callback(lambda _, key=source: self._handshake_ended(key))
+
+    def _source_of(self, sock: socket.socket) -> str | None:
+        """The source a connection's handshake counts against (None: not limited)."""
+        try:
+            host = str(sock.getpeername()[0])
+            address = ipaddress.ip_address(host)
+        except (OSError, ValueError, IndexError):
+            return None
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        if address.is_loopback and not self.limits.limit_loopback:
+            return None
+        if isinstance(address, ipaddress.IPv6Address):  # one host holds a whole /64
+            return str(ipaddress.IPv6Network((address, 64), strict=False))
+        return str(address)
+
+    def _handshake_ended(self, source: str) -> None:
+        self._handshakes_by_source[source] -= 1
+        if self._handshakes_by_source[source] <= 0:
+            del self._handshakes_by_source[source]
 
     async def _serve_handshake(self, sock: socket.socket) -> None:
         peer = None

@@ -217,3 +217,23 @@ async def test_too_many_handshakes_are_refused(make_transport: Any) -> None:
     for r, w in held:
         await read_until_closed(r)
         w.close()
+
+
+async def test_one_source_holds_a_few_handshake_slots_only(make_transport: Any) -> None:
+    """Silent connections from one address take at most max_handshakes_per_source slots: a
+    further one from there is refused at once, while another address still gets a slot."""
+    from dedloc.daemon.net import TransportLimits
+    server = await make_transport(limits=TransportLimits(
+        handshake_timeout=30.0, max_handshakes=64, max_handshakes_per_source=3, limit_loopback=True))
+    port = port_of(server)
+    held = [await _raw_connect(port) for _ in range(3)]
+    await wait_until(lambda: server.counters()["connections_accepted"] == 3)
+    reader, writer = await _raw_connect(port)  # a fourth from 127.0.0.1
+    await read_until_closed(reader)
+    writer.close()
+    assert server.counters()["connections_refused_per_source"] == 1
+    other = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+    await wait_until(lambda: server.counters()["connections_accepted"] == 5)
+    assert server.counters()["connections_refused_per_source"] == 1  # another source: let in
+    for _, w in [*held, other]:
+        w.close()
