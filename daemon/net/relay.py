@@ -228,7 +228,7 @@ class RelayClient:
         self._credentials = credentials  # our closed runs' tokens, for relays that ask
         self.relays: dict[str, PeerAddress] = {}  # relay peer id -> its address, while reserved
         self.counters: dict[str, int] = {"circuits_dialed": 0, "circuits_accepted": 0,
-                                         "circuit_failures": 0}
+                                         "circuit_failures": 0, "circuits_not_reserved": 0}
         self._tasks: set[asyncio.Task[None]] = set()
         self.on_addresses: Callable[[list[str]], None] | None = None  # e.g. publish them in the DHT
         transport.add_stream_handler(INCOMING, self._on_incoming)
@@ -267,6 +267,10 @@ class RelayClient:
         server_ctx, _, der = transport.tls_contexts
         if server_ctx is None or der is None or not isinstance(source, str):
             await stream.abort("this peer takes no relayed links")
+            return
+        if ctx.peer_id not in self.relays:  # any linked peer could nest links in its own link
+            self.counters["circuits_not_reserved"] += 1
+            await stream.abort("this peer takes relayed links only from relays it reserved with")
             return
         try:
             async with asyncio.timeout(self._handshake_timeout):

@@ -38,6 +38,7 @@ from .addresses import PeerAddress
 from .errors import (
     CallTimeout,
     HandshakeError,
+    LimitExceeded,
     PeerIdMismatchError,
     PeerUnreachableError,
     TransportClosed,
@@ -233,6 +234,10 @@ class TlsTransport:
     def adopt(self, done: Handshaken, *, outbound: bool, address: str | None) -> Link:
         """Take a link made over another path (its handshake done); the best link per peer stays."""
         self._check_open()
+        if len(self._all_links) >= self.limits.max_links:  # relayed links count like direct ones
+            done.io.close()
+            self._counters["limits_exceeded"] += 1
+            raise LimitExceeded(f"already {len(self._all_links)} links (max_links)")
         link = self._add_link(done, outbound=outbound, address=address)
         return self._usable(link.peer_id) or link
 

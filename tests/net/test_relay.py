@@ -3,7 +3,6 @@ within the relay's limits; when its relay dies, another one carries it."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator
@@ -184,7 +183,7 @@ async def test_a_relayed_link_is_upgraded_to_webrtc(make_transport: Any, hidden:
 
 
 async def test_forged_and_malformed_relay_requests_are_refused(make_transport: Any, hidden: Any) -> None:
-    from dedloc.daemon.net import PeerAddress, RemoteError, StreamAborted
+    from dedloc.daemon.net import PeerAddress, RemoteError, StreamAborted, TransportError
     from dedloc.daemon.net.handshake import pipe_client_handshake
     from dedloc.daemon.net.pipes import StreamPipe
 
@@ -199,19 +198,20 @@ async def test_forged_and_malformed_relay_requests_are_refused(make_transport: A
     with pytest.raises(StreamAborted, match="target"):
         await stream.receive(timeout=10)
     assert relay.service.counters["circuits_refused"] == 1  # type: ignore[attr-defined]
-    # A peer that is no relay opens relay.incoming to B claiming to carry someone else: B runs the
-    # inner handshake, sees that the far end is really A, and takes no link.
+    # A peer that is no relay of B's opens relay.incoming to B (with a true "from" or not): B
+    # refuses it before any inner handshake (links nested in a link would dodge max_links).
     await b.connect(a.listen_addresses()[0], timeout=10)
     await wait_until(lambda: a.link_kind(b.peer_id) == "tcp")
     _, client_ctx, _ = a.tls_contexts
     assert client_ctx is not None
-    liar = await a.open_stream(b.peer_id, "relay.incoming", {"from": "6MkNotThePeerWhoDialed"},
-                               timeout=10)
-    with contextlib.suppress(Exception):  # B hangs up right after the inner handshake
-        await pipe_client_handshake(StreamPipe(liar), a.identity, client_ctx, b.peer_id,
-                                    a.listen_addresses())
-        await liar.receive(timeout=10)
-    await wait_until(lambda: client_b.counters["circuit_failures"] == 1, timeout=10)
+    for source in ("6MkNotThePeerWhoDialed", a.peer_id):
+        liar = await a.open_stream(b.peer_id, "relay.incoming", {"from": source}, timeout=10)
+        with pytest.raises((StreamAborted, TransportError)):
+            await pipe_client_handshake(StreamPipe(liar), a.identity, client_ctx, b.peer_id,
+                                        a.listen_addresses())
+            await liar.receive(timeout=10)
+    assert client_b.counters["circuits_not_reserved"] == 2
+    assert client_b.counters["circuits_accepted"] == 0
     assert all(i.kind != "relay" for i in b.links())
     # net.addresses with too many entries is refused; junk entries are skipped.
     with pytest.raises(RemoteError, match="at most"):
