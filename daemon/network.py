@@ -260,7 +260,7 @@ class PeerNetwork:
             counters.update({f"relay.{k}": v for k, v in self.relay_client.counters.items()})
         if self.upgrader is not None:
             counters.update({f"net.{k}": v for k, v in self.upgrader.counters.items()})
-        counters["membership.refusals"] = sum(self.membership.refusals.values())
+        counters["membership.refusals"] = sum(self.membership.refusals_by_reason.values())
         for reason, count in self.membership.refusals_by_reason.items():
             counters[f"membership.refused_{reason}"] = count
         return counters

@@ -49,6 +49,9 @@ REVOCATIONS_REFRESH = 30.0
 CLOSED_PREFIX = "closed/"
 NESTING_PREFIXES = ("averaging/",)  # daemon/averaging/matchmaking.py's DHT_PREFIX
 OPEN_PREFIX = "collab/"
+MAX_REFUSING = 4096  # peers whose refusals are counted one by one (the most recent)
+REFUSAL_LOG_EVERY = 60.0  # seconds between two log lines of refusals of one peer
+MAX_PEER_ID_CHARS = 128
 
 
 class MembershipError(CollaborationError):
@@ -195,8 +198,33 @@ class MembershipRegistry:
         self._revocations: dict[tuple[str, str], Revocations] = {}
         self._decoded: collections.OrderedDict[str, MembershipToken | MembershipError] = (
             collections.OrderedDict())
-        self.refusals: collections.Counter[str] = collections.Counter()  # by peer id
+        # by peer id: the most recent MAX_REFUSING peers (ids are free; the count must not grow
+        # with them); `refused_peers` counts every peer ever refused
+        self.refusals: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.refusals_by_reason: collections.Counter[str] = collections.Counter()
+        self.refused_peers = 0
+        self._logged: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def _refuse(self, peer_id: str, what: str, **context: Any) -> None:
+        """Count a refusal of `peer_id` (bounded per peer and in all) and log it, at most once a
+        minute per peer (a flood of refusals is one line a minute, not one line each)."""
+        peer_id = peer_id[:MAX_PEER_ID_CHARS]
+        count = self.refusals.pop(peer_id, None)
+        if count is None:
+            self.refused_peers += 1
+        self.refusals[peer_id] = (count or 0) + 1
+        while len(self.refusals) > MAX_REFUSING:
+            self.refusals.popitem(last=False)
+        self.refusals_by_reason[what] += 1
+        now = self._clock()
+        last = self._logged.pop(peer_id, None)
+        if last is None or now - last >= REFUSAL_LOG_EVERY:
+            log.info("membership_refused", peer=peer_id[:16], what=what,
+                     refusals=self.refusals[peer_id], **context)
+            last = now
+        self._logged[peer_id] = last
+        while len(self._logged) > MAX_REFUSING:
+            self._logged.popitem(last=False)
 
     # --- our own credentials --------------------------------------------------------------------
 
@@ -278,9 +306,7 @@ class MembershipRegistry:
                 raise MembershipError(f"the token is for peer {token.peer[:16]}, not for the caller")
             self._check_fresh(token)
         except MembershipError as exc:
-            self.refusals[peer_id] += 1
-            self.refusals_by_reason[what] += 1
-            log.info("membership_refused", peer=peer_id[:16], run=run, what=what, reason=str(exc))
+            self._refuse(peer_id, what, run=run, reason=str(exc))
             raise NotAMember(f"peer {peer_id[:16]} is not a member of closed run {run!r} ({what}): "
                              f"{exc}") from None
         return token
@@ -305,8 +331,7 @@ class MembershipRegistry:
             return
         if key == revocations_key(*closed):
             if signer != closed[0]:
-                self.refusals[signer] += 1
-                self.refusals_by_reason["dht_write"] += 1
+                self._refuse(signer, "dht_write", run=closed[1], reason="not the owner")
                 raise NotAMember(f"only the run's owner writes the revocation list of {closed[1]!r}")
             return
         self.check(signer, closed[0], closed[1], proof, "dht_write")
@@ -333,8 +358,7 @@ class MembershipRegistry:
             except MembershipError:
                 continue
             return
-        self.refusals[peer_id] += 1
-        self.refusals_by_reason["relay"] += 1
+        self._refuse(peer_id, "relay", reason="no valid token")
         raise PermissionError(f"peer {peer_id[:16]} presented no valid token of a closed run "
                               "this relay takes part in")
 

@@ -352,13 +352,15 @@ class DHTNode:
         entry = protocol.decode_store(message)
         try:
             if self.access is not None:
+                # the signature first: a refusal is then counted against a signer that signed
+                validate(entry, self._clock(), self.config.limits)
                 self.access.authorize_write(entry.signer, entry.key, entry.proof)
             stored = self.storage.store(entry, self._clock())
             if stored and self.access is not None:
                 self.access.stored(entry)
         except DHTError as exc:
             self.stats["stores_refused"] += 1
-            self._log.info("dht_store_refused", sender=ctx.peer_id[:12], key=entry.key,
+            self._log.debug("dht_store_refused", sender=ctx.peer_id[:12], key=entry.key[:80],
                            sub_key=entry.sub_key, reason=type(exc).__name__)
             raise
         return Message({"stored": stored})
