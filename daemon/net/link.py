@@ -75,6 +75,10 @@ class LinkLimits:
     idle_timeout: float | None = None
     drain_grace: float = 30.0
     send_timeout: float = 60.0
+    # Control frames (PONGs, CREDITs, ERRORs, ...) queued to a peer that does not read them: past
+    # this the link is closed (a peer that sends PINGs and never reads grew the queue unbounded).
+    max_control_bytes: int = 16 * 1024 * 1024
+    write_stall_timeout: float = 120.0  # one batch not taken by the peer for this long: closed
 
     def __post_init__(self) -> None:
         if self.chunk_bytes > self.max_payload:
@@ -449,6 +453,7 @@ class Link:
         self._assembling: dict[int, _Assembly] = {}
         self._outboxes: dict[int, _Outbox] = {}
         self._ctrl: deque[bytes] = deque()
+        self._ctrl_bytes = 0
         self._ready: deque[_Outbox] = deque()
         self._wake = asyncio.Event()
         self._pending_in = 0
@@ -626,7 +631,15 @@ class Link:
                    payload: bytes = b"") -> None:
         if self.closed:
             return
-        self._ctrl.append(encode_head(ftype, sid, header, len(payload)) + payload)
+        frame = encode_head(ftype, sid, header, len(payload)) + payload
+        if self._ctrl_bytes + len(frame) > self.limits.max_control_bytes:
+            self._counters["control_queue_overflows"] = self._counters.get("control_queue_overflows", 0) + 1
+            self._log.warning("link_control_queue_full", queued=self._ctrl_bytes,
+                              hint="the peer sends but does not read")
+            self.begin_close("the peer does not read what it asks for (control queue full)")
+            return
+        self._ctrl.append(frame)
+        self._ctrl_bytes += len(frame)
         self._wake.set()
 
     def _add_credit(self, sid: int, amount: int) -> None:
@@ -660,6 +673,7 @@ class Link:
             finished: list[_Job] = []
             while self._ctrl and size < _BATCH_BYTES:
                 frame = self._ctrl.popleft()
+                self._ctrl_bytes -= len(frame)
                 buffers.append(frame)
                 size += len(frame)
             ctrl_count, ctrl_size, limit = len(buffers), size, _BATCH_BYTES
@@ -705,30 +719,42 @@ class Link:
                 await self._wake.wait()
                 continue
             if bandwidth is None:
-                await self.io.send_all(buffers)
+                await self._send_all(buffers)
             elif throttled and size > ctrl_size:
                 if ctrl_count:
                     bandwidth.up.take(ctrl_size)
-                    await self.io.send_all(buffers[:ctrl_count])
+                    await self._send_all(buffers[:ctrl_count])
                 await bandwidth.pay_up(size - ctrl_size, self._wake, self._flush_ctrl)
-                await self.io.send_all(buffers[ctrl_count:])
+                await self._send_all(buffers[ctrl_count:])
             else:
                 bandwidth.up.take(size)
-                await self.io.send_all(buffers)
+                await self._send_all(buffers)
             self.bytes_out += size
             for job in finished:
                 if job.future is not None and not job.future.done():
                     job.future.set_result(None)
 
+    async def _send_all(self, buffers: list[bytes | memoryview]) -> None:
+        """Write to the socket; a peer that takes nothing for write_stall_timeout ends the link
+        (it may send and never read: the write would wait forever)."""
+        try:
+            async with asyncio.timeout(self.limits.write_stall_timeout):
+                await self.io.send_all(buffers)
+        except TimeoutError:
+            self._counters["write_stalls"] = self._counters.get("write_stalls", 0) + 1
+            raise TransportClosed(f"the peer read nothing for {self.limits.write_stall_timeout:g} s") \
+                from None
+
     async def _flush_ctrl(self) -> None:
         """Send the control frames queued now (while data waits for the upload cap)."""
         frames = list(self._ctrl)
         self._ctrl.clear()
+        self._ctrl_bytes = 0
         if frames:
             size = sum(map(len, frames))
             if self._bandwidth is not None:
                 self._bandwidth.up.take(size)
-            await self.io.send_all(frames)
+            await self._send_all(frames)
             self.bytes_out += size
 
     # --- inbound ------------------------------------------------------------------------------
