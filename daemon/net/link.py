@@ -79,6 +79,7 @@ class LinkLimits:
     # this the link is closed (a peer that sends PINGs and never reads grew the queue unbounded).
     max_control_bytes: int = 16 * 1024 * 1024
     write_stall_timeout: float = 120.0  # one batch not taken by the peer for this long: closed
+    message_stall_timeout: float = 120.0  # a message received part-way, then nothing: closed
 
     def __post_init__(self) -> None:
         if self.chunk_bytes > self.max_payload:
@@ -128,10 +129,25 @@ class _Outbox:
         return job.cancelled or not job.started or job.offset >= len(job.payload) or self.credit > 0
 
 
+class InboundBudget:
+    """The bytes of inbound messages under way, for all the links of one daemon together: the
+    per-link bound alone let a few dozen free identities each announce 256 MiB. A link checks
+    what all links are owed (announced, not yet received) plus what it is announced now against
+    `limit` before it allocates."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.links: set[Link] = set()
+        self.refused = 0
+
+    def due(self) -> int:
+        return sum(link._due() for link in self.links)
+
+
 class _Assembly:
     """An inbound message being received: its buffer fills frame by frame."""
 
-    __slots__ = ("buffer", "filled", "header", "owned", "total")
+    __slots__ = ("buffer", "filled", "header", "owned", "total", "touched")
 
     def __init__(self, header: dict[str, Any], total: int, buffer: memoryview | None, owned: bool) -> None:
         self.header = header
@@ -139,6 +155,7 @@ class _Assembly:
         self.buffer = buffer  # None: discard
         self.filled = 0
         self.owned = owned  # False: the application's buffer (receive_into)
+        self.touched = timebase.monotonic()  # when its last bytes came
 
 
 class _Served:
@@ -426,8 +443,12 @@ class Link:
     def __init__(self, io: SocketIO | Pipe, *, peer_id: str, peer_addresses: tuple[PeerAddress, ...],
                  outbound: bool, address: str | None, limits: LinkLimits, dispatcher: Dispatcher,
                  on_closed: Callable[[Link], None], counters: dict[str, int],
-                 local_peer_id: str = "", bandwidth: Bandwidth | None = None) -> None:
+                 local_peer_id: str = "", bandwidth: Bandwidth | None = None,
+                 budget: InboundBudget | None = None) -> None:
         self.io = io
+        self._budget = budget
+        if budget is not None:
+            budget.links.add(self)
         self.peer_id = peer_id
         self.peer_addresses = peer_addresses
         self.outbound = outbound
@@ -532,6 +553,9 @@ class Link:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 self._log.warning("link_task_failed", task=task.get_name(), error=repr(task.exception()))
         self.io.close()
+        self._assembling.clear()  # what its peer owed no longer counts against the budget
+        if self._budget is not None:
+            self._budget.links.discard(self)
         self._log.debug("link_closed", reason=reason)
         self._on_closed(self)
 
@@ -764,15 +788,30 @@ class Link:
         (a peer may announce 256 MiB in a 60-byte frame and never send them)."""
         if not total:
             return
-        due = self._pending_in + total
+        due = self._due() + total
+        if due > self.limits.max_pending_bytes:
+            raise LimitExceeded(f"peer announced messages of {due} bytes in all, over the limit of "
+                                f"{self.limits.max_pending_bytes} pending bytes")
+        budget = self._budget
+        if budget is not None and budget.due() + total > budget.limit:
+            budget.refused += 1
+            raise LimitExceeded(f"a message of {total} bytes would take this daemon's inbound "
+                                f"messages past {budget.limit} bytes in all")
+
+    def _due(self) -> int:
+        """Bytes this link's peer announced and has not delivered or had consumed yet."""
+        due = self._pending_in
         due += sum(a.total - a.filled for a in self._assembling.values() if a.buffer is not None)
         for stream in self._streams.values():
             current = stream._current
             if current is not None and current.owned and current.buffer is not None:
                 due += current.total - current.filled
-        if due > self.limits.max_pending_bytes:
-            raise LimitExceeded(f"peer announced messages of {due} bytes in all, over the limit of "
-                                f"{self.limits.max_pending_bytes} pending bytes")
+        return due
+
+    def _stalled_message(self, now: float) -> bool:
+        """A message the peer began and then stopped sending (for message_stall_timeout)."""
+        return any(a.filled < a.total and now - a.touched > self.limits.message_stall_timeout
+                   for a in self._assembling.values())
 
     def _add_pending(self, count: int) -> None:
         self._pending_in += count
@@ -946,6 +985,7 @@ class Link:
             return  # continuation of a call we no longer track
         count = len(frame.payload)
         assembly.filled += count
+        assembly.touched = timebase.monotonic()
         if assembly.buffer is not None:
             self._add_pending(count)
         if frame.flags & F_MORE:
@@ -1145,5 +1185,10 @@ class Link:
                 return
             if self.draining and now - self._drain_started > self.limits.drain_grace:
                 self.begin_close("duplicate link drain grace passed")
+                return
+            if self._stalled_message(now):  # its buffer would stay taken while pings go on
+                self._counters["messages_stalled"] = self._counters.get("messages_stalled", 0) + 1
+                self.begin_close(f"a message stalled half-received for "
+                                 f"{self.limits.message_stall_timeout:g}s")
                 return
             self._ping()

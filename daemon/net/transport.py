@@ -46,7 +46,7 @@ from .errors import (
 )
 from .handshake import Handshaken, client_handshake, server_handshake
 from .interface import LinkInfo, Message, StreamHandler, UnaryHandler
-from .link import Dispatcher, Link, LinkLimits, LinkStream
+from .link import Dispatcher, InboundBudget, Link, LinkLimits, LinkStream
 from .ratelimit import Bandwidth
 from .tls import Certificate, client_context, server_context
 
@@ -66,6 +66,8 @@ class TransportLimits:
     max_handshakes_per_source: int = 16
     limit_loopback: bool = False  # apply max_handshakes_per_source to loopback sources too
     max_links: int = 1024
+    # Bytes of inbound messages under way (announced, not yet received) over all links together
+    max_inbound_bytes: int = 1024 * 1024 * 1024
     listen_backlog: int = 128
     link: LinkLimits = field(default_factory=LinkLimits)
 
@@ -121,6 +123,7 @@ class TlsTransport:
         self._accept_tasks: set[asyncio.Task[None]] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
         self._handshakes_by_source: collections.Counter[str] = collections.Counter()
+        self._inbound = InboundBudget(self.limits.max_inbound_bytes)
         self._dialing: dict[str, asyncio.Task[Link]] = {}
         self._link_listeners: list[LinkListener] = []
         self._counters: dict[str, int] = {
@@ -572,7 +575,8 @@ class TlsTransport:
                     on_closed=self._on_link_closed, counters=self._counters,
                     local_peer_id=self.peer_id,
                     # a relayed link's bytes are metered on the link to the relay that carries them
-                    bandwidth=None if done.io.kind == "relay" else self.bandwidth)
+                    bandwidth=None if done.io.kind == "relay" else self.bandwidth,
+                    budget=self._inbound)
         existing = self._links.setdefault(peer_id, [])
         first = not any(not other.closed for other in existing)
         existing.append(link)

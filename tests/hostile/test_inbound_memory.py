@@ -1,0 +1,70 @@
+"""Memory for inbound messages under way. A peer's first frame announces a message and the
+receiver allocates it: the bound used to be per link only (256 MiB each, and identities are
+free), and a message left half-sent held its buffer for as long as the peer answered pings.
+Now all the links of a daemon share one budget (`InboundBudget`, TransportLimits.max_inbound_bytes)
+and a message that stops arriving part-way closes its link after `message_stall_timeout`.
+Links over in-memory pipes, on virtual time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fuzz.fuzzutil import to_json
+from fuzz.peerwire import frame_bytes
+from fuzz.test_link_fuzz import PEER_IDS, FuzzPipe
+
+from dedloc.daemon.net import LinkLimits
+from dedloc.daemon.net.frames import F_MORE, FrameType
+from dedloc.daemon.net.link import Dispatcher, InboundBudget, Link
+
+pytestmark = pytest.mark.virtual_time
+MESSAGE = 16384
+LIMITS = LinkLimits(max_payload=4096, chunk_bytes=1024, max_message_bytes=MESSAGE,
+                    max_pending_bytes=4 * MESSAGE, ping_interval=10.0, ping_timeout=7200.0,
+                    message_stall_timeout=60.0)
+
+
+def _link(pipe: FuzzPipe, counters: dict[str, int], budget: InboundBudget | None,
+          peer: int = 1) -> Link:
+    link = Link(pipe, peer_id=PEER_IDS[peer], peer_addresses=(), outbound=True, address=None,
+                limits=LIMITS, dispatcher=Dispatcher(), on_closed=lambda _: None, counters=counters,
+                budget=budget)
+    link.start()
+    return link
+
+
+def _announce(sid: int) -> bytes:
+    """The first frame of a request announcing MESSAGE bytes, carrying one of them."""
+    return frame_bytes(FrameType.REQUEST, F_MORE, sid, to_json({"m": "echo", "n": MESSAGE, "h": {}}),
+                       b"x")
+
+
+async def test_links_share_one_budget_for_messages_under_way() -> None:
+    budget = InboundBudget(limit=3 * MESSAGE)  # less than one link alone may be owed (4)
+    counters: dict[str, int] = {}
+    pipes = [FuzzPipe() for _ in range(4)]
+    links = [_link(pipe, counters, budget, peer=i % 2 + 1) for i, pipe in enumerate(pipes)]
+    for pipe in pipes[:3]:  # three identities, one big message each: within the budget
+        pipe.feed(_announce(2))
+    await asyncio.sleep(0.1)
+    assert not any(link.closed for link in links[:3])
+    assert 3 * (MESSAGE - 1) <= budget.due() <= 3 * MESSAGE
+    pipes[3].feed(_announce(2))  # a fourth: past what the daemon takes in all
+    await asyncio.sleep(0.1)
+    assert links[3].closed and links[3].close_reason.startswith("LimitExceeded")
+    assert budget.refused == 1
+    await links[0].close()  # a closed link's debts go with it
+    assert 2 * (MESSAGE - 1) <= budget.due() <= 2 * MESSAGE
+    for link in links[1:3]:
+        await link.close()
+
+
+async def test_a_message_left_half_sent_closes_its_link() -> None:
+    counters: dict[str, int] = {}
+    pipe = FuzzPipe()
+    link = _link(pipe, counters, None)
+    pipe.feed(_announce(2))  # 1 byte of 16384, then silence (the link's pings are answered)
+    await asyncio.sleep(LIMITS.message_stall_timeout + 2 * LIMITS.ping_interval)
+    assert link.closed and "stalled" in link.close_reason, link.close_reason
+    assert counters["messages_stalled"] == 1
