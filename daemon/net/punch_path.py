@@ -6,11 +6,18 @@ it in a `path.punch` call over the relayed link; the answerer does the same, rep
 guess and starts punching at once; the offerer starts when the reply arrives. Both punch until the
 same deadline (holepunch.py). Behind a NAT that does not keep port mappings (symmetric) the punch
 fails by the deadline and WebRTC is tried next.
+
+A `path.punch` makes this daemon query STUN servers and send SYNs and TLS hellos to the address it
+is given, so it is bounded: at most `MAX_PUNCHES` answers at once, one per peer at a time and one
+per peer every `PUNCH_COOLDOWN` seconds, and never toward a loopback, unspecified, multicast or
+broadcast address (private addresses stay allowed: peers on one LAN, and the NAT lab, punch there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import ipaddress
 from collections.abc import Callable
 
 import structlog
@@ -25,6 +32,9 @@ log = structlog.get_logger(__name__)
 PUNCH = "path.punch"
 PUNCH_SECONDS = 5.0
 STUN_SECONDS = 2.0
+MAX_PUNCHES = 4  # answers under way at once
+PUNCH_COOLDOWN = 30.0  # seconds between two punches answered for one peer
+MAX_REMEMBERED = 4096  # peers whose last punch is remembered
 
 
 class PunchRefused(TransportError):
@@ -38,6 +48,9 @@ class TcpPuncher:
         self._stun_servers = stun_servers
         self._seconds = seconds
         self._tasks: set[asyncio.Task[None]] = set()
+        self._answering: set[str] = set()
+        self._last_answer: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.refused = 0
         transport.add_unary_handler(PUNCH, self._on_punch)
 
     async def _public(self) -> tuple[str, int] | None:
@@ -78,13 +91,31 @@ class TcpPuncher:
         if ctx.link_kind != "relay":
             raise PunchRefused("only a relayed link is upgraded by punching")
         theirs = _remote(message.header)
-        mine = await self._public()
+        now = asyncio.get_running_loop().time()
+        last = self._last_answer.get(ctx.peer_id)
+        if ctx.peer_id in self._answering or len(self._answering) >= MAX_PUNCHES \
+                or (last is not None and now - last < PUNCH_COOLDOWN):
+            self.refused += 1
+            raise PunchRefused("busy punching, or punched for this peer a moment ago; "
+                               f"ask again in {PUNCH_COOLDOWN:g} s")
+        self._last_answer.pop(ctx.peer_id, None)
+        self._last_answer[ctx.peer_id] = now
+        while len(self._last_answer) > MAX_REMEMBERED:
+            self._last_answer.popitem(last=False)
+        self._answering.add(ctx.peer_id)
+        try:
+            mine = await self._public()
+        except BaseException:
+            self._answering.discard(ctx.peer_id)
+            raise
         port = listen_port(self._transport)
         if mine is None or port is None:
+            self._answering.discard(ctx.peer_id)
             raise PunchRefused("no public address to offer (no STUN answer)")
         task = asyncio.create_task(self._answer(ctx.peer_id, port, theirs), name="tcp-punch")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _, peer=ctx.peer_id: self._answering.discard(peer))
         return Message({"ip": mine[0], "port": mine[1]})
 
     async def _answer(self, peer_id: str, port: int, theirs: tuple[str, int]) -> None:
@@ -110,4 +141,11 @@ def _remote(header: dict[str, object]) -> tuple[str, int]:
     ip, port = header.get("ip"), header.get("port")
     if not isinstance(ip, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise PunchRefused("path.punch needs 'ip' (str) and 'port' (1-65535)")
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        raise PunchRefused(f"path.punch: {ip[:64]!r} is not an IP address") from None
+    if address.is_loopback or address.is_unspecified or address.is_multicast or \
+            address == ipaddress.IPv4Address("255.255.255.255"):
+        raise PunchRefused(f"path.punch will not send to {address}")
     return ip, port
