@@ -33,6 +33,8 @@ class RecordLimits:
     max_bytes: int = 64 * 1024 * 1024  # per node: values + keys + sub-keys
     max_sub_keys: int = 1024  # per key
     max_key_total_bytes: int = 1024 * 1024  # per key, all its sub-keys together (bounds a reply)
+    max_signer_bytes: int = 4 * 1024 * 1024  # per node, everything one signer wrote
+    max_sub_keys_per_signer: int = 16  # per key (an honest peer writes its own sub-key only)
 
 
 @dataclass(frozen=True)

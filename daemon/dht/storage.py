@@ -5,10 +5,17 @@ plain value replaces a sub-key dict only if it expires after every sub-key, and 
 a plain value only if it expires after it. For the same (key, sub-key) an entry with an earlier
 expiration is a replay and is refused (`StaleRecord`); the very same entry again is accepted as a
 no-op (republishing is idempotent).
+
+Identities are free, but one identity's share is bounded: at most `max_signer_bytes` per node
+and `max_sub_keys_per_signer` sub-keys per key (an honest peer writes one sub-key per key: its
+own), so one signer can neither fill a node nor crowd a run's keys with long-lived entries that
+push honest short-lived ones out. A full store sweeps expired entries at most once a second
+(sweeping all of them on every STORE cost a node's CPU).
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 
 from .errors import StaleRecord, StorageFull
@@ -22,6 +29,9 @@ class RecordStore:
         self._dicts: dict[str, dict[str, Entry]] = {}
         self._entries = 0
         self._bytes = 0
+        self._by_signer: collections.Counter[str] = collections.Counter()  # bytes held per signer
+        self._signer_subs: collections.Counter[tuple[str, str]] = collections.Counter()  # (key, signer)
+        self._swept_at = float("-inf")
 
     def __len__(self) -> int:
         return self._entries
@@ -60,6 +70,7 @@ class RecordStore:
         Raises an InvalidRecord subclass (the writer's fault) or StorageFull (ours)."""
         validate(entry, now, self.limits)
         current = self.get(entry.key, now)  # also drops expired entries of this key
+        self._check_signer(entry)
         if entry.sub_key is None:
             return self._store_plain(entry, current, now)
         return self._store_sub(entry, current, now)
@@ -109,11 +120,32 @@ class RecordStore:
         self._account(entry, +1)
         return True
 
+    def _check_signer(self, entry: Entry) -> None:
+        """StorageFull if `entry` would take its signer past its share (what it replaces of its
+        own is not counted twice)."""
+        limits = self.limits
+        replaced = self._held(entry.key, entry.sub_key)
+        same = replaced is not None and replaced.signer == entry.signer
+        held = self._by_signer[entry.signer] - (replaced.size if same and replaced else 0)
+        if held + entry.size > limits.max_signer_bytes:
+            raise StorageFull(f"{entry.signer[:16]} holds {held} bytes on this node, its share")
+        if entry.sub_key is not None and not same and \
+                self._signer_subs[(entry.key, entry.signer)] >= limits.max_sub_keys_per_signer:
+            raise StorageFull(f"{entry.signer[:16]} holds {limits.max_sub_keys_per_signer} "
+                              f"sub-keys of {entry.key[:80]!r} already")
+
+    def _held(self, key: str, sub_key: str | None) -> Entry | None:
+        if sub_key is None:
+            return self._plain.get(key)
+        return self._dicts.get(key, {}).get(sub_key)
+
     def _make_room(self, size: int, count: int, now: float) -> None:
         limits = self.limits
         if self._entries + count <= limits.max_entries and self._bytes + size <= limits.max_bytes:
             return
-        self.sweep(now)
+        if now - self._swept_at >= 1.0:
+            self._swept_at = now
+            self.sweep(now)
         if self._entries + count > limits.max_entries or self._bytes + size > limits.max_bytes:
             raise StorageFull(f"this node holds {self._entries} entries ({self._bytes} bytes), "
                               "its limit")
@@ -163,3 +195,11 @@ class RecordStore:
     def _account(self, entry: Entry, sign: int) -> None:
         self._entries += sign
         self._bytes += sign * entry.size
+        self._by_signer[entry.signer] += sign * entry.size
+        if self._by_signer[entry.signer] <= 0:
+            del self._by_signer[entry.signer]
+        if entry.sub_key is not None:
+            pair = (entry.key, entry.signer)
+            self._signer_subs[pair] += sign
+            if self._signer_subs[pair] <= 0:
+                del self._signer_subs[pair]
