@@ -554,6 +554,12 @@ class DHTNode:
                                   sub_key=entry.sub_key, reason=type(exc).__name__, error=str(exc))
                 self._ban(peer_id)
                 continue
+            if self.access is not None:
+                try:  # a closed run's record needs its writer's membership proof, read or stored
+                    self.access.authorize_write(entry.signer, entry.key, entry.proof)
+                except DHTError:  # (dropped, the sender not blamed: a node that knows
+                    self.stats["unproven_records"] += 1  # no closed runs may store anything)
+                    continue
             good.append(entry)
         return good
 

@@ -65,3 +65,32 @@ async def test_a_forged_record_is_refused_before_its_signer_is_counted() -> None
         assert registry.refusals == {} and registry.refused_peers == 0
     finally:
         await swarm.close()
+
+
+@pytest.mark.virtual_time
+async def test_a_closed_runs_records_without_a_membership_proof_are_not_read() -> None:
+    """A node that knows nothing of closed runs stores anything: a non-member's record under a
+    closed run's key, served from there, is dropped by a reader (proofs are checked on read too,
+    not only on STORE); the owner's own record is read."""
+    from dht.swarm import Swarm
+
+    from dedloc.daemon import timebase
+
+    swarm = Swarm()
+    try:
+        for _ in range(4):
+            await swarm.add()
+        owner_node, reader, _, attacker = swarm.nodes
+        key = f"{namespace('secret', owner_node.identity.peer_id)}/progress"
+        expiration = timebase.now() + 60
+        reader.access = MembershipRegistry(reader.identity)  # (it refuses to store the forgery)
+        assert await attacker.store(key, b"forged report", expiration,
+                                    sub_key=attacker.identity.peer_id)
+        assert await owner_node.store(key, b"owner's report", expiration,
+                                      sub_key=owner_node.identity.peer_id)
+        record = await reader.get(key, timeout=5)
+        assert record is not None
+        assert {e.signer for e in record.entries} == {owner_node.identity.peer_id}
+        assert reader.stats["unproven_records"] >= 1
+    finally:
+        await swarm.close()
