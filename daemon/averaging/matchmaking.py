@@ -59,6 +59,7 @@ from .group import Group, Member
 
 log = structlog.get_logger(__name__)
 
+MAX_GROUP_MEMBERS = 1024  # the most members a group sent by a leader may list
 JOIN = "avg.join"
 GROUP = "avg.group"
 REDIRECT = "avg.redirect"
@@ -489,8 +490,8 @@ def group_refusal(group: Group, request: RoundRequest, now: float) -> str | None
     ids = [m.peer_id for m in group.members]
     if len(set(ids)) != len(ids):
         return "it names a member twice"
-    if len(ids) > request.max_group_size:
-        return f"{len(ids)} members, more than the {request.max_group_size} asked for"
+    if len(ids) > MAX_GROUP_MEMBERS:  # (not our own max_group_size: leaders may be set larger)
+        return f"{len(ids)} members, more than any group holds ({MAX_GROUP_MEMBERS})"
     heaviest = max(m.weight for m in group.members)
     if request.max_weight is not None and heaviest > request.max_weight:
         return f"a member claims a weight of {heaviest:g}, more than the round's {request.max_weight:g}"

@@ -356,7 +356,8 @@ class RunEngine:
         head = action.head
         self.phase.set("averaging")
         vector = await self.trainer.export_gradients()
-        weight = float(p.accumulated)
+        # (an honest trainer far ahead of a round that keeps failing would pass the bound)
+        weight = min(float(p.accumulated), self._max_weight())
         finite = await asyncio.to_thread(lambda: bool(np.isfinite(vector).all()))
         if not finite:  # take part with nothing: the others' step is ours too
             p.skipped_steps += 1

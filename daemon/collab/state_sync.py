@@ -10,7 +10,8 @@ as busy); a donor in the middle of a round serves the state it steps to, once th
 backoff with another donor (`DonorChoice`).
 
 Both ends bound what a stranger can make them hold. A donor serves one stream per asking peer
-and cuts a stream that is slower than `MIN_SERVE_RATE` overall (two readers that read a byte a
+and cuts a stream that is slower than `MIN_SERVE_RATE` (32 KiB/s: far below a home uplink shared by
+two readers) overall (two readers that read a byte a
 second no longer keep a donor busy for hours). A receiver allocates only what its own model can
 need (`max_numel`, from the run's parameter count, and never more than the free shared memory:
 a header announcing more would otherwise end the daemon with SIGBUS) and gives up on a donor
@@ -47,7 +48,7 @@ BUSY_RETRY_SECONDS = 0.2
 MAX_GROUP = 1024  # peer ids of the round that made the state's head, at most
 MAX_PEER_ID = 128
 ROUND_WAIT_SECONDS = 20.0  # a donor mid-round serves its state after the round, waiting this long
-MIN_SERVE_RATE = 256 << 10  # bytes/s over a whole transfer, both ways; slower streams are cut
+MIN_SERVE_RATE = 32 << 10  # bytes/s over a whole transfer, both ways; slower streams are cut
 SERVE_GRACE_SECONDS = 60.0  # on top of the state's size at MIN_SERVE_RATE
 STATE_SLOTS_PER_PARAMETER = 8  # a state holds the parameters, an optimizer's slots and buffers
 STATE_EXTRA_ELEMENTS = 1 << 20  # (scalars, small buffers)

@@ -57,6 +57,8 @@ _STAGE_BYTES = 256 * 1024  # the read stage grows to this when reads fill it (bu
 _STAGE_START = 16 * 1024  # ... from this: a link that only carries calls stays small
 _DIRECT_MIN = 64 * 1024
 _BATCH_BYTES = 1024 * 1024
+MIN_MESSAGE_RATE = 1024  # bytes/s: an inbound message slower than this (past the stall timeout) ends its link
+MIN_WRITE_RATE = 1024  # bytes/s: a write slower than this (past the stall timeout) ends its link
 _INF = float("inf")
 
 
@@ -141,13 +143,27 @@ class InboundBudget:
         self.refused = 0
 
     def due(self) -> int:
-        return sum(link._due() for link in self.links)
+        return sum(link._due() for link in self.links if not link.closed)
+
+    def evict_hog(self, asking: Link, wanted: int) -> bool:
+        """The budget is full: close the link that owes the most, if it owes more than `asking`
+        would with `wanted` more (an honest peer's small message must not lose its link to an
+        attacker's announced gigabytes). True if one was closed."""
+        open_links = [link for link in self.links if not link.closed]
+        if not open_links:
+            return False
+        hog = max(open_links, key=lambda link: link._due())
+        if hog is asking or hog._due() <= asking._due() + wanted:
+            return False
+        hog._counters["inbound_budget_evictions"] = hog._counters.get("inbound_budget_evictions", 0) + 1
+        hog.begin_close("LimitExceeded: owes the most of this daemon's inbound budget")
+        return True
 
 
 class _Assembly:
     """An inbound message being received: its buffer fills frame by frame."""
 
-    __slots__ = ("buffer", "filled", "header", "owned", "total", "touched")
+    __slots__ = ("buffer", "filled", "header", "owned", "started", "total", "touched")
 
     def __init__(self, header: dict[str, Any], total: int, buffer: memoryview | None, owned: bool) -> None:
         self.header = header
@@ -155,7 +171,7 @@ class _Assembly:
         self.buffer = buffer  # None: discard
         self.filled = 0
         self.owned = owned  # False: the application's buffer (receive_into)
-        self.touched = timebase.monotonic()  # when its last bytes came
+        self.touched = self.started = timebase.monotonic()  # when its first, last bytes came
 
 
 class _Served:
@@ -370,6 +386,7 @@ class LinkStream:
         if current is None:
             raise ProtocolViolation("stream data without a message")
         current.filled += len(frame.payload)
+        current.touched = timebase.monotonic()
         self._link._add_pending(len(frame.payload))
         if self._waiting:
             self._consume_current()
@@ -761,8 +778,9 @@ class Link:
     async def _send_all(self, buffers: list[bytes | memoryview]) -> None:
         """Write to the socket; a peer that takes nothing for write_stall_timeout ends the link
         (it may send and never read: the write would wait forever)."""
+        allowed = self.limits.write_stall_timeout + sum(map(len, buffers)) / MIN_WRITE_RATE
         try:
-            async with asyncio.timeout(self.limits.write_stall_timeout):
+            async with asyncio.timeout(allowed):  # slow links are fine; a peer that reads nothing is not
                 await self.io.send_all(buffers)
         except TimeoutError:
             self._counters["write_stalls"] = self._counters.get("write_stalls", 0) + 1
@@ -793,7 +811,9 @@ class Link:
             raise LimitExceeded(f"peer announced messages of {due} bytes in all, over the limit of "
                                 f"{self.limits.max_pending_bytes} pending bytes")
         budget = self._budget
-        if budget is not None and budget.due() + total > budget.limit:
+        while budget is not None and budget.due() + total > budget.limit:
+            if budget.evict_hog(self, total):
+                continue
             budget.refused += 1
             raise LimitExceeded(f"a message of {total} bytes would take this daemon's inbound "
                                 f"messages past {budget.limit} bytes in all")
@@ -809,9 +829,15 @@ class Link:
         return due
 
     def _stalled_message(self, now: float) -> bool:
-        """A message the peer began and then stopped sending (for message_stall_timeout)."""
-        return any(a.filled < a.total and now - a.touched > self.limits.message_stall_timeout
-                   for a in self._assembling.values())
+        """A message the peer began and then stopped sending (for message_stall_timeout), or
+        trickles at under MIN_MESSAGE_RATE (a byte now and then kept its buffer taken)."""
+        timeout = self.limits.message_stall_timeout
+        under_way = [a for a in self._assembling.values() if a.buffer is not None]
+        under_way += [s._current for s in self._streams.values()
+                      if s._current is not None and s._current.owned and s._current.buffer is not None]
+        return any(a.filled < a.total and (now - a.touched > timeout or (
+            now - a.started > timeout and a.filled < (now - a.started) * MIN_MESSAGE_RATE))
+            for a in under_way)
 
     def _add_pending(self, count: int) -> None:
         self._pending_in += count

@@ -125,10 +125,10 @@ class TcpPuncher:
             punched = await punch(transport, local_port=port, remote=theirs,
                                   tls_server=tls_role(transport.peer_id, peer_id),
                                   expected_peer_id=peer_id, deadline=loop.time() + self._seconds)
+            punched.adopt(transport)
         except (AlreadyLinked, PeerUnreachableError, TransportError) as exc:
             log.info("tcp_punch_answer_ended", peer=peer_id[:12], error=str(exc))
             return
-        punched.adopt(transport)
         log.info("link_upgraded", peer=peer_id[:12], kind="holepunch")
 
     async def close(self) -> None:
@@ -145,7 +145,9 @@ def _remote(header: dict[str, object]) -> tuple[str, int]:
         address = ipaddress.ip_address(ip)
     except ValueError:
         raise PunchRefused(f"path.punch: {ip[:64]!r} is not an IP address") from None
-    if address.is_loopback or address.is_unspecified or address.is_multicast or \
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is loopback too (the socket is dual-stack)
+    if address.is_link_local or address.is_loopback or address.is_unspecified or address.is_multicast or \
             address == ipaddress.IPv4Address("255.255.255.255"):
         raise PunchRefused(f"path.punch will not send to {address}")
     return ip, port

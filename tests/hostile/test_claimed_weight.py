@@ -14,7 +14,7 @@ from dht.swarm import Swarm
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.group import Member
-from dedloc.daemon.averaging.matchmaking import Matchmaker, RoundRequest, group_refusal
+from dedloc.daemon.averaging.matchmaking import Matchmaker, RoundRequest, _ranked, group_refusal
 
 from .test_hostile_leader import NOW, REQUEST, _group, _halves
 
@@ -31,7 +31,11 @@ def test_a_group_listing_a_heavier_member_than_the_round_allows_is_refused() -> 
     assert refusal is not None and "weight of 1e+15" in refusal
 
 
-async def test_a_member_claiming_1e15_samples_averages_with_nobody() -> None:
+@pytest.mark.parametrize("attacker_leads", [False, True])
+async def test_a_member_claiming_1e15_samples_averages_with_nobody(attacker_leads: bool) -> None:
+    """Joining an honest leader, the attacker is refused and the honest three average together;
+    leading, its group is refused by every honest follower (that round is lost to them: each
+    then averages alone, never with the attacker's weight)."""
     swarm = Swarm()
     for _ in range(4):
         await swarm.add()
@@ -39,10 +43,13 @@ async def test_a_member_claiming_1e15_samples_averages_with_nobody() -> None:
         makers = [Matchmaker(t, n, _halves) for t, n in zip(swarm.transports, swarm.nodes,
                                                            strict=True)]
         *honest, attacker = makers
+        ids = [m.peer_id for m in makers]
+        key = next(k for k in (f"run/grad/{n}" for n in range(1000))
+                   if (_ranked(k, ids)[0] == attacker.peer_id) == attacker_leads)
 
         def request(maker: Matchmaker, weight: float, limit: float | None) -> RoundRequest:
             member = Member(maker.peer_id, "trainer", weight, 1e7, 1e7, True)
-            return RoundRequest("run/grad/5", member, size=10_000, chunk_elements=1000,
+            return RoundRequest(key, member, size=10_000, chunk_elements=1000,
                                 compression="none", window=2.0, deadline=timebase.now() + 30,
                                 expected=4, max_weight=limit)
 
@@ -51,11 +58,12 @@ async def test_a_member_claiming_1e15_samples_averages_with_nobody() -> None:
             attacker.form_group(request(attacker, 1e15, None)))
         *honest_groups, _ = groups
         for group in honest_groups:
-            ids = {m.peer_id for m in group.members}
-            assert attacker.peer_id not in ids
+            assert attacker.peer_id not in {m.peer_id for m in group.members}
             assert all(m.weight <= TARGET for m in group.members)
-        # the honest three still found each other (one group, not three averaging alone)
-        assert len({g.group_id for g in honest_groups}) == 1
-        assert len(honest_groups[0].members) == 3
+        if attacker_leads:
+            assert sum(m.refused_groups for m in honest) == 3
+        else:  # the honest three found each other (one group, not three averaging alone)
+            assert len({g.group_id for g in honest_groups}) == 1
+            assert len(honest_groups[0].members) == 3
     finally:
         await swarm.close()

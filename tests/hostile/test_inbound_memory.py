@@ -68,3 +68,20 @@ async def test_a_message_left_half_sent_closes_its_link() -> None:
     await asyncio.sleep(LIMITS.message_stall_timeout + 2 * LIMITS.ping_interval)
     assert link.closed and "stalled" in link.close_reason, link.close_reason
     assert counters["messages_stalled"] == 1
+
+
+async def test_the_link_that_owes_the_most_makes_way_for_a_small_honest_message() -> None:
+    budget = InboundBudget(limit=3 * MESSAGE)
+    counters: dict[str, int] = {}
+    hog_pipe, honest_pipe = FuzzPipe(), FuzzPipe()
+    hog = _link(hog_pipe, counters, budget, peer=1)
+    honest = _link(honest_pipe, counters, budget, peer=2)
+    hog_pipe.feed(b"".join(_announce(sid) for sid in (2, 4, 6)))  # the whole budget, never sent
+    await asyncio.sleep(0.1)
+    assert not hog.closed and budget.due() >= 3 * (MESSAGE - 1)
+    small = frame_bytes(FrameType.REQUEST, F_MORE, 2, to_json({"m": "echo", "n": 100, "h": {}}), b"x")
+    honest_pipe.feed(small)  # an honest peer's small message: the hog goes, not the honest link
+    await asyncio.sleep(0.1)
+    assert hog.closed and not honest.closed
+    assert counters["inbound_budget_evictions"] == 1
+    await honest.close()

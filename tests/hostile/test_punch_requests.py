@@ -22,8 +22,8 @@ class FakeTransport:
         self.handler = handler
 
 
-@pytest.mark.parametrize("ip", ["127.0.0.1", "::1", "0.0.0.0", "224.0.0.1", "255.255.255.255",
-                                "ff02::1", "not-an-ip"])
+@pytest.mark.parametrize("ip", ["127.0.0.1", "::1", "::ffff:127.0.0.1", "0.0.0.0", "224.0.0.1",
+                                "255.255.255.255", "ff02::1", "169.254.1.1", "fe80::1", "not-an-ip"])
 def test_punches_toward_local_or_group_addresses_are_refused(ip: str) -> None:
     with pytest.raises(PunchRefused):
         punch_path._remote({"ip": ip, "port": 4100})
