@@ -35,6 +35,7 @@ class RecordLimits:
     max_key_total_bytes: int = 1024 * 1024  # per key, all its sub-keys together (bounds a reply)
     max_signer_bytes: int = 4 * 1024 * 1024  # per node, everything one signer wrote
     max_sub_keys_per_signer: int = 16  # per key (an honest peer writes its own sub-key only)
+    max_signer_key_bytes: int = 128 * 1024  # per key, all of one signer's sub-keys together
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ a plain value only if it expires after it. For the same (key, sub-key) an entry 
 expiration is a replay and is refused (`StaleRecord`); the very same entry again is accepted as a
 no-op (republishing is idempotent).
 
-Identities are free, but one identity's share is bounded: at most `max_signer_bytes` per node
-and `max_sub_keys_per_signer` sub-keys per key (an honest peer writes one sub-key per key: its
-own), so one signer can neither fill a node nor crowd a run's keys with long-lived entries that
-push honest short-lived ones out. A full store sweeps expired entries at most once a second
-(sweeping all of them on every STORE cost a node's CPU).
+Identities are free, but one identity's share is bounded: at most `max_signer_bytes` per node,
+and `max_sub_keys_per_signer` sub-keys and `max_signer_key_bytes` bytes per key (an honest peer
+writes one sub-key per key: its own), so one signer can neither fill a node nor crowd a run's
+keys with long-lived entries that push honest short-lived ones out. A full store sweeps expired
+entries at most once a second (sweeping all of them on every STORE cost a node's CPU).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class RecordStore:
         self._bytes = 0
         self._by_signer: collections.Counter[str] = collections.Counter()  # bytes held per signer
         self._signer_subs: collections.Counter[tuple[str, str]] = collections.Counter()  # (key, signer)
+        self._signer_key_bytes: collections.Counter[tuple[str, str]] = collections.Counter()
         self._swept_at = float("-inf")
 
     def __len__(self) -> int:
@@ -133,6 +134,12 @@ class RecordStore:
                 self._signer_subs[(entry.key, entry.signer)] >= limits.max_sub_keys_per_signer:
             raise StorageFull(f"{entry.signer[:16]} holds {limits.max_sub_keys_per_signer} "
                               f"sub-keys of {entry.key[:80]!r} already")
+        if entry.sub_key is not None:
+            in_key = self._signer_key_bytes[(entry.key, entry.signer)] - \
+                (replaced.size if same and replaced else 0)
+            if in_key + entry.size > limits.max_signer_key_bytes:
+                raise StorageFull(f"{entry.signer[:16]} holds {in_key} bytes of {entry.key[:80]!r}, "
+                                  "its share of a key")
 
     def _held(self, key: str, sub_key: str | None) -> Entry | None:
         if sub_key is None:
@@ -201,5 +208,7 @@ class RecordStore:
         if entry.sub_key is not None:
             pair = (entry.key, entry.signer)
             self._signer_subs[pair] += sign
+            self._signer_key_bytes[pair] += sign * entry.size
             if self._signer_subs[pair] <= 0:
                 del self._signer_subs[pair]
+                self._signer_key_bytes.pop(pair, None)

@@ -60,3 +60,18 @@ def test_a_full_node_sweeps_at_most_once_a_second(monkeypatch: pytest.MonkeyPatc
         with pytest.raises(StorageFull):
             store.store(Entry.create(writer, f"more{i}", b"v", NOW + 60), NOW + i * 0.01)
     assert len(sweeps) == 1
+
+
+def test_one_signer_cannot_fill_a_key_with_a_few_big_sub_keys() -> None:
+    store = RecordStore()
+    honest = [Identity.generate() for _ in range(20)]
+    for identity in honest:
+        store.store(Entry.create(identity, KEY, b"r" * 2000, NOW + 30, sub_key=identity.peer_id), NOW)
+    attacker = Identity.generate()
+    with pytest.raises(StorageFull, match="share of a key"):
+        for i in range(16):  # 16 x 60 KiB would be most of the key's 1 MiB
+            store.store(Entry.create(attacker, KEY, b"j" * 60_000, NOW + WEEK, sub_key=str(i)), NOW)
+    held = {e.sub_key for e in store.get(KEY, NOW)}
+    assert {i.peer_id for i in honest} <= held
+    mine = [e for e in store.get(KEY, NOW) if e.signer == attacker.peer_id]
+    assert sum(e.size for e in mine) <= RecordLimits().max_signer_key_bytes
