@@ -5,6 +5,7 @@ tmpfs of 1 MiB that the test then fills (the kernel's own ENOSPC, not a mock).""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import subprocess
 from pathlib import Path
@@ -16,19 +17,19 @@ from support import wait_until
 PARAMS = {"workload": "tiny", "name": "full", "target_batch_size": 64, "checkpoint_every": 1,
           "config": {"hidden": 256, "layers": 2}}
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
 
 def _mount_full_tmpfs(directory: Path) -> None:
-    """A 1 MiB tmpfs over `directory`, filled to its last byte."""
+    """A 1 MiB tmpfs over `directory`, filled to its last byte (until the kernel says ENOSPC)."""
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)], check=True)
-    with open(directory / "filler", "wb") as handle:
-        try:
-            while True:
-                handle.write(b"\0" * 65536)
-                handle.flush()
-        except OSError:
-            pass
+    with open(directory / "filler", "wb", buffering=0) as handle:
+        for _ in range(10_000):  # 1 MiB in 4 KiB writes is 256 of them
+            try:
+                handle.write(b"\0" * 4096)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                return
+    raise AssertionError("the 1 MiB tmpfs never filled up")
 
 
 def _unmount(directory: Path) -> None:
@@ -41,6 +42,10 @@ async def _status(daemon: Any) -> dict[str, Any]:
 
 
 async def test_a_full_disk_skips_the_checkpoint_and_training_goes_on(daemon_factory: Any) -> None:
+    if os.geteuid() != 0:  # (as the NAT lab: skipped on a developer's machine, a failure in CI)
+        if os.environ.get("CI"):
+            pytest.fail("mounting a tmpfs needs root", pytrace=False)
+        pytest.skip("mounting a tmpfs needs root")
     daemon = await daemon_factory()
     await daemon.call("run.start", PARAMS)
 

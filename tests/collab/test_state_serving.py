@@ -163,7 +163,7 @@ def test_a_state_larger_than_the_model_or_the_memory_is_refused_before_allocatin
 
         async def inflated(ctx: RequestContext, stream: Stream) -> None:
             await stream.send(Message({"meta": {}, "numel": numel, "epoch": 1}), timeout=10)
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()  # and never the state: the receiver must refuse first
 
         serving.add_stream_handler(state_sync.METHOD, inflated)
         asking.learn_addresses(serving.peer_id, serving.listen_addresses())
