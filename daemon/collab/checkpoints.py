@@ -134,7 +134,6 @@ class CheckpointStore:
                     old.unlink()
         return entry
 
-
     def discard_unlisted(self, epoch: int) -> None:
         """Remove what a failed save at `epoch` left (its file unless listed, the record's .tmp)."""
         listed = {entry.file for entry in self.entries()}

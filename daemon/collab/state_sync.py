@@ -10,12 +10,11 @@ as busy); a donor in the middle of a round serves the state it steps to, once th
 backoff with another donor (`DonorChoice`).
 
 Both ends bound what a stranger can make them hold. A donor serves one stream per asking peer
-and cuts a stream that is slower than `MIN_SERVE_RATE` (32 KiB/s: far below a home uplink shared by
-two readers) overall (two readers that read a byte a
-second no longer keep a donor busy for hours). A receiver allocates only what its own model can
-need (`max_numel`, from the run's parameter count, and never more than the free shared memory:
-a header announcing more would otherwise end the daemon with SIGBUS) and gives up on a donor
-that is slower than the same rate.
+and cuts a stream slower than `MIN_SERVE_RATE` over the whole state (32 KiB/s, far below a home
+uplink shared by two readers: two readers that read a byte a second no longer keep a donor busy
+for hours). A receiver allocates only what its own model can need (`max_numel`, from the run's
+parameter count) and, into shared memory, never more than is free there (a header announcing
+more would end the daemon with SIGBUS); it gives up on a donor slower than the same rate.
 """
 
 from __future__ import annotations
@@ -222,8 +221,10 @@ class NetworkStates:
         self.key = key
         self.allocate = allocate
         self.max_numel = MAX_STATE_BYTES // 4 if parameters is None else max_state_numel(parameters)
+        # (the free shared memory bounds only what goes there; the simulator's buffers do not)
+        self.free_bytes = shared_memory_free if allocate is SharedBuffer else (lambda: None)
 
     async def download(self, donor: str) -> DownloadedState:
         return await download_state(self.transport, donor, self.key,
                                     self.membership.credential(self.key), allocate=self.allocate,
-                                    max_numel=self.max_numel)
+                                    max_numel=self.max_numel, free_bytes=self.free_bytes)

@@ -80,8 +80,10 @@ class LinkLimits:
     # Control frames (PONGs, CREDITs, ERRORs, ...) queued to a peer that does not read them: past
     # this the link is closed (a peer that sends PINGs and never reads grew the queue unbounded).
     max_control_bytes: int = 16 * 1024 * 1024
-    write_stall_timeout: float = 120.0  # one batch not taken by the peer for this long: closed
-    message_stall_timeout: float = 120.0  # a message received part-way, then nothing: closed
+    # A write slower than MIN_WRITE_RATE after this long closes the link (a peer that reads nothing)
+    write_stall_timeout: float = 120.0
+    # A message received part-way, then nothing (or under MIN_MESSAGE_RATE) this long: closed
+    message_stall_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.chunk_bytes > self.max_payload:
@@ -776,16 +778,16 @@ class Link:
                     job.future.set_result(None)
 
     async def _send_all(self, buffers: list[bytes | memoryview]) -> None:
-        """Write to the socket; a peer that takes nothing for write_stall_timeout ends the link
-        (it may send and never read: the write would wait forever)."""
+        """Write to the socket; a write slower than MIN_WRITE_RATE past write_stall_timeout ends
+        the link (a peer may send and never read: the write would wait for ever)."""
         allowed = self.limits.write_stall_timeout + sum(map(len, buffers)) / MIN_WRITE_RATE
         try:
             async with asyncio.timeout(allowed):  # slow links are fine; a peer that reads nothing is not
                 await self.io.send_all(buffers)
         except TimeoutError:
             self._counters["write_stalls"] = self._counters.get("write_stalls", 0) + 1
-            raise TransportClosed(f"the peer read nothing for {self.limits.write_stall_timeout:g} s") \
-                from None
+            raise TransportClosed(f"the peer took under {MIN_WRITE_RATE} B/s of {allowed:.0f} s of "
+                                  "writes") from None
 
     async def _flush_ctrl(self) -> None:
         """Send the control frames queued now (while data waits for the upload cap)."""
