@@ -4,14 +4,17 @@ A round of `n` trainers, more than `averaging.max_group_size` (G) with the aux p
 Moshpit-style grid average (Ryabinin et al., "Moshpit SGD", NeurIPS 2021): the trainers are laid
 out on a `d`-dimensional grid of side `M` (the least `d` with `M = ceil(n ** (1/d))` small enough
 that a group of M and its aux peers fits in G), each trainer at the cell given by its rank in an
-order by a hash of the round's key and its peer id. The round has `d` stages; in stage `s` each
+order by a hash of the round's key and its peer id (rank i fills the cell whose digits in base M
+are i's, stage 0's digit the most significant). The round has `d` stages; in stage `s` each
 trainer averages with the trainers that share all its coordinates but the s-th (a row, then a
-column, ...), weighted by the weight each brings: after stage `s` its vector is the weighted mean
-of the `M ** (s+1)` trainers of its slice, and their total weight is the weight it brings to the
-next stage. On a full grid (n = M ** d) that is the exact weighted mean of all n trainers after
-the last stage, the same on every trainer; on a partly filled one the slices of the last stage
-differ by the cells left empty, and the averages differ a little (state averaging, which runs on
-the same grid, brings the parameters back together: each pass divides their spread).
+column, ...), weighted by the weight each brings. After stage `s` a trainer holds the weighted
+mean of its *block* (the trainers that share its coordinates s+1 ...), and their total weight is
+the weight it brings to the next stage; after the last stage that is the exact weighted mean of
+all n trainers, the same on every trainer, also on a partly filled grid: where a slice's cell
+is empty but its block is not (the partial end of the grid), another trainer of that block, which
+holds the same mean, stands in for it (`GridLayout.duties`: it joins that slice's round too with
+a copy of its vector and keeps only its own slice's result). Filling stage 0's digit first keeps
+the stand-ins spread: no trainer stands in more than once or twice.
 
 Every peer that sees the same trainers at the run's head (the progress board) computes the same
 grid, so stages need no search for peers: each is a direct round (matchmaking.py) under a key
@@ -34,10 +37,11 @@ one-group rounds.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
@@ -70,21 +74,67 @@ class GridLayout:
     dimensions: int
     cells: dict[str, tuple[int, ...]]  # trainer -> its coordinates
     helpers: tuple[str, ...] = ()
+    _slice_cache: dict[int, dict[str, tuple[str, ...]]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def stages(self, peer: str, key: str = "") -> list[Stage]:
         """The stages `peer` (a trainer with a cell, or one of the helpers) takes part in."""
         out = []
         for s in range(self.dimensions):
-            slices: dict[str, list[str]] = {}
-            for trainer, cell in self.cells.items():
-                slices.setdefault(_label(cell, s), []).append(trainer)
+            slices = self._slices(s)
             labels = sorted(slices)
             label = _label(self.cells[peer], s) if peer in self.cells \
                 else labels[_hash_index(key, f"helper\0{peer}\0{s}", len(labels))]
-            helpers = [h for h in self.helpers
-                       if labels[_hash_index(key, f"helper\0{h}\0{s}", len(labels))] == label]
-            out.append(Stage(f"m{s}/{label}", tuple(sorted({*slices[label], *helpers}))))
+            out.append(Stage(f"m{s}/{label}", self._with_helpers(slices[label], labels, label, key, s)))
         return out
+
+    def duties(self, peer: str, key: str = "") -> list[list[Stage]]:
+        """For each stage, the slices other than its own where trainer `peer` stands in for an
+        empty cell of a partly filled grid (most trainers: none)."""
+        out: list[list[Stage]] = []
+        for s in range(self.dimensions):
+            slices = self._slices(s)
+            labels = sorted(slices)
+            own = _label(self.cells[peer], s) if peer in self.cells else None
+            out.append([Stage(f"m{s}/{label}", self._with_helpers(members, labels, label, key, s))
+                        for label, members in slices.items()
+                        if label != own and peer in members])
+        return out
+
+    def _with_helpers(self, members: tuple[str, ...], labels: list[str], label: str, key: str,
+                      s: int) -> tuple[str, ...]:
+        helpers = [h for h in self.helpers
+                   if labels[_hash_index(key, f"helper\0{h}\0{s}", len(labels))] == label]
+        return tuple(sorted({*members, *helpers}))
+
+    def _slices(self, s: int) -> dict[str, tuple[str, ...]]:
+        """Stage `s`'s slices: label -> its trainers, one per block of the stage before: the
+        trainer at the slice's cell of that block, or a stand-in from the block where the cell
+        is empty (only slices that hold a trainer's own cell run)."""
+        cached = self._slice_cache.get(s)
+        if cached is not None:
+            return cached
+        by_cell = {cell: trainer for trainer, cell in self.cells.items()}
+        blocks: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # (digit s, digits > s) -> cells
+        for cell in sorted(by_cell):
+            blocks.setdefault(cell[s:], []).append(cell)
+        own_labels = sorted({_label(cell, s) for cell in by_cell})
+        slices: dict[str, tuple[str, ...]] = {}
+        for position, label in enumerate(own_labels):
+            digits = [None if part == "x" else int(part) for part in label.split(".")]
+            members = []
+            for v in range(self.side):
+                cell = tuple(v if i == s else d for i, d in enumerate(digits))
+                trainer = by_cell.get(cell)  # type: ignore[arg-type]
+                if trainer is None:
+                    block = blocks.get(cell[s:])  # type: ignore[arg-type]
+                    if not block:
+                        continue
+                    trainer = by_cell[block[position % len(block)]]
+                members.append(trainer)
+            slices[label] = tuple(members)
+        self._slice_cache[s] = slices
+        return slices
 
     def max_represents(self, stage: int) -> int:
         """The most trainers one member's vector can stand for in `stage` (a member's claim
@@ -108,7 +158,7 @@ def grid_layout(key: str, trainers: Sequence[str], max_group_size: int,
         if side < 2 or side + math.ceil(2 * len(extra) / slices) > max_group_size:
             continue  # (helpers land in slices by a hash: room for twice their mean)
         ranked = sorted(base, key=lambda p: hashlib.sha256(f"{key}\0grid\0{p}".encode()).digest())
-        cells = {p: tuple((i // side ** s) % side for s in range(dimensions))
+        cells = {p: tuple((i // side ** (dimensions - 1 - s)) % side for s in range(dimensions))
                  for i, p in enumerate(ranked)}
         return GridLayout(side, dimensions, cells, tuple(extra))
     return None
@@ -156,9 +206,11 @@ def grid_report(key: str, stages: Sequence[AveragingReport], everyone: Sequence[
         weight=last.weight, represented=represented, stages=len(stages))
 
 
-# One stage: (vector, key suffix, weight, represents, max_represents, peers, min_trainers) ->
-# its report; `max_represents` bounds what any member's `represents` counts for.
-StageRound = Callable[[np.ndarray, str, float, int, int, tuple[str, ...], int],
+# One stage: (vector, key suffix, weight, represents, max_represents, peers, min_trainers,
+# leaders) -> its report; `max_represents` bounds what any member's `represents` counts for;
+# `leaders`: the slice's trainers with a cell, ranked first for leading (every member of the
+# slice knows them, where views of the helpers may differ).
+StageRound = Callable[[np.ndarray, str, float, int, int, tuple[str, ...], int, tuple[str, ...]],
                       Awaitable[AveragingReport | None]]
 
 
@@ -192,18 +244,44 @@ class GridRounds:
         everyone = [*layout.cells, *layout.helpers]
         reports: list[AveragingReport] = []
         represents = 1  # the averager counts a member that sends nothing (aux, weight 0) as 0
+        duties = layout.duties(self.peer_id, key)
         for s, stage in enumerate(layout.stages(self.peer_id, key)):
             peers = tuple(p for p in stage.peers if p != self.peer_id)
-            expected_trainers = sum(1 for p in stage.peers if p in layout.cells)
-            report = await stage_round(vector, stage.label, weight, represents,
-                                       layout.max_represents(s), peers, expected_trainers // 2 + 1)
+            if not peers and not duties[s]:
+                continue  # alone in its slice: its vector is its block's mean already
+            rounds = [stage_round(vector, stage.label, weight, represents, layout.max_represents(s),
+                                  peers, _majority(stage, layout), _cells(stage, layout))]
+            # stand-in for empty cells: the same vector and weight, a copy, the result dropped
+            rounds += [stage_round(vector.copy(), duty.label, weight, represents,
+                                   layout.max_represents(s),
+                                   tuple(p for p in duty.peers if p != self.peer_id),
+                                   _majority(duty, layout), _cells(duty, layout))
+                        for duty in duties[s]]
+            results = await asyncio.gather(*rounds, return_exceptions=True)
+            for duty, result in zip(duties[s], results[1:], strict=True):
+                if not isinstance(result, AveragingReport) or result.failed_parts:
+                    log.debug("grid_stand_in_failed", key=key, stage=duty.label,
+                              error=repr(result) if isinstance(result, BaseException) else None)
+            report = results[0]
+            if isinstance(report, BaseException):
+                raise report
             if report is None:
                 return grid_report(key, reports, everyone) if reports else None
             reports.append(report)
             log.debug("grid_stage_done", key=key, stage=stage.label, role=role,
                       group_size=report.group_size, represented=report.represented,
-                      expected=len(stage.peers), failed_parts=len(report.failed_parts))
+                      expected=len(stage.peers), stand_ins=len(duties[s]),
+                      failed_parts=len(report.failed_parts))
             if report.failed_parts:
                 break
             weight, represents = report.weight, report.represented
-        return grid_report(key, reports, everyone)
+        return grid_report(key, reports, everyone) if reports else None
+
+
+def _cells(stage: Stage, layout: GridLayout) -> tuple[str, ...]:
+    return tuple(p for p in stage.peers if p in layout.cells)
+
+
+def _majority(stage: Stage, layout: GridLayout) -> int:
+    """The trainers a stage's round needs to count: more than half of those it expects."""
+    return sum(1 for p in stage.peers if p in layout.cells) // 2 + 1

@@ -59,12 +59,14 @@ class NetworkRounds:
 
         async def stage(part: np.ndarray, label: str, stage_weight: float, represents: int,
                         max_represents: int, stage_peers: tuple[str, ...],
-                        stage_min: int) -> AveragingReport | None:
-            # the slice's leader: by rank among its peers (the same on all of them)
+                        stage_min: int, stage_leaders: tuple[str, ...]) -> AveragingReport | None:
+            # the slice's leader: by rank among its trainers with a cell (the same on all of
+            # them; which helpers a peer expects may differ with its view)
             return await self._round(part, f"{key}/{label}", weight=stage_weight,
                                      expected=len(stage_peers) + 1, role=role,
                                      compression=compression, min_trainers=stage_min,
-                                     peers=stage_peers, leaders=(), represents=represents,
+                                     peers=stage_peers, leaders=stage_leaders,
+                                     represents=represents,
                                      max_represents=max_represents,
                                      # a stage's vector stands for its slice's trainers
                                      max_weight=None if max_weight is None

@@ -45,7 +45,7 @@ async def test_more_trainers_than_a_group_holds_still_train_one_model() -> None:
     # in that round: its round fails, no trainer's does)
     assert result.failed_rounds <= result.aux, result.to_json()
     assert result.state_downloads == 0, result.to_json()  # nobody fell off the head
-    assert result.parameter_spread <= 1e-3, result.to_json()
+    assert result.parameter_spread <= 1e-5, result.to_json()  # a partly filled grid is exact too
 
 
 async def test_peers_that_lie_about_their_epoch_or_samples_change_nothing() -> None:
