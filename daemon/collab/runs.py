@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -21,6 +20,7 @@ from .manifest import PublishedManifest, RunManifest, choose_manifest, find_mani
 from .membership import MembershipError, MembershipToken
 from .ownership import REPUBLISH_EVERY, OwnedRuns
 from .run import Run, RunSpec
+from .settings import RUN_NAME
 
 if TYPE_CHECKING:
     from .engine import RunEngine
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PAUSED_REASON = "paused by the volunteer (dedloc resume to go on)"
 
 
