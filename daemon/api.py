@@ -16,7 +16,7 @@ from .averaging_api import ERROR_MAP as AVERAGING_ERROR_MAP
 from .averaging_api import AveragingApi
 from .bandwidth_api import BandwidthApi
 from .collab.errors import ManifestError
-from .collab.runs import RUN_NAME
+from .collab.settings import RUN_NAME
 from .errors import (
     RunExistsError,
     RunNotActiveError,

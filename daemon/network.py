@@ -25,18 +25,17 @@ from . import timebase
 from .averaging.averager import Averager
 from .collab.membership import MembershipRegistry
 from .config import Config
-from .dht import DHTConfig, DHTNode, RecordLimits
+from .dht import DHTNode
 from .errors import DaemonError
 from .identity import Identity
 from .net import PeerAddress, TransportError
-from .net.link import LinkLimits
 from .net.punch_path import TcpPuncher
 from .net.ratelimit import Bandwidth
 from .net.reachability import DialBackService, check_reachability
-from .net.relay import RelayClient, RelayLimits, RelayService
+from .net.relay import RelayClient, RelayService
 from .net.reservations import RelayReservations
 from .net.stun import StunResponder, stun_address
-from .net.transport import TlsTransport, TransportLimits
+from .net.transport import TlsTransport
 from .net.upgrade import PathUpgrader
 
 log = structlog.get_logger(__name__)
@@ -82,12 +81,8 @@ class PeerNetwork:
 
     async def start(self) -> None:
         net = self.config.net
-        limits = TransportLimits(
-            handshake_timeout=net.handshake_timeout,
-            link=LinkLimits(max_payload=net.max_frame_bytes, max_streams=net.max_streams_per_peer,
-                            idle_timeout=net.idle_timeout))
         self.transport = await TlsTransport.start(
-            self.identity, [PeerAddress.parse(a) for a in net.listen], limits=limits,
+            self.identity, [PeerAddress.parse(a) for a in net.listen], limits=net.transport_limits(),
             bandwidth=self.bandwidth)
         if net.announce:
             self.transport.set_announced([PeerAddress.parse(a) for a in net.announce])
@@ -95,13 +90,8 @@ class PeerNetwork:
             await self._start_stun()
         DialBackService(self.transport, self.transport.probe)
         relay = self.config.relay
-        self.relay_service = RelayService(self.transport, RelayLimits(
-            enabled=relay.serve, max_reservations=relay.max_reservations,
-            max_circuits_per_peer=relay.max_circuits_per_peer,
-            bytes_per_second_per_peer=relay.bytes_per_second_per_peer,
-            burst_bytes=int(max(relay.bytes_per_second_per_peer * 2, 1 << 20)),
-            max_circuit_seconds=relay.max_circuit_seconds),
-            reachable=lambda: self.status.reachable,
+        self.relay_service = RelayService(
+            self.transport, relay.relay_limits(), reachable=lambda: self.status.reachable,
             admit=self.membership.admit_relay if relay.members_only else None)
         self.relay_client = RelayClient(self.transport, handshake_timeout=net.handshake_timeout,
                                         credentials=self.membership.tokens)
@@ -111,13 +101,8 @@ class PeerNetwork:
             self.upgrader.puncher = self.puncher
         self.relay_client.on_addresses = self._publish_addresses
         self.transport.set_address_resolver(self._resolve)
-        dht = self.config.dht
-        self.dht = DHTNode(self.transport, self.identity, DHTConfig(
-            k=dht.k, replicas=dht.replicas, alpha=dht.alpha, lookup_timeout=dht.lookup_timeout,
-            refresh_interval=dht.refresh_interval, republish_interval=dht.republish_interval,
-            client_mode=dht.client_mode == "yes",
-            limits=RecordLimits(max_value_bytes=dht.max_value_bytes, max_entries=dht.max_records)),
-            access=self.membership)
+        self.dht = DHTNode(self.transport, self.identity, self.config.dht.node_config(),
+                           access=self.membership)
         self.averager = Averager(self.transport, self.dht, self.config.averaging,
                                  caps=self.bandwidth.caps)
         self._task = asyncio.create_task(self._join(), name="join-network")

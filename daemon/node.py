@@ -44,7 +44,9 @@ class Node:
         self.socket_path: Path = config.socket_path()
         self.identity = Identity.load_or_create(config.state_dir())
         self.network = PeerNetwork(config, self.identity, on_failure=self.request_shutdown)
-        self.runs = RunRegistry(config, self.identity.peer_id, self.network)
+        self.runs = RunRegistry(self.identity.peer_id, self.network, state_dir=config.state_dir(),
+                                runtime_dir=config.runtime_dir(), workers=config.workers,
+                                limits=config.limits, default_role=config.node.role)
         self.autojoin = RunAutoJoin(self.runs, config.run, config.state_dir())
         self.workloads = WorkloadListing(config.worker_command(),
                                          cache_seconds=config.workers.list_cache_seconds,

@@ -21,7 +21,6 @@ import numpy as np
 import structlog
 
 from .. import timebase
-from ..config import AveragingSection
 from ..dht import DHTNode
 from ..net import PeerTransport
 from . import corruption
@@ -33,6 +32,7 @@ from .group import Group, Member, Role
 from .matchmaking import Matchmaker, RoundRequest
 from .report import AveragingReport
 from .screening import ScreeningPolicy
+from .settings import AveragingSettings
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +63,7 @@ class NonFiniteVector(AveragingError):
 
 
 class Averager:
-    def __init__(self, transport: PeerTransport, dht: DHTNode, config: AveragingSection, *,
+    def __init__(self, transport: PeerTransport, dht: DHTNode, config: AveragingSettings, *,
                  reachable: bool = True,
                  caps: Callable[[], tuple[float, float]] | None = None,
                  nonce: Callable[[int], bytes] | None = None) -> None:

@@ -1,4 +1,5 @@
-"""The run a daemon takes part in by itself: the config's `[run]` section.
+"""The run a daemon takes part in by itself: the config's `[run]` section (RunSettings,
+daemon/collab/settings.py).
 
 A volunteer's service names the run it lends the machine to (`join`, and a closed run's `token` or
 `token_file`); a run's owner names the manifest file that `dedloc run create` wrote (`manifest`).
@@ -29,42 +30,18 @@ from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, Unkno
 from .errors import ManifestError
 from .manifest import RunManifest
 from .membership import MembershipError, MembershipToken
+from .settings import BASE_DELAY, RunSettings
 
 if TYPE_CHECKING:
-    from ..config import RunSection
     from .aux import AuxRun
     from .run import Run
     from .runs import RunRegistry
 
 log = structlog.get_logger(__name__)
 
-BASE_DELAY = 2.0  # seconds before the second attempt; doubles up to retry_max_seconds
 NETWORK_WAIT = 60.0  # how long one wait for the DHT to join lasts (a join by name needs it)
 STOPPED_MARKER = "autojoin-stopped"
 MAX_MANIFEST_FILE_BYTES = 1 << 20
-
-
-def check_run_section(section: RunSection) -> None:
-    """ValueError(key, reason) for a [run] section that can never work."""
-    from .runs import RUN_NAME
-
-    if section.join and not RUN_NAME.match(section.join):
-        raise ValueError("join", f"{section.join!r} is not a run name (1-64 letters, digits, '_', "
-                                 "'.' or '-')")
-    if section.token and section.token_file:
-        raise ValueError("token", "give the token or token_file, not both")
-    if section.token:
-        try:
-            token = MembershipToken.decode(section.token)
-        except MembershipError as exc:
-            raise ValueError("token", str(exc)) from None
-        if section.join and section.join != token.run:
-            raise ValueError("token", f"the token is for run {token.run!r}, not {section.join!r}")
-    if section.manifest and (section.join or section.token or section.token_file or section.aux):
-        raise ValueError("manifest", "the owner's manifest starts a run this daemon owns; join, "
-                                     "token, token_file and aux are for joining someone else's")
-    if not section.retry_max_seconds >= BASE_DELAY:
-        raise ValueError("retry_max_seconds", f"must be at least {BASE_DELAY:g}")
 
 
 def backoff_delay(attempt: int, cap: float, rng: random.Random) -> float:
@@ -105,17 +82,17 @@ class Target:
 
 
 class RunAutoJoin:
-    def __init__(self, runs: RunRegistry, section: RunSection, state_dir: Path, *,
+    def __init__(self, runs: RunRegistry, settings: RunSettings, state_dir: Path, *,
                  watch_every: float = 2.0, rng: random.Random | None = None) -> None:
         self._runs = runs
-        self._section = section
+        self._settings = settings
         self._marker = state_dir / STOPPED_MARKER
         self._watch_every = watch_every
         self._rng = rng or random.Random()
 
     @property
     def enabled(self) -> bool:
-        s = self._section
+        s = self._settings
         return bool(s.join or s.token or s.token_file or s.manifest)
 
     async def run(self) -> None:
@@ -144,7 +121,7 @@ class RunAutoJoin:
         await self._watch(target.name)
 
     def _target(self) -> Target:
-        s = self._section
+        s = self._settings
         if s.manifest:
             name, manifest, fingerprint = read_manifest_file(Path(s.manifest).expanduser())
             if manifest.closed and manifest.owner != self._runs.peer_id:
@@ -198,7 +175,7 @@ class RunAutoJoin:
                           hint="fix [run] in the config, then restart the daemon")
                 return False
             except Exception as exc:  # no peer publishes it yet, a worker failed, ...: try again
-                delay = backoff_delay(attempt, self._section.retry_max_seconds, self._rng)
+                delay = backoff_delay(attempt, self._settings.retry_max_seconds, self._rng)
                 attempt += 1
                 dht = None if network is None else network.dht_status()
                 log.info("run_autojoin_waiting", run=target.name, attempt=attempt,
@@ -218,7 +195,7 @@ class RunAutoJoin:
             return True
 
     async def _start(self, target: Target) -> dict[str, Any]:
-        s = self._section
+        s = self._settings
         device = s.device or None
         manifest = target.manifest
         if manifest is not None:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from .. import timebase
-from ..config import Config
 from ..dht.records import is_peer_id
 from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, UnknownRunError
 from ..workers.process import WorkerProcess
+from ..workers.settings import WorkerSettings
 from .aux import AuxRun
 from .availability import Availability, IdleMonitor, TrainingHours, own_process_tree
 from .errors import ManifestError
@@ -21,6 +21,7 @@ from .manifest import PublishedManifest, RunManifest, choose_manifest, find_mani
 from .membership import MembershipError, MembershipToken
 from .ownership import REPUBLISH_EVERY, OwnedRuns
 from .run import Run, RunSpec
+from .settings import RUN_NAME, LimitsSettings
 
 if TYPE_CHECKING:
     from .engine import RunEngine
@@ -30,27 +31,30 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 PAUSED_REASON = "paused by the volunteer (dedloc resume to go on)"
 
 
 class RunRegistry:
-    def __init__(self, config: Config, peer_id: str, network: PeerNetwork | None = None) -> None:
-        self.config = config
+    def __init__(self, peer_id: str, network: PeerNetwork | None = None, *, state_dir: Path,
+                 runtime_dir: Path, workers: WorkerSettings, limits: LimitsSettings,
+                 default_role: str = "trainer") -> None:
+        """Runs keep their state under `state_dir` and their workers' sockets under
+        `runtime_dir`; `default_role` is what a run.start without a role takes part as."""
         self.peer_id = peer_id
         self.network = network
-        self.runs_dir = config.state_dir() / "runs"
-        self.sockets_dir = config.runtime_dir() / "workers"
+        self.workers = workers
+        self.default_role = default_role
+        self.runs_dir = state_dir / "runs"
+        self.sockets_dir = runtime_dir / "workers"
         self._runs: dict[str, Run | AuxRun] = {}
         self._lock = asyncio.Lock()
         self._closing = False
         self.owned = (None if network is None
-                      else OwnedRuns(network.identity, config.state_dir() / "owned"))
-        limits = config.limits
+                      else OwnedRuns(network.identity, state_dir / "owned"))
         idle = (IdleMonitor(own_process_tree, limits.idle_cpu_share, limits.idle_seconds)
                 if limits.idle_only else None)
         self.availability = Availability(TrainingHours.parse(limits.hours), idle)
-        self._paused_file = config.state_dir() / "paused"
+        self._paused_file = state_dir / "paused"
         if self._paused_file.is_file():  # a pause outlives restarts until `dedloc resume`
             self.availability.paused_by = PAUSED_REASON
 
@@ -60,9 +64,9 @@ class RunRegistry:
         return int.from_bytes(digest[:4], "big")
 
     async def _spawn_worker(self, run_name: str) -> WorkerProcess:
-        workers = self.config.workers
+        workers = self.workers
         return await WorkerProcess.spawn(
-            self.config.worker_command(), self.sockets_dir / f"{run_name}.sock",
+            workers.command_line(), self.sockets_dir / f"{run_name}.sock",
             start_timeout=workers.start_timeout, call_timeout=workers.call_timeout,
             log_lines=workers.log_lines, threads=workers.threads,
             gpu_memory_fraction=workers.gpu_memory_fraction, label=run_name)
@@ -73,7 +77,7 @@ class RunRegistry:
                     role: str | None = None, average_state_every: int = 5,
                     compression: str = "none", closed: bool = False,
                     token: str | None = None) -> dict[str, Any]:
-        role = role or self.config.node.role
+        role = role or self.default_role
         held = self._hold(token, name) if token is not None else None
         if held is not None:  # a closed run of another owner: its manifest comes from the DHT
             name, workload, collaborative = held.run, None, True
@@ -104,7 +108,7 @@ class RunRegistry:
                 published = await self._find(name, workload, None if held is None else held.owner)
                 if role == "aux":
                     assert self.network is not None
-                    run = AuxRun(self.network, name, published, self.config.workers.stop_timeout)
+                    run = AuxRun(self.network, name, published, self.workers.stop_timeout)
                     await run.start()
                     self._runs[name] = run
                     return run.status()
@@ -114,10 +118,10 @@ class RunRegistry:
                                        average_state_every, compression,
                                        owner=self.peer_id if closed else None, closed=closed)
             spec = RunSpec(name=name, manifest=manifest, checkpoint_every=checkpoint_every,
-                           seed=self.data_seed(name), device=device or self.config.workers.device,
+                           seed=self.data_seed(name), device=device or self.workers.device,
                            owner_signature=owner_signature)
             run = Run(spec, self.runs_dir, self._spawn_worker,
-                      stop_timeout=self.config.workers.stop_timeout,
+                      stop_timeout=self.workers.stop_timeout,
                       network=self.network if collaborative else None,
                       availability=self.availability)
             await run.start()

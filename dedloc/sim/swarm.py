@@ -19,6 +19,7 @@ import structlog
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.averager import Averager
+from dedloc.daemon.averaging.settings import AveragingSettings
 from dedloc.daemon.collab.board import DhtProgressBoard
 from dedloc.daemon.collab.donors import DonorChoice
 from dedloc.daemon.collab.engine import RunEngine, RunProgress
@@ -29,7 +30,6 @@ from dedloc.daemon.collab.policy import Schedule, Timing
 from dedloc.daemon.collab.progress import PeerProgress
 from dedloc.daemon.collab.rounds import NetworkRounds
 from dedloc.daemon.collab.state_sync import NetworkStates, StateSharing
-from dedloc.daemon.config import AveragingSection
 from dedloc.daemon.dht import DHTConfig, DHTNode
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net.link import LinkLimits
@@ -149,9 +149,9 @@ class SimPeer:
         self.membership = MembershipRegistry(self.identity)
         self.dht = DHTNode(self.transport, self.identity, SIM_DHT, access=self.membership,
                            rng=random.Random(self.rng.random()))
-        averaging = AveragingSection(window=run.window, max_group_size=run.max_group_size,
-                                     upload_mbps=self.spec.link.upload * 8 / 1e6,
-                                     download_mbps=self.spec.link.download * 8 / 1e6)
+        averaging = AveragingSettings(window=run.window, max_group_size=run.max_group_size,
+                                      upload_mbps=self.spec.link.upload * 8 / 1e6,
+                                      download_mbps=self.spec.link.download * 8 / 1e6)
         self.transport.set_address_resolver(lambda peer: self.dht.addresses_of(peer, timeout=5))
         self.averager = Averager(self.transport, self.dht, averaging, nonce=self.rng.randbytes)
         manifest = run.manifest()
