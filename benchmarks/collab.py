@@ -28,7 +28,11 @@ answered: worker start-up); `run_samples_per_second` is every peer's samples ove
 last epoch applied. If a daemon's run.status lacks a field this needs, it fails naming the field.
 With --aux M, M aux daemons (no worker) join the run by name and reduce in its rounds: a full
 group is then N + M. `daemon_peak_rss_mb` and `worker_peak_rss_mb` ({max, mean}) are the peak
-resident memory of each daemon and of each trainer's worker process, sampled every 0.5 s.
+resident memory of each daemon and of each trainer's worker process, sampled every 0.5 s. A
+worker's RSS counts torch's library pages, which all workers share (about 450 MB of ~900 MB);
+`worker_peak_pss_mb` counts a worker's share of them instead, and
+`total_peak_daemon_rss_worker_pss_mb` adds those to the daemons' RSS (nearer what N workers cost
+together than `total_peak_rss_mb`).
 
 Prints one JSON object (with --json, only that; without it a per-epoch table first).
 
@@ -218,9 +222,9 @@ def check_fields(index: int, status: dict[str, Any]) -> None:
 
 def summarize(statuses: list[dict[str, Any]], peers: int,
               target: int, group: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(`group`: the full round's size, trainers and aux peers; default `peers`.)"""
+    """The result's numbers, and one row per epoch (for the table). `group`: the full round's
+    size, trainers and aux peers; default `peers`."""
     group = peers if group is None else group
-    """The result's numbers, and one row per epoch (for the table)."""
     for index, status in enumerate(statuses):
         check_fields(index, status)
     by_peer = [{e["epoch"]: e for e in s["epoch_history"]} for s in statuses]
@@ -357,6 +361,19 @@ def _rss_bytes(pid: int) -> int:
         return 0
 
 
+def _pss_bytes(pid: int) -> int:
+    """Proportional set size: private pages plus a share of those mapped by others too (a
+    worker's RSS counts all of torch's shared library pages, which every worker maps)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _children(pid: int) -> list[int]:
     found: list[int] = []
     try:
@@ -381,14 +398,18 @@ class MemorySampler:
         self.interval = interval
         self.daemon_peak = [0] * len(daemons)
         self.worker_peak = [0] * len(daemons)
+        self.worker_peak_pss = [0] * len(daemons)
 
     def sample(self) -> None:
         for index, daemon in enumerate(self.daemons):
             pid = daemon.process.pid
             self.daemon_peak[index] = max(self.daemon_peak[index], _rss_bytes(pid))
-            workers = [_rss_bytes(child) for child in _children(pid)]
+            children = _children(pid)
+            workers = [_rss_bytes(child) for child in children]
             if workers:
                 self.worker_peak[index] = max(self.worker_peak[index], max(workers))
+                pss = max(_pss_bytes(child) for child in children)
+                self.worker_peak_pss[index] = max(self.worker_peak_pss[index], pss)
 
     async def run(self) -> None:
         while True:
@@ -399,12 +420,16 @@ class MemorySampler:
         mib = 1024 * 1024
         daemons = [v / mib for v in self.daemon_peak if v]
         workers = [v / mib for v in self.worker_peak[:trainers] if v]
+        pss = [v / mib for v in self.worker_peak_pss[:trainers] if v]
         return {
             "daemon_peak_rss_mb": {"max": round(max(daemons), 1) if daemons else None,
                                    "mean": round(float(np.mean(daemons)), 1) if daemons else None},
             "worker_peak_rss_mb": {"max": round(max(workers), 1) if workers else None,
                                    "mean": round(float(np.mean(workers)), 1) if workers else None},
+            "worker_peak_pss_mb": {"max": round(max(pss), 1) if pss else None,
+                                   "mean": round(float(np.mean(pss)), 1) if pss else None},
             "total_peak_rss_mb": round(sum(daemons) + sum(workers), 1),
+            "total_peak_daemon_rss_worker_pss_mb": round(sum(daemons) + sum(pss), 1),
         }
 
 
