@@ -156,9 +156,13 @@ class RunEngine:
         self._reports: list[PeerProgress] = []
         self._received: dict[str, float] = {}
         self._target_reached: tuple[Head, float] | None = None
+        # the trainers seen at the run's head so far, and when that set last grew (policy: a
+        # first grid round waits for it to settle)
+        self._head_seen: tuple[Head, frozenset[str], float] | None = None
         self._finished_at: float | None = None
         self._averaged: Head | None = None  # aux: the head of its last good round
         self._head_group: tuple[str, ...] = ()  # the members of the round that made our head
+        self._stepped_in: Head | None = None  # the head we came to by a round (not a download)
         self._aux_group: tuple[Head | None, tuple[str, ...]] = (None, ())  # aux: head it made
         self._promise: tuple[Head | None, int] = (None, 0)  # Local.promised, at that head
         self._farewell_sent = False
@@ -230,7 +234,8 @@ class RunEngine:
         return PeerProgress(self.peer_id, p.epoch, accumulated, float(p.samples_per_second or 0.0),
                             now, now + STALE_AFTER, self.role, samples, self.step_overhead,
                             started_at=min(self.started_at, now), lineage=p.lineage,
-                            planned=None if planned is None else max(planned, accumulated))
+                            planned=None if planned is None else max(planned, accumulated),
+                            stepped=self.role == "trainer" and self._stepped_in == self.head)
 
     async def _publish(self, action: Action) -> None:
         accumulated = self.progress.accumulated if self.role == "trainer" else 0
@@ -267,10 +272,15 @@ class RunEngine:
         if run.ready and run.head == self.head and (
                 self._target_reached is None or self._target_reached[0] != run.head):
             self._target_reached = (run.head, self._estimate_reached(run, now))
+        grew_at = self._note_head(run, now)
         p = self.progress
         promised = self._promise[1] if self._promise[0] == self.head else 0
+        reached = self._target_reached
         local = Local(self.role, p.epoch, p.lineage, p.accumulated if self.role == "trainer" else 0,
-                      float(p.samples_per_second or 0.0), promised)
+                      float(p.samples_per_second or 0.0), promised,
+                      max_group_size=self.averaging.max_group_size,
+                      knows_round_members=bool(self._leaders()), head_grew_at=grew_at,
+                      ready_at=reached[1] if reached is not None and reached[0] == run.head else None)
         if self.schedule.epochs is not None and self.role == "trainer" \
                 and p.epoch >= self.schedule.epochs and self._finished_at is None:
             self._finished_at = now
@@ -280,6 +290,17 @@ class RunEngine:
         view = View(local, run, self.schedule, now, self.timing, blocked, self._finished_at,
                     self._averaged)
         return view, read
+
+    def _note_head(self, run: GlobalProgress, now: float) -> float:
+        """When the set of trainers seen at the run's head last grew (its first sight counts)."""
+        at_head = frozenset(run.donors) | ({self.peer_id} if self.role == "trainer"
+                                           and self.head == run.head else frozenset())
+        seen = self._head_seen
+        if seen is None or seen[0] != run.head:
+            self._head_seen = (run.head, at_head, now)
+        elif not at_head <= seen[1]:
+            self._head_seen = (run.head, seen[1] | at_head, now)
+        return self._head_seen[2]
 
     def _estimate_reached(self, run: GlobalProgress, now: float) -> float:
         """When the run reached its target, from the overshoot (for the epoch's overhead)."""
@@ -396,9 +417,20 @@ class RunEngine:
         self._schedule_look(0.0)  # the others are stepping too: look again now
 
     def _leaders(self) -> tuple[str, ...]:
-        """Who leads a round at our head first: the members of the round that made it, as we
-        and every peer that came out of it know them; none when we do not know them (then every
-        peer ranks the same expected peers)."""
+        """Who leads a round at our head first (and, in a grid round, holds the cells): the
+        trainers at the run's head that report they stepped there in its round, a list every
+        peer reading the board agrees on (after a grid round each member knows only the grid it
+        laid out, and those differ where views differed); else the members of the round that
+        made our head, as we and every peer that came out of it know them; none when we know
+        neither (then every peer ranks the same expected peers)."""
+        run = self.global_progress
+        if run is not None:
+            stepped = tuple(sorted(
+                p["peer_id"] for p in run.live_peers
+                if p["role"] == "trainer" and p.get("stepped") and p["epoch"] == run.epoch
+                and p["lineage"] == run.lineage))
+            if len(stepped) >= 2:
+                return stepped
         if self.role == "trainer":
             return self._head_group
         # an aux peer knows that list only if it was in the round that made the run's head
@@ -425,6 +457,7 @@ class RunEngine:
         p.epoch = epoch + 1
         p.lineage = next_lineage(p.lineage or "", report.group_id)
         self._head_group = report.members
+        self._stepped_in = self.head
         p.accumulated = 0
         p.rounds += 1
         total, count = self._epoch_loss
@@ -469,6 +502,7 @@ class RunEngine:
             p.state_rounds += 1
             p.lineage = next_lineage(p.lineage or "", f"state/{report.group_id}")
             self._head_group = report.members
+            self._stepped_in = self.head
             self.last_state_round = report
         finally:
             state.close()
@@ -546,6 +580,7 @@ class RunEngine:
         self.donors.succeeded()
         p.epoch, p.lineage, p.accumulated = state.epoch, state.lineage, 0
         self._head_group = state.group
+        self._stepped_in = None
         self._epoch_loss = (0.0, 0)
         p.state_downloads += 1
         self._schedule_look(0.0)

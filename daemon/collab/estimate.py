@@ -224,7 +224,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         donors=tuple(sorted(r.peer_id for r in at_head if r.peer_id != own_id)),
         live_peers=[{"peer_id": peer_id, "role": r.role, "epoch": r.epoch, "lineage": r.lineage,
                      "samples_per_second": r.samples_per_second, "total_samples": r.total_samples,
-                     "started_at": r.started_at, "reported_at": r.time}
+                     "started_at": r.started_at, "reported_at": r.time, "stepped": r.stepped}
                     for peer_id, r in sorted(latest.items())],
     )
 

@@ -27,6 +27,14 @@ The rules, one each:
   trainer never runs away from a peer that is catching up; and the step is confirmed as soon as
   its members report it. A trainer whose round failed keeps its gradients and joins the next
   round of the same head. Without such a majority at the head, a trainer waits for it.
+- **A first grid round waits for the view to settle.** A round of more peers than one group
+  holds is a grid round (grid.py), whose layout every peer computes from the trainers it sees at
+  the head; after the first round the cells go to that round's members, which every peer that
+  came out of it knows alike, but a peer that knows no such list (the run's first round, or the
+  first after a restart) lays the grid out from its own view, and views that differ by a few
+  newcomers put everyone in other slices. Such a peer averages only once the trainers it sees at
+  the head have not grown for `Timing.settle` seconds (newcomers still arriving: wait), and at
+  most `Timing.max_settle` seconds after the run reached its target there.
 
 An aux peer follows the head like a trainer and averages (weight 0: it only reduces) each head
 once, when its trainers average.
@@ -83,6 +91,8 @@ class Timing:
     blocked_poll: float = 2.0
     linger: float = 120.0
     linger_poll: float = 1.0
+    settle: float = 10.0  # a first grid round: the trainers seen at the head unchanged this long
+    max_settle: float = 30.0  # ... but no longer than this after the run reached its target
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,13 @@ class Local:
     # the most this peer said it would accumulate at this head (its reports' `planned`, where
     # others extrapolate it): it trains that much before it averages (see `decide`)
     promised: int = 0
+    # grid rounds (see "A first grid round waits"): the peers one group holds (0: any number),
+    # whether this peer knows the members of the round that made its head, when the trainers it
+    # sees at the run's head last grew, and when it saw the run reach its target there
+    max_group_size: int = 0
+    knows_round_members: bool = True
+    head_grew_at: float | None = None
+    ready_at: float | None = None
 
     @property
     def head(self) -> Head:
@@ -175,6 +192,9 @@ def decide(view: View) -> Action:
                              max_delay=timing.max_look)
     if local.role == "aux":
         if run.ready and run.trainers_at_epoch >= schedule.min_peers and view.averaged != run.head:
+            settling = _settling(view, run.trainers_at_epoch + run.live_aux)
+            if settling is not None:
+                return settling
             return Average(run.head, run.trainers_at_epoch + run.live_aux, run.trainers_at_epoch)
         return Wait(now + look, "following the run")
     if local.head == run.head:
@@ -188,6 +208,9 @@ def decide(view: View) -> Action:
             base = quorum_base(run)
             here = run.trainers_at_epoch
             if here >= schedule.min_peers and 2 * here > base:
+                settling = _settling(view, here + run.live_aux)
+                if settling is not None:
+                    return settling
                 return Average(run.head, here + run.live_aux, base)
             # too few here for a round that may be stepped on: wait for them (a batch is enough)
             return Wait(now + timing.max_chunk,
@@ -203,6 +226,21 @@ def decide(view: View) -> Action:
         return Wait(now + look, "waiting for a trainer at the run's head")
     # ahead: our step is not confirmed yet; what we accumulate counts once it is
     return Train(_chunk(local, schedule.target_batch_size - local.accumulated, look), look)
+
+
+def _settling(view: View, expected: int) -> Wait | None:
+    """Wait before a first grid round while the view of the head still grows (module docstring)."""
+    local, timing, now = view.local, view.timing, view.now
+    if local.knows_round_members or not 0 < local.max_group_size < expected \
+            or local.head_grew_at is None:
+        return None
+    until = local.head_grew_at + timing.settle
+    if local.ready_at is not None:
+        until = min(until, local.ready_at + timing.max_settle)
+    if now >= until:
+        return None
+    return Wait(min(until, now + timing.max_chunk),
+                f"waiting for the trainers at the head to settle before a grid round of {expected}")
 
 
 def _chunk(local: Local, wanted: int, look: float) -> int:

@@ -45,6 +45,10 @@ class ProgressBoard(Protocol):
 
 
 class RoundAverager(Protocol):
+    @property
+    def max_group_size(self) -> int:
+        """The most peers one group holds (0: no limit); a round of more is a grid round."""
+
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),

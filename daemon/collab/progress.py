@@ -86,6 +86,9 @@ class PeerProgress:
     started_at: float | None = None  # when the peer started (or restarted) taking part in the run
     lineage: str | None = None  # the history of the peer's state (lineage.py); None: an older peer
     planned: int | None = None  # the most it will have accumulated by its next report (None: no bound)
+    # it came to its head by stepping in the round that made it (not by a download or a restart):
+    # the run's next grid round gives its cells to these (grid.py), a list every reader agrees on
+    stepped: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not self.peer_id:
@@ -109,6 +112,8 @@ class PeerProgress:
             raise InvalidProgress("role", f"{self.role!r} is not one of {', '.join(ROLES)}")
         if not isinstance(self.left, bool):
             raise InvalidProgress("left", f"expected a boolean, got {type(self.left).__name__}")
+        if not isinstance(self.stepped, bool):
+            raise InvalidProgress("stepped", f"expected a boolean, got {type(self.stepped).__name__}")
         if self.step_overhead is not None:
             object.__setattr__(self, "step_overhead",
                                _check_float("step_overhead", self.step_overhead, MAX_OVERHEAD))
@@ -145,6 +150,7 @@ class PeerProgress:
             "started_at": self.started_at,
             "lineage": self.lineage,
             "planned": self.planned,
+            "stepped": self.stepped,
         })
 
     @classmethod
@@ -173,7 +179,8 @@ class PeerProgress:
                    left=payload.get("left", False),
                    started_at=payload.get("started_at"),
                    lineage=payload.get("lineage"),
-                   planned=payload.get("planned"))
+                   planned=payload.get("planned"),
+                   stepped=payload.get("stepped", False))
 
 
 def reports_from_sub_keys(values: Mapping[str, bytes]) -> tuple[list[PeerProgress], dict[str, str]]:

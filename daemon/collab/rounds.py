@@ -41,6 +41,10 @@ class NetworkRounds:
         self.run_key = run_key
         self.grid = GridRounds(averager.peer_id, averager.config.max_group_size)
 
+    @property
+    def max_group_size(self) -> int:
+        return self.grid.max_group_size
+
     async def prepare(self) -> None:
         """Load the load balancer before the first round needs it."""
         await self.averager.prepare()
@@ -94,6 +98,8 @@ class NetworkRounds:
 
 class SoloRounds:
     """A local run's rounds: the peer alone, its vector unchanged."""
+
+    max_group_size = 0  # alone: never a grid
 
     def __init__(self, peer_id: str) -> None:
         self.peer_id = peer_id

@@ -370,3 +370,41 @@ def test_fresh_newcomers_do_not_hold_the_round_up() -> None:
     me = peer("me", 5, L2, samples=TARGET)
     action = decide(view(me, [peer("a", 5, L2), *[fresh(f"n{i}") for i in range(10)]]))
     assert action == Average(Head(5, L2), 2, 2)
+
+
+# --- a first grid round waits for the view of the head to settle ------------------------------
+
+def _grid_view(me: PeerProgress, others: list[PeerProgress], *, knows: bool, grew: float,
+               ready: float | None, group: int = 4) -> View:
+    base = view(me, others)
+    local = dataclasses.replace(base.local, max_group_size=group, knows_round_members=knows,
+                                head_grew_at=NOW - grew, ready_at=None if ready is None else NOW - ready)
+    return dataclasses.replace(base, local=local)
+
+
+SETTLE_TABLE = [
+    # (what this peer knows, seconds since the trainers at the head grew, since the target was
+    # reached, max_group_size, averages now)
+    ("the round's members known: no wait", True, 0.0, 0.0, 4, True),
+    ("one group holds them all: no wait", False, 0.0, 0.0, 16, True),
+    ("a first grid round, newcomers still arriving: wait", False, 2.0, 5.0, 4, False),
+    ("a first grid round, settled: average", False, 12.0, 20.0, 4, True),
+    ("never settling: average after max_settle", False, 1.0, 31.0, 4, True),
+    ("when the target was reached unknown: settle only", False, 3.0, None, 4, False),
+]
+
+
+@pytest.mark.parametrize(("case", "knows", "grew", "ready", "group", "averages"), SETTLE_TABLE,
+                         ids=[c[0] for c in SETTLE_TABLE])
+def test_a_first_grid_round_waits_for_the_view_of_the_head_to_settle(
+        case: str, knows: bool, grew: float, ready: float | None, group: int, averages: bool) -> None:
+    me = peer("me", 5, L2, samples=TARGET // 4)
+    others = [peer(f"p{i}", 5, L2, samples=TARGET // 4) for i in range(5)]  # 6 trainers at the head
+    for role in ("trainer", "aux"):
+        own = me if role == "trainer" else peer("me", 5, L2, samples=0, role="aux")
+        action = decide(_grid_view(own, others, knows=knows, grew=grew, ready=ready, group=group))
+        if averages:
+            assert isinstance(action, Average), (case, role, action)
+        else:
+            assert isinstance(action, Wait) and "settle" in action.reason, (case, role, action)
+            assert action.until <= NOW + 0.5  # it looks again soon: the view may settle any time
