@@ -66,6 +66,12 @@ REDIRECT = "avg.redirect"
 JOIN_ACK_SECONDS = 3.0  # at most this long for a leader to acknowledge a join, else it is skipped
 DHT_PREFIX = "averaging/"
 POLL_SECONDS = (0.01, 0.2)  # between DHT reads while gathering: first, and at most (backing off)
+# Each read returns every announcement so far: with n peers polling, gathering costs n^2 entries
+# a poll. So the pause grows with what was seen (0.2 s per 16 announcements, at most
+# MAX_POLL_SECONDS), and a read asks READ_REPLICAS of the key's nodes (an announcement is
+# stored on all of them): 64 peers polling every 0.2 s all 8 replicas saturated two cores.
+MAX_POLL_SECONDS = 1.0
+READ_REPLICAS = 3
 MAX_ADDRESSES = 8  # addresses an announcement gives, at most
 MAX_ADDRESS_CHARS = 512
 JOIN_ATTEMPTS = 4  # avg.join to a leader that refused the connection at once (see _call_leader)
@@ -201,7 +207,8 @@ class Matchmaker:
                 await self._announce(request, window_end)  # keep being seen meanwhile
                 continue
             try:
-                record = await self._dht.get(DHT_PREFIX + request.key, timeout=max(0.2, remaining))
+                record = await self._dht.get(DHT_PREFIX + request.key, timeout=max(0.2, remaining),
+                                             replicas=READ_REPLICAS)
             except (TransportError, TimeoutError) as exc:
                 log.debug("matchmaking_read_failed", key=request.key, error=str(exc))
                 record = None
@@ -217,7 +224,7 @@ class Matchmaker:
             if request.expected is not None and len(seen) >= request.expected:
                 break
             await asyncio.sleep(min(pause, max(0.0, window_end - timebase.now())))
-            pause = min(pause * 2, POLL_SECONDS[1])
+            pause = min(pause * 2, _poll_cap(len(seen)))
         for peer_id in [p for p in seen if p != self.peer_id and self._bans.banned(p) is not None]:
             self._bans.refused(peer_id, "candidate")
             del seen[peer_id]
@@ -530,3 +537,8 @@ def _member_from(value: bytes, sub_key: str, request: RoundRequest
             if address.target in (None, sub_key):
                 addresses.append(address)
     return member, addresses
+
+
+def _poll_cap(seen: int) -> float:
+    """The longest pause between reads while gathering, having seen `seen` announcements."""
+    return min(MAX_POLL_SECONDS, POLL_SECONDS[1] * max(1.0, seen / 16))
