@@ -102,6 +102,9 @@ class Observer:
         self._last_epoch: dict[int, int] = {}
         self._first_contribution: dict[int, int] = {}
         self.rss: list[tuple[float, int]] = []
+        # memory per peer is compared with the sample at this index (a scenario that grows the
+        # swarm moves it past the growth: a peer's links grow with the swarm, not with time)
+        self.rss_baseline = 2
 
     def established(self) -> list[SimPeer]:
         return [p for p in self.swarm.live if p.spec.role == "trainer" and p.synced_at is not None]
@@ -259,8 +262,11 @@ async def _flash_crowd(swarm: Swarm, observer: Observer, result: Result, epochs:
     await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
     await asyncio.gather(*(swarm.add(_spec(swarm)) for _ in range(joiners)))
     start = _run_epoch(swarm)
+    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    observer.rss_baseline = len(observer.rss)
+    # (ends between rounds, every trainer stepped: the parameters are compared at the end)
     await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
-                   until=lambda: _run_epoch(swarm) >= start + epochs)
+                   until=lambda: _all_at(swarm, start + epochs))
 
 
 async def _churn(swarm: Swarm, observer: Observer, result: Result, epochs: int,
@@ -271,7 +277,11 @@ async def _churn(swarm: Swarm, observer: Observer, result: Result, epochs: int,
         await _run_for(swarm, observer, period / 2)
         if turn == 0:  # a flash crowd, then it thins out again with the churn
             await asyncio.gather(*(swarm.add(_spec(swarm)) for _ in range(joiners)))
-        await _run_for(swarm, observer, period / 2)
+            await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+            observer.rss_baseline = len(observer.rss)
+            await _run_for(swarm, observer, max(0.0, period / 2 - 2 * EPOCH_SECONDS))
+        else:
+            await _run_for(swarm, observer, period / 2)
         trainers = [p for p in swarm.live if p.spec.role == "trainer"]
         leaving = swarm.rng.sample(trainers, int(share * result.peers))
         await asyncio.gather(*(p.stop(crash=swarm.rng.random() < 0.5) for p in leaving))
@@ -356,7 +366,7 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
     result.failed_rounds = sum(p.engine.progress.failed_rounds for p in swarm.peers
                                if p.engine is not None)
     if len(observer.rss) >= 2:
-        first = observer.rss[min(2, len(observer.rss) - 1)][1]
+        first = observer.rss[min(observer.rss_baseline, len(observer.rss) - 1)][1]
         result.memory_growth = round(observer.rss[-1][1] / max(1, first), 2)
         result.rss_per_peer_bytes = observer.rss[-1][1]
     result.epoch_went_backwards = observer.backwards if result.scenario == "partition" else None
