@@ -207,8 +207,10 @@ class Matchmaker:
                 await self._announce(request, window_end)  # keep being seen meanwhile
                 continue
             try:
+                # the last read of the window asks every node of the key (a lookup cut short or
+                # an old route may miss the writer's nearest nodes)
                 record = await self._dht.get(DHT_PREFIX + request.key, timeout=max(0.2, remaining),
-                                             replicas=READ_REPLICAS)
+                                             replicas=None if remaining <= pause else READ_REPLICAS)
             except (TransportError, TimeoutError) as exc:
                 log.debug("matchmaking_read_failed", key=request.key, error=str(exc))
                 record = None

@@ -279,7 +279,7 @@ class RunEngine:
         local = Local(self.role, p.epoch, p.lineage, p.accumulated if self.role == "trainer" else 0,
                       float(p.samples_per_second or 0.0), promised,
                       max_group_size=self.averaging.max_group_size,
-                      knows_round_members=bool(self._leaders()), head_grew_at=grew_at,
+                      knows_round_members=bool(self._grid_cells()), head_grew_at=grew_at,
                       ready_at=reached[1] if reached is not None and reached[0] == run.head else None)
         if self.schedule.epochs is not None and self.role == "trainer" \
                 and p.epoch >= self.schedule.epochs and self._finished_at is None:
@@ -392,6 +392,7 @@ class RunEngine:
                                               compression=self.compression,
                                               min_trainers=needed_trainers(action, self.schedule),
                                               peers=self._round_peers(), leaders=self._leaders(),
+                                              cells=self._grid_cells(),
                                               aux=self._aux_peers(),
                                               max_weight=self._max_weight())
         if report is not None:
@@ -417,12 +418,21 @@ class RunEngine:
         self._schedule_look(0.0)  # the others are stepping too: look again now
 
     def _leaders(self) -> tuple[str, ...]:
-        """Who leads a round at our head first (and, in a grid round, holds the cells): the
-        trainers at the run's head that report they stepped there in its round, a list every
-        peer reading the board agrees on (after a grid round each member knows only the grid it
-        laid out, and those differ where views differed); else the members of the round that
-        made our head, as we and every peer that came out of it know them; none when we know
-        neither (then every peer ranks the same expected peers)."""
+        """Who leads a round at our head first: the members of the round that made it, as we
+        and every peer that came out of it know them first-hand; none when we do not know them
+        (then every peer ranks the same expected peers)."""
+        if self.role == "trainer":
+            return self._head_group
+        # an aux peer knows that list only if it was in the round that made the run's head
+        run = self.global_progress
+        return self._aux_group[1] if run is not None and self._aux_group[0] == run.head else ()
+
+    def _grid_cells(self) -> tuple[str, ...]:
+        """Who holds the cells of a grid round at the run's head: the trainers there that
+        report they stepped there in its round, a list every peer reading the board agrees on
+        (after a grid round each member knows only the grid it laid out, and those differ where
+        views differed); else `_leaders`. (Only for cells: a claim on the board does not make
+        a peer lead a one-group round, where a leader that never begins holds its joiners.)"""
         run = self.global_progress
         if run is not None:
             stepped = tuple(sorted(
@@ -431,11 +441,7 @@ class RunEngine:
                 and p["lineage"] == run.lineage))
             if len(stepped) >= 2:
                 return stepped
-        if self.role == "trainer":
-            return self._head_group
-        # an aux peer knows that list only if it was in the round that made the run's head
-        run = self.global_progress
-        return self._aux_group[1] if run is not None and self._aux_group[0] == run.head else ()
+        return self._leaders()
 
     def _round_peers(self) -> tuple[str, ...]:
         """Who a round at the run's head expects: the trainers there and the aux peers."""
@@ -516,6 +522,7 @@ class RunEngine:
                                               compression=self.compression,
                                               min_trainers=needed_trainers(action, self.schedule),
                                               peers=self._round_peers(), leaders=self._leaders(),
+                                              cells=self._grid_cells(),
                                               aux=self._aux_peers(),
                                               max_weight=self._max_weight())
         result = None if report is None else RoundResult(report.trainers, report.senders,

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
+from ..averaging.errors import AveragingError
 from ..averaging.report import AveragingReport, merge_ranges
 from .progress import Role
 
@@ -74,18 +75,27 @@ class GridLayout:
     dimensions: int
     cells: dict[str, tuple[int, ...]]  # trainer -> its coordinates
     helpers: tuple[str, ...] = ()
+    # the helpers that train (newcomers to the head): they bring their weight in stage 0 only
+    # (after it, their slice's real members carry it) and are placed before the aux peers
+    training_helpers: tuple[str, ...] = ()
+    max_group_size: int = 0  # a slice with its helpers holds at most this many (0: no bound)
     _slice_cache: dict[int, dict[str, tuple[str, ...]]] = field(
         default_factory=dict, compare=False, repr=False)
+    _helper_cache: dict[tuple[str, int], dict[str, str]] = field(
+        default_factory=dict, compare=False, repr=False)
 
-    def stages(self, peer: str, key: str = "") -> list[Stage]:
-        """The stages `peer` (a trainer with a cell, or one of the helpers) takes part in."""
-        out = []
+    def stages(self, peer: str, key: str = "") -> list[Stage | None]:
+        """The stages `peer` (a trainer with a cell, or one of the helpers) takes part in: None
+        for a stage where a helper found no slice with room (it sits that stage out)."""
+        out: list[Stage | None] = []
         for s in range(self.dimensions):
             slices = self._slices(s)
-            labels = sorted(slices)
-            label = _label(self.cells[peer], s) if peer in self.cells \
-                else labels[_hash_index(key, f"helper\0{peer}\0{s}", len(labels))]
-            out.append(Stage(f"m{s}/{label}", self._with_helpers(slices[label], labels, label, key, s)))
+            if peer in self.cells:
+                label: str | None = _label(self.cells[peer], s)
+            else:
+                label = self._placed(key, s).get(peer)
+            out.append(None if label is None
+                       else Stage(f"m{s}/{label}", self._with_helpers(slices[label], label, key, s)))
         return out
 
     def duties(self, peer: str, key: str = "") -> list[list[Stage]]:
@@ -94,18 +104,43 @@ class GridLayout:
         out: list[list[Stage]] = []
         for s in range(self.dimensions):
             slices = self._slices(s)
-            labels = sorted(slices)
             own = _label(self.cells[peer], s) if peer in self.cells else None
-            out.append([Stage(f"m{s}/{label}", self._with_helpers(members, labels, label, key, s))
+            out.append([Stage(f"m{s}/{label}", self._with_helpers(members, label, key, s))
                         for label, members in slices.items()
                         if label != own and peer in members])
         return out
 
-    def _with_helpers(self, members: tuple[str, ...], labels: list[str], label: str, key: str,
-                      s: int) -> tuple[str, ...]:
-        helpers = [h for h in self.helpers
-                   if labels[_hash_index(key, f"helper\0{h}\0{s}", len(labels))] == label]
-        return tuple(sorted({*members, *helpers}))
+    def _with_helpers(self, members: tuple[str, ...], label: str, key: str, s: int) -> tuple[str, ...]:
+        placed = self._placed(key, s)
+        return tuple(sorted({*members, *(h for h, at in placed.items() if at == label)}))
+
+    def _placed(self, key: str, s: int) -> dict[str, str]:
+        """Stage `s`'s helpers -> their slice: the one a hash picks, or the next with room (a
+        slice holds at most `max_group_size` peers); the training helpers first, in an order
+        by hash, then the aux peers. A helper no slice has room for is left out of the stage."""
+        cached = self._helper_cache.get((key, s))
+        if cached is not None:
+            return cached
+        slices = self._slices(s)
+        labels = sorted(slices)
+        room = {label: (self.max_group_size - len(members)) if self.max_group_size > 0 else len(self.helpers)
+                for label, members in slices.items()}
+        training = set(self.training_helpers)
+
+        def order(helper: str) -> tuple[bool, bytes]:
+            return helper not in training, hashlib.sha256(f"{key}\0order\0{helper}\0{s}".encode()).digest()
+
+        placed: dict[str, str] = {}
+        for helper in sorted(self.helpers, key=order):
+            first = _hash_index(key, f"helper\0{helper}\0{s}", len(labels))
+            for step in range(len(labels)):
+                label = labels[(first + step) % len(labels)]
+                if room[label] > 0:
+                    room[label] -= 1
+                    placed[helper] = label
+                    break
+        self._helper_cache[(key, s)] = placed
+        return placed
 
     def _slices(self, s: int) -> dict[str, tuple[str, ...]]:
         """Stage `s`'s slices: label -> its trainers, one per block of the stage before: the
@@ -144,9 +179,10 @@ class GridLayout:
 
 
 def grid_layout(key: str, trainers: Sequence[str], max_group_size: int,
-                helpers: Sequence[str] = ()) -> GridLayout | None:
-    """The grid of a round of `trainers` (each given a cell) and `helpers` under `key`, or None
-    when they fit in one group (or no grid of at most MAX_STAGES stages fits)."""
+                helpers: Sequence[str] = (), training_helpers: Sequence[str] = ()) -> GridLayout | None:
+    """The grid of a round of `trainers` (each given a cell) and `helpers` under `key` (of which
+    `training_helpers` train), or None when they fit in one group (or no grid of at most
+    MAX_STAGES stages fits)."""
     base = sorted(set(trainers))
     extra = sorted(set(helpers) - set(base))
     n = len(base)
@@ -160,7 +196,8 @@ def grid_layout(key: str, trainers: Sequence[str], max_group_size: int,
         ranked = sorted(base, key=lambda p: hashlib.sha256(f"{key}\0grid\0{p}".encode()).digest())
         cells = {p: tuple((i // side ** (dimensions - 1 - s)) % side for s in range(dimensions))
                  for i, p in enumerate(ranked)}
-        return GridLayout(side, dimensions, cells, tuple(extra))
+        return GridLayout(side, dimensions, cells, tuple(extra),
+                          tuple(sorted(set(training_helpers) & set(extra))), max_group_size)
     return None
 
 
@@ -235,7 +272,8 @@ class GridRounds:
         if len(base) < 2:
             base = seen
         helpers = {*aux, *(me if role == "aux" else set()), *(seen - base)}
-        return grid_layout(key, sorted(base), self.max_group_size, sorted(helpers))
+        return grid_layout(key, sorted(base), self.max_group_size, sorted(helpers),
+                           sorted(seen - base))
 
     async def average(self, layout: GridLayout, vector: np.ndarray, key: str, *, weight: float,
                       role: Role, stage_round: StageRound) -> AveragingReport | None:
@@ -243,39 +281,62 @@ class GridRounds:
         round there (its report says what failed)."""
         everyone = [*layout.cells, *layout.helpers]
         reports: list[AveragingReport] = []
-        represents = 1  # the averager counts a member that sends nothing (aux, weight 0) as 0
         duties = layout.duties(self.peer_id, key)
+        standing_in: list[asyncio.Task[AveragingReport | None]] = []
+        try:
+            outcome = await self._stages(layout, vector, key, weight, role, stage_round, duties,
+                                         standing_in, reports)
+            # the slices we stand in for count on us, whatever our own slice did
+            results = await asyncio.gather(*standing_in, return_exceptions=True)
+        finally:
+            for task in standing_in:
+                task.cancel()
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, AveragingError):
+                log.warning("grid_stand_in_failed", key=key, error=repr(result))
+        if outcome == "no step" or not reports:
+            return None
+        return grid_report(key, reports, everyone)
+
+    async def _stages(self, layout: GridLayout, vector: np.ndarray, key: str, weight: float,
+                      role: Role, stage_round: StageRound, duties: list[list[Stage]],
+                      standing_in: list[asyncio.Task[AveragingReport | None]],
+                      reports: list[AveragingReport]) -> str:
+        """Our stages, in order, appending their reports; "no step" if this peer cannot hold
+        the round's mean, else "done" (a stage that failed ends it: its report says so)."""
+        represents = 1  # the averager counts a member that sends nothing (aux, weight 0) as 0
+        helper = self.peer_id not in layout.cells
         for s, stage in enumerate(layout.stages(self.peer_id, key)):
+            if stage is None:  # a helper no slice had room for
+                if helper and role == "trainer":
+                    return "no step"  # it would not hold the round's mean
+                continue
+            # stand in for empty cells: the same vector and weight (a copy), the result
+            # dropped; they run beside our own stages, so a slow one delays no one's next
+            standing_in += [asyncio.create_task(stage_round(
+                vector.copy(), duty.label, weight, represents, layout.max_represents(s),
+                tuple(p for p in duty.peers if p != self.peer_id), _majority(duty, layout),
+                _cells(duty, layout))) for duty in duties[s]]
             peers = tuple(p for p in stage.peers if p != self.peer_id)
-            if not peers and not duties[s]:
+            if not peers:
                 continue  # alone in its slice: its vector is its block's mean already
-            rounds = [stage_round(vector, stage.label, weight, represents, layout.max_represents(s),
-                                  peers, _majority(stage, layout), _cells(stage, layout))]
-            # stand-in for empty cells: the same vector and weight, a copy, the result dropped
-            rounds += [stage_round(vector.copy(), duty.label, weight, represents,
-                                   layout.max_represents(s),
-                                   tuple(p for p in duty.peers if p != self.peer_id),
-                                   _majority(duty, layout), _cells(duty, layout))
-                        for duty in duties[s]]
-            results = await asyncio.gather(*rounds, return_exceptions=True)
-            for duty, result in zip(duties[s], results[1:], strict=True):
-                if not isinstance(result, AveragingReport) or result.failed_parts:
-                    log.debug("grid_stand_in_failed", key=key, stage=duty.label,
-                              error=repr(result) if isinstance(result, BaseException) else None)
-            report = results[0]
-            if isinstance(report, BaseException):
-                raise report
+            report = await stage_round(vector, stage.label, weight, represents,
+                                       layout.max_represents(s), peers,
+                                       _majority(stage, layout), _cells(stage, layout))
             if report is None:
-                return grid_report(key, reports, everyone) if reports else None
+                return "done"
             reports.append(report)
             log.debug("grid_stage_done", key=key, stage=stage.label, role=role,
                       group_size=report.group_size, represented=report.represented,
                       expected=len(stage.peers), stand_ins=len(duties[s]),
                       failed_parts=len(report.failed_parts))
             if report.failed_parts:
-                break
-            weight, represents = report.weight, report.represented
-        return grid_report(key, reports, everyone) if reports else None
+                return "done"
+            if helper:  # its slice's real members carry its weight from here on
+                weight, represents = 0.0, 0
+            else:
+                weight, represents = report.weight, report.represented
+        return "done"
 
 
 def _cells(stage: Stage, layout: GridLayout) -> tuple[str, ...]:

@@ -52,14 +52,15 @@ class RoundAverager(Protocol):
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
-                      aux: tuple[str, ...] = (),
+                      aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
                       max_weight: float | None = None) -> AveragingReport | None:
         """Average `vector` (float32, in place) with the peers averaging under the run's `key`,
         waiting (a while) for at least `min_trainers` trainers; `peers` are the ones expected
-        (no search for them is needed; `aux`: which of them are aux peers) and `leaders` those
-        that may lead first; no member may claim a weight over `max_weight` (what an honest
-        peer of the round can have: the target batch). The round's report, or None if no round
-        could run."""
+        (no search for them is needed; `aux`: which of them are aux peers), `leaders` those
+        that may lead first, and `cells` the trainers that hold the cells of a grid round (a
+        list every peer agrees on; default: `leaders`); no member may claim a weight over
+        `max_weight` (what an honest peer of the round can have: the target batch). The round's
+        report, or None if no round could run."""
 
 
 class StateBuffer(Protocol):

@@ -52,10 +52,10 @@ class NetworkRounds:
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
-                      aux: tuple[str, ...] = (),
+                      aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
                       max_weight: float | None = None) -> AveragingReport | None:
-        layout = self.grid.layout(key, [p for p in peers if p not in aux], aux, role, leaders) \
-            if peers else None
+        layout = self.grid.layout(key, [p for p in peers if p not in aux], aux, role,
+                                  cells or leaders) if peers else None
         if layout is None:
             return await self._round(vector, key, weight=weight, expected=expected, role=role,
                                      compression=compression, min_trainers=min_trainers,
@@ -107,7 +107,7 @@ class SoloRounds:
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
-                      aux: tuple[str, ...] = (),
+                      aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
                       max_weight: float | None = None) -> AveragingReport | None:
         now = timebase.now()
         return AveragingReport(key=key, group_id=f"local/{key}", members=(self.peer_id,),

@@ -106,9 +106,14 @@ class Rendezvous:
         return run
 
 
-async def _grid_round(n: int, group: int, key: str = "grad/0/x", missing: int = 0):
+async def _grid_round(n: int, group: int, key: str = "grad/0/x", missing: int = 0,
+                      newcomers: int = 0, aux: int = 0):
+    """A grid round of n trainers (the last `newcomers` of them hold no cell: they help, and
+    bring their weight) and `aux` aux peers, every stage averaged exactly by a rendezvous."""
     rng = np.random.default_rng(5)
     trainers = _ids(n)
+    cells = trainers[: n - newcomers]
+    aux_ids = [f"aux{i}" for i in range(aux)]
     vectors = {p: rng.normal(size=6).astype(np.float32) for p in trainers}
     inputs = {p: v.copy() for p, v in vectors.items()}
     weights = {p: float(rng.integers(1, 50)) for p in trainers}
@@ -116,13 +121,17 @@ async def _grid_round(n: int, group: int, key: str = "grad/0/x", missing: int = 
     present = trainers[missing:]
     exact = sum(vectors[p] * weights[p] for p in present) / sum(weights[p] for p in present)
 
-    async def one(peer: str) -> AveragingReport | None:
+    async def one(peer: str, role: str = "trainer") -> AveragingReport | None:
         rounds = GridRounds(peer, group)
-        layout = rounds.layout(key, [p for p in trainers if p != peer], (), "trainer")
+        layout = rounds.layout(key, [p for p in trainers if p != peer], [a for a in aux_ids if a != peer],
+                               role, cells if newcomers else ())  # type: ignore[arg-type]
         assert layout is not None
-        return await rounds.average(layout, vectors[peer], key, weight=weights[peer],
-                                    role="trainer", stage_round=rendezvous.stage_round(peer, key))
-    reports = await asyncio.gather(*(one(p) for p in present))
+        vector = vectors[peer] if role == "trainer" else np.zeros(6, np.float32)
+        return await rounds.average(layout, vector, key, weight=weights.get(peer, 0.0),
+                                    role=role,  # type: ignore[arg-type]
+                                    stage_round=rendezvous.stage_round(peer, key))
+    reports = await asyncio.gather(*(one(p) for p in present), *(one(a, "aux") for a in aux_ids))
+    reports = reports[: len(present)]
     spread = float(np.mean([np.linalg.norm(inputs[p] - exact) for p in present]))
     return reports, {p: vectors[p] for p in present}, exact, spread
 
@@ -166,6 +175,34 @@ async def test_a_trainer_that_never_comes_is_left_out_of_its_slices_only() -> No
     # the slices that met the missing trainer's row average without it: close to the mean
     for vector in vectors.values():
         assert np.linalg.norm(vector - exact) < 0.2 * spread
+
+
+async def test_newcomers_without_a_cell_count_once_and_the_mean_stays_exact() -> None:
+    # 40 trainers of which 6 newcomers to the head help (weight in their first stage only),
+    # and 3 aux peers: every trainer ends with the exact weighted mean of all 40
+    reports, vectors, exact, _ = await _grid_round(40, 8, newcomers=6, aux=3)
+    for report, vector in zip(reports, vectors.values(), strict=True):
+        assert report is not None
+        np.testing.assert_allclose(vector, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+
+
+@pytest.mark.parametrize(("n", "group", "helpers"), [(73, 4, 3), (576, 25, 5), (1002, 33, 8), (64, 12, 4)])
+def test_no_slice_holds_more_than_a_group_with_its_helpers(n: int, group: int, helpers: int) -> None:
+    for k in range(20):
+        key = f"grad/{k}/x"
+        layout = grid_layout(key, _ids(n), group, [f"aux{i}" for i in range(helpers)])
+        assert layout is not None
+        for s in range(layout.dimensions):
+            sizes = Counter()
+            for peer in [*layout.cells, *layout.helpers]:
+                stage = layout.stages(peer, key)[s]
+                if stage is not None:
+                    assert len(stage.peers) <= group
+                    sizes[stage.label] = len(stage.peers)
+            # every helper is placed somewhere while there is room
+            placed = sum(1 for h in layout.helpers if layout.stages(h, key)[s] is not None)
+            room = sum(group - len(m) for m in layout._slices(s).values())
+            assert placed == min(helpers, room)
 
 
 def test_a_members_claim_to_stand_for_many_trainers_counts_for_what_its_stage_allows() -> None:
