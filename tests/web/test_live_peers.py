@@ -42,7 +42,8 @@ def test_live_peers_lists_every_live_peer_with_its_start() -> None:
     assert [p["peer_id"] for p in progress.live_peers] == ["a", "b", "c", "x"]
     assert progress.live_peers[0] == {"peer_id": "a", "role": "trainer", "epoch": 3, "lineage": None,
                                       "samples_per_second": 5.0, "total_samples": 500,
-                                      "started_at": NOW - 100, "reported_at": NOW - 1}
+                                      "started_at": NOW - 100, "reported_at": NOW - 1,
+                                      "stepped": False}
     assert progress.live_peers[2]["started_at"] is None
     assert progress.live_peers[3]["role"] == "aux"
     assert progress.contributions == {"a": 500, "b": 300, "c": 7, "x": 0}
