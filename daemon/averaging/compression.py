@@ -429,10 +429,31 @@ class TopK:
         return _index_bytes(n, k) + (k + 1) // 2
 
     def _picked(self, array: np.ndarray) -> np.ndarray:
-        """The sorted positions of the k largest magnitudes, zeros left out."""
+        """The sorted positions of the k largest magnitudes, zeros left out.
+
+        A partition of the whole chunk costs ~16 ns a value; instead a strided sample gives a
+        threshold that about 2k values pass, and only those are partitioned. When fewer than k
+        pass (a sample that misjudged the chunk), the whole chunk is partitioned: the result is
+        the exact top k either way, since k values at or above the threshold put the k-th
+        largest there too."""
         n, k = array.size, self.budget(array.size)
         magnitudes = np.abs(array)
-        picked = np.argpartition(magnitudes, n - k)[n - k:] if k < n else np.arange(n)
+        if k >= n:
+            picked = np.arange(n)
+        else:
+            candidates = None
+            if n > 4 * _SAMPLE:
+                sample = magnitudes[::n // _SAMPLE]
+                rank = max(0, sample.size - 1 - 2 * (sample.size * k // n) - 8)
+                threshold = np.partition(sample, rank)[rank]
+                candidates = np.flatnonzero(magnitudes >= threshold)
+                if candidates.size < k:
+                    candidates = None
+            if candidates is None:
+                picked = np.argpartition(magnitudes, n - k)[n - k:]
+            else:
+                chosen = np.argpartition(magnitudes[candidates], candidates.size - k)[candidates.size - k:]
+                picked = candidates[chosen]
         picked = picked[magnitudes[picked] > 0]
         picked.sort()
         return picked

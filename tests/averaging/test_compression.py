@@ -341,3 +341,28 @@ def test_sparse_codecs_are_not_choices_of_their_own() -> None:
     assert "topk" in CODECS and "sparse16" not in CODECS
     assert sparsifies(TOPK) and not any(sparsifies(get_codec(name)) for name in ("none", *LOSSY))
     assert all(reply_codec(get_codec(name)) is get_codec(name) for name in ("none", *LOSSY))
+
+
+def big_chunks() -> list[np.ndarray]:
+    rng = np.random.default_rng(5)
+    n = 1 << 20
+    fooling = rng.standard_normal(2 * n).astype(np.float32)
+    fooling[:: 2 * n // 16384] = 100.0  # the sample sees only huge values: fewer than k pass
+    hidden = rng.standard_normal(n).astype(np.float32) * 1e-3
+    hidden[1:: n // 16384] = 50.0  # the largest values all sit between the sampled ones
+    return [rng.standard_normal(n).astype(np.float32), rng.standard_cauchy(300_000).astype(np.float32),
+            np.concatenate([np.zeros(900_000), rng.standard_normal(100_000)]).astype(np.float32),
+            np.sort(rng.standard_normal(500_000)).astype(np.float32), np.ones(200_000, np.float32),
+            np.concatenate([np.zeros(199_990), np.ones(10)]).astype(np.float32), fooling, hidden]
+
+
+@pytest.mark.parametrize("index", range(len(big_chunks())))
+def test_topk_sends_exactly_the_largest_magnitudes_of_big_chunks(index: int) -> None:
+    array = big_chunks()[index]
+    n, k = array.size, TOPK.budget(array.size)  # type: ignore[attr-defined]
+    decoded = roundtrip("topk", array)
+    sent = np.flatnonzero(decoded)
+    assert sent.size == min(k, np.count_nonzero(array))
+    kth = np.partition(np.abs(array), n - k)[n - k]
+    assert np.abs(array[sent]).min() >= kth
+    assert worst_error(array, decoded) <= TOPK.error_bound(array)
