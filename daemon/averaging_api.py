@@ -43,7 +43,7 @@ class AveragingApi:
         timeout: Annotated[float, "Seconds the whole round may take.", {"exclusiveMinimum": 0}] = 60.0,
         expected_peers: Annotated[int | None, "Stop gathering peers once this many (with us) are "
                                   "seen.", {"minimum": 1}] = None,
-        compression: Annotated[Literal["none", "fp16", "uint8", "quantile8"], "Per-chunk wire "
+        compression: Annotated[Literal["none", "fp16", "uint8", "quantile8", "topk"], "Per-chunk wire "
                                "compression."] = "none",
         window: Annotated[float | None, "Seconds matchmaking gathers peers (default: "
                           "averaging.window).", {"exclusiveMinimum": 0}] = None,

@@ -4,7 +4,10 @@ As a sender (sending.py), the member streams part j of its vector to each reduce
 averaged chunks it gets back straight into its vector. As a reducer, it hands every sender's chunks
 (its own included) to a `PartReducer` and, as soon as a chunk has come from every live sender,
 averages it, encodes it once, writes it into its own vector and sends the same bytes back to every
-sender (so sending, reducing and receiving overlap chunk by chunk).
+sender (so sending, reducing and receiving overlap chunk by chunk). The averages go back in the
+senders' codec, or in its `reply_codec` where that differs (a sparse codec's averages are not
+sparse enough for it); with a sparsifying codec the reducer's own contribution goes through the
+codec too (compression.py).
 
 Ownership: `execute` runs every task of the round in one TaskGroup under one deadline (the
 group's); a sender stream served by the transport's handler is adopted into that group. Numpy work
@@ -36,7 +39,7 @@ import structlog
 from .. import timebase
 from ..net import Message, PeerTransport, Stream
 from .bans import BanList
-from .compression import Buffer, CompressionError, Meta, get_codec
+from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
 from .group import Group
 from .jobs import ChunkJobs
 from .reducer import PartReducer
@@ -61,6 +64,7 @@ class Round:
         self.vector = vector
         self.weight = weight
         self.codec = get_codec(group.compression)
+        self.reply = reply_codec(self.codec)  # what the averages go back in
         self.stall_timeout = stall_timeout
         self.counters = counters
         self._on_open = on_open
@@ -94,7 +98,8 @@ class Round:
         self.tg: asyncio.TaskGroup | None = None
         self.closing = False
         self.log = log.bind(group_id=group.group_id, peer_id=transport.peer_id, member=index)
-        self.sender = PartSender(transport, group, index, weight, vector, self.codec, self.plans,
+        self.sender = PartSender(transport, group, index, weight, vector, self.codec, self.reply,
+                                 self.plans,
                                  self.jobs, self.traffic, self._left, self._exclude, self.log,
                                  corruption)
 
@@ -237,7 +242,7 @@ class Round:
         self.reducer.add(c, i, values, weight, values if values.flags.writeable else None)
 
     async def _contribute(self) -> None:
-        """Add our own part (exact, no codec) with our weight."""
+        """Add our own part with our weight: exact, or as the codec conveys it when it sparsifies."""
         assert self.own is not None and self.reducer is not None
         plan, reducer = self.own, self.reducer
         scratch = np.empty(plan.largest, np.float32)
@@ -246,10 +251,15 @@ class Round:
                 continue
             reducer.take(self.index, c)
             a, b = plan.absolute(c)
-            job = self.jobs.submit(b - a, reducer.add, c, self.index, self.vector[a:b], self.weight,
-                                   scratch)
+            job = self.jobs.submit(b - a, self._add_own, c, self.vector[a:b], scratch[:b - a])
             job.add_done_callback(partial(self._on_added, self.index, c, self.weight))
             await asyncio.shield(job)
+
+    def _add_own(self, c: int, values: np.ndarray, scratch: np.ndarray) -> None:
+        assert self.reducer is not None
+        if sparsifies(self.codec):
+            values = self.codec.decode(*self.codec.encode(values), values.size, out=scratch)
+        self.reducer.add(c, self.index, values, self.weight, scratch)
 
     def _on_added(self, i: int, c: int, weight: float, job: asyncio.Future[None]) -> None:
         assert self.reducer is not None
@@ -288,9 +298,9 @@ class Round:
         if average is None:
             self.unaveraged[c] = "no sender's contribution was accepted"
             return rejected
-        payload, meta = self.codec.encode(average)
+        payload, meta = self.reply.encode(average)
         a, b = self.own.absolute(c)
-        self.codec.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
+        self.reply.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
         self.results[c] = (payload, meta)
         return rejected
 

@@ -5,7 +5,8 @@
 makes every chunk this daemon sends to another reducer bad, round k (counted from 0 in this
 process) in the k-th way of the list, cycling:
     nan, inf   a non-finite value in the chunk (none: the float itself; fp16: its bit pattern;
-               quantile8: a level; uint8: the meta's minimum, which JSON carries as null);
+               quantile8: a level; uint8: the meta's minimum, topk: the meta's largest
+               magnitude, both of which JSON carries as null);
     short      the payload 4 bytes short of the chunk's length;
     scale=F    the chunk multiplied by F before encoding (finite, well formed: an absurd norm).
 Its own part, its averages and everything else stay honest. The local API cannot do this: a local
@@ -65,6 +66,8 @@ class SenderCorruption:
             return copy.tobytes(), meta
         if codec.name == "uint8":
             return payload, {**meta, "lo": bad}
+        if codec.name == "topk":
+            return payload, {**meta, "hi": bad}
         raw = bytearray(memoryview(payload).cast("B"))
         if codec.name == "fp16":
             raw[0:2] = np.array([bad], np.float16).tobytes()

@@ -49,7 +49,8 @@ class PartSender:
     index: int
     weight: float
     vector: np.ndarray
-    codec: Codec
+    codec: Codec  # what our chunks go out in
+    reply: Codec  # what the reducers' averages come back in
     plans: dict[int, ChunkPlan]
     jobs: ChunkJobs
     traffic: TransferLog
@@ -118,7 +119,7 @@ class PartSender:
         await stream.close()
 
     async def _pull(self, stream: Stream, plan: ChunkPlan, j: int, peer: str) -> None:
-        scratch = receive_buffer(self.codec.max_payload_bytes(plan.largest))
+        scratch = receive_buffer(self.reply.max_payload_bytes(plan.largest))
         for c in range(plan.count):
             message = await stream.receive_into(scratch, timeout=self.left())
             if message is None:
@@ -134,5 +135,5 @@ class PartSender:
 
     def _take_average(self, j: int, c: int, payload: Buffer, meta: Meta) -> None:
         a, b = self.plans[j].absolute(c)
-        self.codec.decode(payload, meta, b - a, out=self.vector[a:b])
+        self.reply.decode(payload, meta, b - a, out=self.vector[a:b])
         self.got[j][c] = True

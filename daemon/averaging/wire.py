@@ -6,7 +6,8 @@ Sender -> reducer: one message per chunk c of part j, in order c = 0, 1, ...:
     header {"c": c, "m": codec meta (left out when empty)}, payload: the encoded chunk (raw bytes);
     then the sender closes its side.
 Reducer -> sender, on the same stream: the averaged chunks, in the same order and the same format
-(one encoding per chunk, the same bytes to every sender), then the reducer closes its side.
+(one encoding per chunk, the same bytes to every sender; the codec is the senders' own, or its
+`compression.reply_codec` for a sparse one), then the reducer closes its side.
 A reducer that refuses a stream or excludes its sender (bad chunk, unknown group, too slow) aborts
 the stream; the abort reason says why. A sender that stops early aborts or closes its side.
 """

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-COMPRESSIONS = ("none", "fp16", "uint8", "quantile8")
+COMPRESSIONS = ("none", "fp16", "uint8", "quantile8", "topk")
 MANIFEST_TTL = 600.0  # seconds a published manifest stays in the DHT without a refresh
 REFRESH_EVERY = 120.0
 MAX_MANIFEST_BYTES = 16 << 10

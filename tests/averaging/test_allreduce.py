@@ -19,7 +19,7 @@ import pytest
 from net.netutil import wait_until
 
 from dedloc.daemon.averaging.allreduce import AllReduceError, AllReduceReport, AllReduceService
-from dedloc.daemon.averaging.compression import get_codec
+from dedloc.daemon.averaging.compression import get_codec, reply_codec
 from dedloc.daemon.averaging.group import Group, Member, Role
 from dedloc.daemon.averaging.wire import METHOD, StreamOpen
 from dedloc.daemon.identity import Identity
@@ -219,6 +219,49 @@ async def test_compressed_average_within_codec_bounds(clusters: Any, compression
                                                       + codec.error_bound(average) * 1.001 + slack)
     for vector in vecs:
         assert np.array_equal(vector, vecs[0])
+
+
+@pytest.mark.parametrize(("count", "size", "chunk"), [(3, 10_007, CHUNK), (4, 10_007, CHUNK),
+                                                     (4, 300_001, 70_000)])
+async def test_topk_round_gives_everyone_the_mean_of_the_decoded_contributions(
+        clusters: Any, count: int, size: int, chunk: int) -> None:
+    """Every contribution (the reducer's own too) is what topk conveys of it; the average goes
+    back in sparse16 with all its nonzeros (re-encoding it in topk would drop most of them)."""
+    cluster = await clusters(count, inline_elements=0)
+    weights = [1.0, 3.0, 0.5, 2.0][:count]
+    group = make_group(cluster.ids, weights=weights, compression="topk", size=size, chunk=chunk)
+    vecs = vectors(count, group.size, seed=11)
+    originals = [v.copy() for v in vecs]
+    codec, reply = get_codec("topk"), reply_codec(get_codec("topk"))
+    reports = await run_all(cluster, group, vecs, weights)
+    assert all(r.ok for r in reports)
+    for vector in vecs:
+        assert np.array_equal(vector, vecs[0])
+    for _, (a, b) in chunk_ranges(group):
+        seen = [codec.decode(*codec.encode(x[a:b]), b - a) for x in originals]
+        average = weighted(seen, weights, range(count))
+        got = vecs[0][a:b]
+        slack = 1e-6 * float(np.abs(average).max())
+        assert np.abs(got - average).max() <= reply.error_bound(average) * 1.001 + slack
+        assert np.array_equal(got != 0, average != 0)  # every nonzero of the average came back
+        assert np.count_nonzero(got) > codec.budget(b - a)  # type: ignore[attr-defined]
+    # what goes to reducer j: topk chunks of part j (~2.5 bytes per 64 values); what goes back
+    # from reducer i: the sparse16 averages of part i (4 bytes per nonzero, or 2 per value dense)
+    def payload_bytes(coder: Any, vector: np.ndarray, part: tuple[int, int]) -> int:
+        return sum(len(coder.encode(vector[a:b])[0]) for a, b in chunk_ranges_of(part, chunk))
+
+    for i, report in enumerate(reports):
+        for j, peer in enumerate(cluster.ids):
+            if j != i:
+                expected = (payload_bytes(codec, originals[i], group.part_bounds[j])
+                            + payload_bytes(reply, vecs[0], group.part_bounds[i]))
+                assert report.transfers[peer].bytes_sent == expected
+        upload = sum(payload_bytes(codec, originals[i], group.part_bounds[j]) for j in range(count) if j != i)
+        assert upload <= 0.04 * size
+
+
+def chunk_ranges_of(part: tuple[int, int], chunk: int) -> list[tuple[int, int]]:
+    return [(a, min(a + chunk, part[1])) for a in range(part[0], part[1], chunk)]
 
 
 # --- faults -----------------------------------------------------------------------------------------
