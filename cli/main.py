@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
     start.add_argument("--average-state-every", type=int,
                        help="average parameters and optimizer state every K epochs (0: never)")
-    start.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8", "topk"),
+    start.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8"),
                        help="compression of the gradients in averaging rounds")
     start.add_argument("--closed", action="store_true",
                        help="a closed run this daemon owns: only peers with its tokens take part "

@@ -46,7 +46,7 @@ def add_run_commands(commands: Any) -> None:
     create.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
     create.add_argument("--average-state-every", type=int,
                         help="average parameters and optimizer state every K epochs (0: never)")
-    create.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8", "topk"),
+    create.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8"),
                         help="compression of the gradients in averaging rounds")
     create.add_argument("--closed", action="store_true",
                         help="only peers holding a token this daemon issues take part")
