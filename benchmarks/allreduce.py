@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import io
 import logging
 import os
-import pstats
 import shutil
 import statistics
 import sys
@@ -45,6 +43,7 @@ import numpy as np
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collab import print_profile  # one copy, beside collab.py's own use
 from netlab import NetLab, load_profile
 
 MIB = 1 << 20
@@ -284,17 +283,6 @@ async def run_dedloc(args: argparse.Namespace, lab: NetLab | None, workdir: Path
             result["uniform_allreduce_seconds_median"] / allreduce, 3)
     return result
 
-
-def print_profile(path: Path, top: int = 15) -> None:
-    if not path.exists():
-        sys.stderr.write(f"no profile was written at {path}\n")
-        return
-    out = io.StringIO()
-    stats = pstats.Stats(str(path), stream=out)
-    stats.sort_stats("cumulative").print_stats(top)
-    stats.sort_stats("tottime").print_stats(top)
-    sys.stderr.write(f"daemon 0's profile ({path}), top {top} by cumulative and by own time:\n"
-                     f"{out.getvalue()}")
 
 
 def main() -> None:
