@@ -388,7 +388,8 @@ class DHTNode:
             node_id = node_id_of(peer_id)
         except ValueError:
             return
-        stale = table.add_or_update(NodeInfo(peer_id, node_id, addresses))
+        stale = table.add_or_update(NodeInfo(peer_id, node_id, addresses),
+                                    asyncio.get_running_loop().time())
         if stale is not None and stale.peer_id not in self._busy:
             self._background(stale.peer_id, self._ping_quietly(stale.peer_id), "dht-ping-stale")
         elif is_new and peer_id in table and len(self.storage) and not self.config.client_mode:
@@ -410,7 +411,7 @@ class DHTNode:
             reply = await self.transport.call(contact.peer_id, method, message,
                                               timeout=max(timeout, 0.001))
         except RemoteError:
-            self.routing_table.mark_seen(contact.peer_id)  # it is alive, it refused
+            self.routing_table.mark_seen(contact.peer_id, asyncio.get_running_loop().time())  # alive, refused
             raise
         except TransportError as exc:
             self.stats["rpc_failed"] += 1

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ MAX_ADDRESSES_PER_NODE = 8
 # base58-decode (quadratic) or cache long texts.
 MAX_PEER_ID_CHARS = 128
 MAX_ADDRESS_CHARS = 512
-_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def _expect(condition: bool, what: str) -> None:
 
 def _is_hex(text: str) -> bool:
     """Only hex digits (int(_, 16) also takes a sign, "0x", "_" and spaces; bytes.fromhex spaces)."""
-    return _HEX_DIGITS.issuperset(text)
+    return _HEX_DIGITS.fullmatch(text) is not None
 
 
 _parse_address = functools.lru_cache(maxsize=8192)(PeerAddress.parse)
@@ -84,6 +85,12 @@ def encode_caller(client: bool, addresses: list[PeerAddress]) -> dict[str, Any]:
 
 def _parse_addresses(raw: Any) -> tuple[PeerAddress, ...]:
     _expect(isinstance(raw, list) and len(raw) <= MAX_ADDRESSES_PER_NODE, "bad address list")
+    if all(type(text) is str for text in raw):  # every contact of every reply repeats a list
+        return _parse_address_list(tuple(raw))
+    return _parse_address_list_uncached(raw)
+
+
+def _parse_address_list_uncached(raw: list[Any] | tuple[Any, ...]) -> tuple[PeerAddress, ...]:
     addresses = []
     for text in raw:
         _expect(isinstance(text, str) and len(text) <= MAX_ADDRESS_CHARS,
@@ -93,6 +100,9 @@ def _parse_addresses(raw: Any) -> tuple[PeerAddress, ...]:
         except ValueError as exc:
             raise MalformedMessage(str(exc)) from None
     return tuple(addresses)
+
+
+_parse_address_list = functools.lru_cache(maxsize=8192)(_parse_address_list_uncached)
 
 
 def decode_caller(header: dict[str, Any]) -> Caller:
@@ -138,7 +148,7 @@ def decode_key(header: dict[str, Any]) -> str:
 
 def _entry_meta(entry: Entry) -> dict[str, Any]:
     meta = {"sub_key": entry.sub_key, "expiration": entry.expiration, "signer": entry.signer,
-            "signature": entry.signature.hex()}
+            "signature": entry.signature_hex}
     if entry.proof is not None:
         meta["proof"] = entry.proof
     return meta

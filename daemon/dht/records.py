@@ -52,6 +52,11 @@ class Entry:
     # owner and names the signer); nodes that store the entry check it and pass it on.
     proof: str | None = None
 
+    @functools.cached_property
+    def signature_hex(self) -> str:
+        """The signature as the wire carries it (one entry is sent to many readers)."""
+        return self.signature.hex()
+
     @property
     def size(self) -> int:
         return len(self.value) + len(self.key) + len(self.sub_key or "") + len(self.proof or "") + 160

@@ -5,6 +5,9 @@ when full; any other full bucket keeps its nodes in least-recently-seen order an
 in a bounded replacement cache. The caller pings the least-recently-seen node (`add_or_update`
 returns it) and reports the outcome: `mark_seen` keeps it, `mark_failed` evicts it once it has
 failed too often (or at once when a replacement is waiting) and promotes the freshest replacement.
+Given the time (`now`), a node seen within `recheck_after` seconds is not pinged again: in a
+swarm larger than a bucket, every message from a peer outside the table would otherwise cost a
+ping of a node that has just answered.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class NodeInfo:
     node_id: int
     addresses: tuple[PeerAddress, ...] = ()
     failures: int = 0
+    seen_at: float = float("-inf")  # the caller's clock, when it last answered or called us
 
 
 @dataclass
@@ -66,9 +70,11 @@ class RoutingTable:
     """k-buckets around `own_id`. `k` nodes per bucket; `max_failures` failed contacts evict a
     node even when no replacement is waiting."""
 
-    def __init__(self, own_id: int, *, k: int = 20, max_failures: int = 3) -> None:
+    def __init__(self, own_id: int, *, k: int = 20, max_failures: int = 3,
+                 recheck_after: float = 30.0) -> None:
         if k < 1:
             raise ValueError("k must be at least 1")
+        self.recheck_after = recheck_after
         self.own_id = own_id
         self.k = k
         self.max_failures = max_failures
@@ -100,16 +106,21 @@ class RoutingTable:
     def bucket_of(self, node_id: int) -> KBucket:
         return self.buckets[self.bucket_index(node_id)]
 
-    def add_or_update(self, node: NodeInfo) -> NodeInfo | None:
-        """Record that `node` answered or called us. Returns None when it is in the table (new or
-        refreshed); otherwise it went to the replacement cache and the returned least-recently-seen
-        node of its bucket should be pinged (then `mark_seen` or `mark_failed` it)."""
+    def add_or_update(self, node: NodeInfo, now: float | None = None) -> NodeInfo | None:
+        """Record that `node` answered or called us (at `now`). Returns None when it is in the
+        table (new or refreshed); otherwise it went to the replacement cache and the returned
+        least-recently-seen node of its bucket should be pinged (then `mark_seen` or `mark_failed`
+        it), unless that node was seen within `recheck_after` of `now` (then None too)."""
         if node.node_id == self.own_id:
             return None
+        if now is not None:
+            node.seen_at = now
         known = self._by_peer.get(node.peer_id)
         bucket = self.bucket_of(node.node_id)
         if known is not None:
             known.failures = 0
+            if now is not None:
+                known.seen_at = now
             if node.addresses:
                 known.addresses = node.addresses
             bucket.nodes.move_to_end(node.peer_id)
@@ -122,15 +133,20 @@ class RoutingTable:
                 return None
             if not bucket.covers(self.own_id) or bucket.high - bucket.low < 2:
                 bucket.add_replacement(node)
-                return next(iter(bucket.nodes.values()))
+                oldest = next(iter(bucket.nodes.values()))
+                if now is not None and now - oldest.seen_at < self.recheck_after:
+                    return None
+                return oldest
             index = self.bucket_index(node.node_id)
             self.buckets[index : index + 1] = bucket.split()
             bucket = self.bucket_of(node.node_id)
 
-    def mark_seen(self, peer_id: str) -> None:
+    def mark_seen(self, peer_id: str, now: float | None = None) -> None:
         node = self._by_peer.get(peer_id)
         if node is not None:
             node.failures = 0
+            if now is not None:
+                node.seen_at = now
             self.bucket_of(node.node_id).nodes.move_to_end(peer_id)
 
     def mark_failed(self, peer_id: str) -> bool:

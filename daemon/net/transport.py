@@ -304,7 +304,8 @@ class TlsTransport:
                 continue
             if address.circuit is not None and address.peer_id in (peer_id, self.peer_id):
                 continue  # a circuit through the peer itself, or through us, leads nowhere
-            address = address.with_peer(peer_id)
+            if address.target != peer_id:  # (an address naming no peer yet)
+                address = address.with_peer(peer_id)
             if not first_hand:  # hearsay (a restarted peer's old port, say) never jumps the queue
                 if address not in book:
                     book.append(address)

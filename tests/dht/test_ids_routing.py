@@ -160,3 +160,18 @@ def test_property_table_invariants(seed: int, node_ids: list[int], k: int, key: 
     for i, nid in enumerate(node_ids[1:]):
         bucket = fresh.bucket_of(nid)
         assert f"p{i}" in fresh or len(bucket.nodes) == k
+
+
+def test_full_bucket_does_not_ping_a_node_seen_lately() -> None:
+    # a swarm larger than a bucket: every message from a peer outside the table must not cost
+    # a ping of the bucket's oldest node when that node has just answered
+    table = RoutingTable(0, k=2, recheck_after=30.0)
+    far = ID_SPACE // 2
+    a, b = NodeInfo("a", far), NodeInfo("b", far + 1)
+    assert table.add_or_update(a, now=100.0) is None
+    assert table.add_or_update(b, now=101.0) is None
+    assert table.add_or_update(NodeInfo("c", far + 2), now=110.0) is None  # a seen 10 s ago
+    assert "c" in table.bucket_of(far).replacements
+    assert table.add_or_update(NodeInfo("d", far + 3), now=131.0) is table.get("a")  # 31 s
+    table.mark_seen("a", now=132.0)
+    assert table.add_or_update(NodeInfo("e", far + 4), now=140.0) is table.get("b")  # 39 s ago
