@@ -17,11 +17,15 @@ A member that receives the answer checks, before it writes anything into its vec
 
 The tolerance of (3) comes from known bounds, not guesses. r's signs are independent of the
 errors (a hash of the answer), so by Hoeffding's inequality |<r, e>| > Z * ||e||_2 has
-probability at most 2 exp(-Z^2 / 2) (Z = 10: below 4e-22 per chunk) for an error vector e with
-||e||_2 <= sqrt(n) * the codec's per-element bound (compression.py's `error_bound`, evaluated on
-the decoded answer and doubled: a bound evaluated on values within the bound of the originals) +
-(senders + 2) * 2^-24 * sqrt(sum_i q_i ||x_i||^2) (the float32 weighted mean, q_i = w_i / sum w),
-plus the float64 error of the sums themselves.
+probability at most 2 exp(-Z^2 / 2) (Z = 8: below 3e-14 per chunk) for an error vector e. The
+errors: the answer codec's, whose norm the reducer states in the account ("e", which must be
+within sqrt(n) times twice the codec's per-element bound, compression.py's `error_bound`
+evaluated on the decoded answer: a bound evaluated on values within the bound of the originals),
+and the float32 weighted mean's, at most (senders + 2) * 2^-24 * sqrt(sum_i q_i ||x_i||^2) with
+q_i = w_i / sum w; plus the float64 error of the sums themselves. What the check sees of a wrong
+answer y + d is <r, d>, about ||d||_2 times a standard normal: exact answers ("none") are caught
+for any d above float32 rounding; with a lossy codec, a chunk whose d is within a few times the
+codec's own error can pass (it is indistinguishable from that error), each chunk independently.
 
 A wrong answer (zeros, a scaled average, a vector of the reducer's choosing, another sender's
 contribution dropped or counted twice) with an honest account fails (3); an account that
@@ -42,7 +46,7 @@ import numpy as np
 
 from .wire import PeerFault
 
-Z = 10.0  # Hoeffding: P(false alarm per chunk) <= 2 exp(-Z^2 / 2)
+Z = 8.0  # Hoeffding: P(false alarm per chunk) <= 2 exp(-Z^2 / 2) < 3e-14
 FLOAT32_UNIT = 2.0**-24
 FLOAT64_UNIT = 2.0**-53
 ACCOUNT_KEY = "v"
@@ -82,14 +86,22 @@ def measure(r: np.ndarray, values: np.ndarray) -> tuple[float, float]:
     return float(np.dot(r, wide)), math.sqrt(float(np.dot(wide, wide)))
 
 
-def account_header(entries: Sequence[Entry]) -> list[list[float]]:
-    """The account as it goes in the answer's header: [[sender, weight, projection, norm], ...]."""
-    return [[e.sender, e.weight, e.projection, e.norm] for e in entries]
+def account_header(entries: Sequence[Entry], codec_error: float) -> dict[str, Any]:
+    """The account as it goes in the answer's header: {"s": [[sender, weight, projection, norm],
+    ...], "e": ||answer - the float32 mean it encodes||_2}."""
+    return {"s": [[e.sender, e.weight, e.projection, e.norm] for e in entries], "e": codec_error}
 
 
-def parse_account(raw: Any, senders: int) -> list[Entry]:
-    """The entries of an answer header's account; WrongAverage for anything malformed (at most
-    `senders` entries, each a sender index and three finite numbers)."""
+def parse_account(raw: Any, senders: int) -> tuple[list[Entry], float]:
+    """The entries and the codec error of an answer header's account; WrongAverage for anything
+    malformed (at most `senders` entries, each a sender index and three finite numbers)."""
+    if not isinstance(raw, dict) or set(raw) != {"s", "e"}:
+        raise WrongAverage("the answer's account is not {\"s\": entries, \"e\": codec error}")
+    codec_error = raw["e"]
+    if isinstance(codec_error, bool) or not isinstance(codec_error, int | float) \
+            or not 0 <= codec_error < math.inf:
+        raise WrongAverage("the answer's account holds no finite codec error")
+    raw = raw["s"]
     if not isinstance(raw, list) or len(raw) > senders:
         raise WrongAverage(f"the answer's account is not a list of at most {senders} entries")
     entries = []
@@ -104,20 +116,20 @@ def parse_account(raw: Any, senders: int) -> list[Entry]:
             raise WrongAverage("an account entry holds a non-finite or non-numeric value")
         weight, projection, norm = (float(x) for x in numbers)
         entries.append(Entry(sender, weight, projection, norm))
-    return entries
+    return entries, float(codec_error)
 
 
-def tolerance(entries: Sequence[Entry], n: int, answer_bound: float, answer_norm: float) -> float:
+def tolerance(entries: Sequence[Entry], n: int, codec_error: float, answer_norm: float) -> float:
     """How far <r, answer> may honestly be from the account's weighted mean (module docstring)."""
     total = sum(e.weight for e in entries)
     mean_square = sum(e.weight / total * e.norm**2 for e in entries)
-    codec = 2.0 * answer_bound * math.sqrt(n)
+    codec = codec_error
     rounding = (len(entries) + 2) * FLOAT32_UNIT * math.sqrt(mean_square)
     sums = n * FLOAT64_UNIT * math.sqrt(n) * (math.sqrt(mean_square) + answer_norm)
     return Z * (codec + rounding) + sums
 
 
-def check_answer(entries: Sequence[Entry], *, weights: Sequence[float], sends: Sequence[bool],
+def check_answer(entries: Sequence[Entry], codec_error: float, *, weights: Sequence[float], sends: Sequence[bool],
                  me: int, mine: tuple[float, float] | None, answer_projection: float,
                  answer_norm: float, answer_bound: float, n: int) -> None:
     """WrongAverage unless the answer (its projection onto r, its norm, its codec's per-element
@@ -137,6 +149,9 @@ def check_answer(entries: Sequence[Entry], *, weights: Sequence[float], sends: S
                                "norm allows")
     if not entries:
         raise WrongAverage("an averaged chunk with an empty account")
+    if codec_error > 2.0 * answer_bound * math.sqrt(n):
+        raise WrongAverage(f"the account claims a codec error of {codec_error:.3g}, more than the "
+                           f"codec allows ({2.0 * answer_bound * math.sqrt(n):.3g})")
     if mine is not None and me in seen:
         own = next(e for e in entries if e.sender == me)
         projection, norm = mine
@@ -145,7 +160,7 @@ def check_answer(entries: Sequence[Entry], *, weights: Sequence[float], sends: S
             raise WrongAverage("the account misstates this member's own contribution")
     total = sum(e.weight for e in entries)
     expected = sum(e.weight * e.projection for e in entries) / total
-    allowed = tolerance(entries, n, answer_bound, answer_norm)
+    allowed = tolerance(entries, n, codec_error, answer_norm)
     if not abs(answer_projection - expected) <= allowed:
         raise WrongAverage(f"the answer's projection {answer_projection:.6g} differs from the "
                            f"account's weighted mean {expected:.6g} by more than {allowed:.3g}")

@@ -309,12 +309,14 @@ class Round:
             return rejected
         payload, meta = self.reply.encode(average)
         a, b = self.own.absolute(c)
+        self.reply.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
         account: Any = None
         if self.policy.check_answers:  # what went into the answer, for the senders to check
             r = signs(self.group.group_id, self.index, c, meta, payload, b - a)
+            error = 0.0 if self.reply.name == "none" else float(
+                np.linalg.norm((self.vector[a:b] - average).astype(np.float64)))
             account = CLIPPED if self.policy.robust == "centered_clip" else account_header(
-                [Entry(i, w, *measure(r, values)) for i, w, values in used])
-        self.reply.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
+                [Entry(i, w, *measure(r, values)) for i, w, values in used], error)
         self.results[c] = (payload, meta, account)
         return rejected
 

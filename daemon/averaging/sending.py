@@ -164,7 +164,7 @@ class PartSender:
         if account is None:
             raise WrongAverage("the reducer's answer comes without an account")
         members = self.group.members
-        entries = parse_account(account, sum(1 for m in members if m.sends))
+        entries, codec_error = parse_account(account, sum(1 for m in members if m.sends))
         a, b = self.plans[j].absolute(c)
         r = signs(self.group.group_id, j, c, meta, payload, b - a)
         projection, norm = measure(r, answer)
@@ -173,6 +173,6 @@ class PartSender:
             sent = self.sent.pop((j, c), None)
             values = self.vector[a:b] if sent is None else self.codec.decode(*sent, b - a)
             mine = measure(r, values)
-        check_answer(entries, weights=[m.weight for m in members], sends=[m.sends for m in members],
+        check_answer(entries, codec_error, weights=[m.weight for m in members], sends=[m.sends for m in members],
                      me=self.index, mine=mine, answer_projection=projection, answer_norm=norm,
                      answer_bound=self.reply.error_bound(answer), n=b - a)
