@@ -129,8 +129,8 @@ def tolerance(entries: Sequence[Entry], n: int, codec_error: float, answer_norm:
     return Z * (codec + rounding) + sums
 
 
-def check_answer(entries: Sequence[Entry], codec_error: float, *, weights: Sequence[float], sends: Sequence[bool],
-                 me: int, mine: tuple[float, float] | None, answer_projection: float,
+def check_answer(entries: Sequence[Entry], codec_error: float, *, weights: Sequence[float],
+                 sends: Sequence[bool], me: int, mine: tuple[float, float] | None, answer_projection: float,
                  answer_norm: float, answer_bound: float, n: int) -> None:
     """WrongAverage unless the answer (its projection onto r, its norm, its codec's per-element
     bound) agrees with the account. `weights`/`sends`: the group's members; `mine`: this member's

@@ -81,7 +81,8 @@ class Averager:
         self.bans = BanList(ban_after=config.ban_after, window=config.offence_window,
                             seconds=config.ban_seconds, counters=self.counters)
         self.allreduce = AllReduceService(transport, policy=self.policy, bans=self.bans,
-                                          corruption=corruption.from_environment())
+                                          corruption=corruption.from_environment(),
+                                          wrong_answers=corruption.answers_from_environment())
         self.matchmaker = Matchmaker(transport, dht, self._plan, bans=self.bans,
                                      **({} if nonce is None else {"nonce": nonce}))
 

@@ -41,6 +41,7 @@ from ..net import Message, PeerTransport, Stream
 from .accounts import ACCOUNT_KEY, CLIPPED, Entry, account_header, measure, signs
 from .bans import BanList
 from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
+from .corruption import wrong_answer
 from .group import Group
 from .jobs import ChunkJobs
 from .reducer import PartReducer
@@ -58,7 +59,8 @@ class Round:
     def __init__(self, transport: PeerTransport, group: Group, index: int, vector: np.ndarray,
                  weight: float, *, pool: concurrent.futures.Executor, stall_timeout: float,
                  inline_elements: int, counters: Counter[str], on_open: Callable[[Round], None],
-                 policy: ScreeningPolicy, bans: BanList, corruption: str | None = None) -> None:
+                 policy: ScreeningPolicy, bans: BanList, corruption: str | None = None,
+                 wrong_answers: str | None = None) -> None:
         self.transport = transport
         self.group = group
         self.index = index
@@ -71,6 +73,7 @@ class Round:
         self._on_open = on_open
         self.bans = bans
         self.policy = policy
+        self.wrong_answers = wrong_answers  # tests only (corruption.py)
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + (group.deadline - timebase.now())
         members = group.members
@@ -307,6 +310,8 @@ class Round:
         if average is None:
             self.unaveraged[c] = "no sender's contribution was accepted"
             return rejected
+        if self.wrong_answers is not None:
+            wrong_answer(self.wrong_answers, average)
         payload, meta = self.reply.encode(average)
         a, b = self.own.absolute(c)
         self.reply.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's

@@ -173,6 +173,7 @@ class PartSender:
             sent = self.sent.pop((j, c), None)
             values = self.vector[a:b] if sent is None else self.codec.decode(*sent, b - a)
             mine = measure(r, values)
-        check_answer(entries, codec_error, weights=[m.weight for m in members], sends=[m.sends for m in members],
-                     me=self.index, mine=mine, answer_projection=projection, answer_norm=norm,
+        check_answer(entries, codec_error, weights=[m.weight for m in members],
+                     sends=[m.sends for m in members], me=self.index, mine=mine,
+                     answer_projection=projection, answer_norm=norm,
                      answer_bound=self.reply.error_bound(answer), n=b - a)
