@@ -69,7 +69,7 @@ class Entry:
 
 def signs(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any], payload: Any,
           n: int) -> np.ndarray:
-    """The +-1 vector (float64, n long) that an answer is checked against: SHAKE-128 of a
+    """The +-1 vector (float32, n long) that an answer is checked against: SHAKE-128 of a
     SHA-256 of the answer, one bit per element. Any platform and numpy version agree."""
     digest = hashlib.sha256()
     digest.update(f"dedloc-answer\0{group_id}\0{reducer}\0{chunk}\0".encode())
@@ -77,13 +77,21 @@ def signs(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any], payl
     digest.update(memoryview(payload).cast("B"))
     bits = hashlib.shake_128(digest.digest()).digest(-(-n // 8))
     unpacked = np.unpackbits(np.frombuffer(bits, np.uint8), count=n, bitorder="little")
-    return unpacked.astype(np.float64) * 2.0 - 1.0
+    signs_ = unpacked.astype(np.float32)
+    signs_ *= 2
+    signs_ -= 1
+    return signs_
 
 
 def measure(r: np.ndarray, values: np.ndarray) -> tuple[float, float]:
-    """(<r, values>, ||values||_2), both in float64."""
-    wide = values.astype(np.float64)
-    return float(np.dot(r, wide)), math.sqrt(float(np.dot(wide, wide)))
+    """(<r, values>, ||values||_2), summed in float64. No BLAS: it runs in many threads at once,
+    and a threaded BLAS call from each of them oversubscribes the cores (measured: 130 ms instead
+    of 0.6 ms for 1M values on 2 cores). The products by +-1 are exact in float32; the squares
+    are off by at most 2^-24 each, relative."""
+    product = np.multiply(values, r)
+    projection = float(product.sum(dtype=np.float64))
+    np.multiply(values, values, out=product)
+    return projection, math.sqrt(float(product.sum(dtype=np.float64)))
 
 
 def account_header(entries: Sequence[Entry], codec_error: float) -> dict[str, Any]:
@@ -156,7 +164,8 @@ def check_answer(entries: Sequence[Entry], codec_error: float, *, weights: Seque
         own = next(e for e in entries if e.sender == me)
         projection, norm = mine
         slack = n * FLOAT64_UNIT * math.sqrt(n) * norm * 4 + 1e-30
-        if abs(own.projection - projection) > slack or abs(own.norm - norm) > slack:
+        if abs(own.projection - projection) > slack \
+                or abs(own.norm - norm) > 4 * FLOAT32_UNIT * norm + slack:
             raise WrongAverage("the account misstates this member's own contribution")
     total = sum(e.weight for e in entries)
     expected = sum(e.weight * e.projection for e in entries) / total
