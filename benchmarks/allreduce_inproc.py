@@ -3,9 +3,12 @@ N x MiB float32 vectors averaged in equal parts; plus the codecs' encode/decode 
 
 Prints one JSON object: seconds per round (best and median of --rounds), MBps per peer (vector
 bytes / seconds), the max error against numpy, whether every member ended with the same vector,
-and the codecs' MB/s on 1M-element chunks.
+the payload bytes sent by all peers in the last round, and (--codecs) the codecs' MB/s on
+1M-element chunks. --no-check turns the reducers' accounts and the members' checks off
+(accounts.py), to measure what they cost.
 
     python benchmarks/allreduce_inproc.py --peers 4 --mib 64 [--plain] [--compression none]
+        [--no-check] [--codecs]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import structlog
 from dedloc.daemon.averaging.allreduce import AllReduceService
 from dedloc.daemon.averaging.compression import CODECS
 from dedloc.daemon.averaging.group import Group, Member
+from dedloc.daemon.averaging.screening import ScreeningPolicy
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import PeerAddress, TlsTransport
 
@@ -56,7 +60,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     loopback = PeerAddress.parse("/ip4/127.0.0.1/tcp/0")
     transports = [await TlsTransport.start(Identity.generate(), [loopback], tls=not args.plain)
                   for _ in range(args.peers)]
-    services = [AllReduceService(t) for t in transports]
+    policy = ScreeningPolicy(check_answers=not args.no_check)
+    services = [AllReduceService(t, policy=policy) for t in transports]
     try:
         for a, b in itertools.combinations(transports, 2):
             a.learn_addresses(b.peer_id, b.listen_addresses())
@@ -70,7 +75,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         rng = np.random.default_rng(1)
         originals = [rng.standard_normal(size).astype(np.float32) for _ in range(args.peers)]
         expected = np.mean([o.astype(np.float64) for o in originals], axis=0)
-        times, error, identical = [], 0.0, True
+        times, error, identical, sent = [], 0.0, True, 0
         for round_index in range(args.rounds):
             vectors = [o.copy() for o in originals]
             members = tuple(Member(t.peer_id, "trainer", 1.0, 1e8, 1e8) for t in transports)
@@ -80,6 +85,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             reports = await asyncio.gather(*(s.run(group, i, v, 1.0)
                                              for i, (s, v) in enumerate(zip(services, vectors, strict=True))))
             times.append(time.perf_counter() - began)
+            sent = sum(r.bytes_sent for r in reports)
             if any(r.failed_parts for r in reports):
                 raise SystemExit(f"round failed: {[r.to_json()['failures'] for r in reports]}")
             error = max(error, max(float(np.abs(v - expected).max()) for v in vectors))
@@ -89,7 +95,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "chunk_mib": args.chunk_mib, "tls": not args.plain, "compression": args.compression,
                 "seconds_best": round(best, 4), "seconds_median": round(statistics.median(times), 4),
                 "MBps_per_peer": round(args.mib * MiB / 1e6 / best, 1), "max_error": error,
-                "identical": identical, "codecs": codec_speeds()}
+                "identical": identical, "checked": not args.no_check, "payload_bytes_sent": sent,
+                "codecs": codec_speeds() if args.codecs else {}}
     finally:
         for service in services:
             service.close()
@@ -106,6 +113,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compression", default="none", choices=sorted(CODECS))
     parser.add_argument("--plain", action="store_true", help="plain TCP instead of TLS 1.3")
+    parser.add_argument("--no-check", action="store_true",
+                        help="reducers send no account and members check no answer")
+    parser.add_argument("--codecs", action="store_true", help="measure the codecs' speeds too")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     sys.stdout.write(orjson.dumps(asyncio.run(bench(args))).decode() + "\n")

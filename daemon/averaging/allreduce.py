@@ -65,17 +65,20 @@ class AllReduceService:
     (measured on 2 cores: a thread hop costs ~60 us, an add of 64K float32 ~11 us, of 256K ~48 us;
     and work in a thread lets the loop drive the sockets meanwhile). policy: how contributions
     are screened and aggregated (screening.py); bans: the offences and bans of this daemon
-    (bans.py; the service's own when not given); corruption: tests only (corruption.py).
+    (bans.py; the service's own when not given); corruption, wrong_answers: tests only
+    (corruption.py).
     """
 
     def __init__(self, transport: PeerTransport, *, stall_timeout: float = 10.0,
                  arrival_grace: float = 5.0, inline_elements: int = 1 << 16,
                  threads: int | None = None, policy: ScreeningPolicy | None = None,
-                 bans: BanList | None = None, corruption: SenderCorruption | None = None) -> None:
+                 bans: BanList | None = None, corruption: SenderCorruption | None = None,
+                 wrong_answers: str | None = None) -> None:
         self.transport = transport
         self.policy = policy or ScreeningPolicy()
         self.bans = bans or BanList()
         self.corruption = corruption
+        self.wrong_answers = wrong_answers  # tests only (corruption.py)
         self.stall_timeout = stall_timeout
         self.arrival_grace = arrival_grace
         self.inline_elements = inline_elements
@@ -111,7 +114,8 @@ class AllReduceService:
         round_ = Round(self.transport, group, my_index, vector, weight, pool=self._pool,
                        stall_timeout=self.stall_timeout, inline_elements=self.inline_elements,
                        counters=self.counters, on_open=self._open, policy=self.policy, bans=self.bans,
-                       corruption=self.corruption.next_round() if self.corruption else None)
+                       corruption=self.corruption.next_round() if self.corruption else None,
+                       wrong_answers=self.wrong_answers)
         try:
             report = await round_.execute()
         finally:

@@ -77,11 +77,12 @@ class Averager:
         self.policy = ScreeningPolicy(
             max_value=config.max_value, max_norm_ratio=config.max_norm_ratio,
             robust=config.robust_aggregation, clip_radius=config.clip_radius,
-            clip_iterations=config.clip_iterations)
+            clip_iterations=config.clip_iterations, check_answers=config.check_reducers)
         self.bans = BanList(ban_after=config.ban_after, window=config.offence_window,
                             seconds=config.ban_seconds, counters=self.counters)
         self.allreduce = AllReduceService(transport, policy=self.policy, bans=self.bans,
-                                          corruption=corruption.from_environment())
+                                          corruption=corruption.from_environment(),
+                                          wrong_answers=corruption.answers_from_environment())
         self.matchmaker = Matchmaker(transport, dht, self._plan, bans=self.bans,
                                      **({} if nonce is None else {"nonce": nonce}))
 
@@ -206,7 +207,8 @@ class Averager:
         return {"rounds": list(self.history), "counters": dict(self.counters), "bans": bans,
                 "screening": {"max_value": self.policy.max_value,
                               "max_norm_ratio": self.policy.max_norm_ratio,
-                              "robust_aggregation": self.policy.robust},
+                              "robust_aggregation": self.policy.robust,
+                              "check_reducers": self.policy.check_answers},
                 "bandwidth": {"upload_bytes_per_second": self.bandwidth.upload,
                               "download_bytes_per_second": self.bandwidth.download,
                               "samples": self.bandwidth.samples,

@@ -1,11 +1,13 @@
 """Offences of peers against this daemon's reducers, and the temporary bans they lead to.
 
 An offence is a round in which a sender's contribution was rejected here (screening.py: NaN/Inf,
-wrong length or bad codec meta, a chunk out of order, a value over the cap, a norm outlier); a
-round counts once per sender however many of its chunks were bad. `ban_after` offences within
-`window` seconds ban the peer for `seconds`: while banned, this daemon does not admit it to the
-groups it leads nor takes it as a leader (matchmaking.py), and refuses its all-reduce streams
-(butterfly.py). A ban expires by itself; the peer's count then starts again from zero.
+wrong length or bad codec meta, a chunk out of order, a value over the cap, a norm outlier), or
+in which a reducer's answer contradicted its own account (accounts.py: `wrong_average`); a
+round counts once per peer however many of its chunks were bad. `ban_after` offences within
+`window` seconds ban the peer for `seconds`; a wrong average bans at once (`conclusive`). While
+banned, this daemon does not admit it to the groups it leads nor takes it as a leader
+(matchmaking.py), refuses its all-reduce streams and sends it no part to reduce (butterfly.py).
+A ban expires by itself; the peer's count then starts again from zero.
 
 Everything is counted in the `counters` it is given (the averager's, so that node metrics show
 them): `offences`, `offences_<kind>`, `bans`, `bans_expired`, `refused_banned`. Memory is bounded:
@@ -54,8 +56,10 @@ class BanList:
         self._records: collections.OrderedDict[str, _Record] = collections.OrderedDict()
         self._bans: dict[str, _Ban] = {}
 
-    def offence(self, peer_id: str, kind: str, reason: str) -> bool:
-        """Record one offence of `peer_id`; True if it is banned now (by this one or before)."""
+    def offence(self, peer_id: str, kind: str, reason: str, *, conclusive: bool = False) -> bool:
+        """Record one offence of `peer_id`; True if it is banned now (by this one or before).
+        A `conclusive` offence (one no honest peer commits by accident, such as an answer that
+        contradicts its reducer's own account) bans at once, whatever `ban_after` says."""
         now = self._clock()
         self.counters["offences"] += 1
         self.counters[f"offences_{kind}"] += 1
@@ -71,7 +75,7 @@ class BanList:
             record.times.popleft()
         log.warning("averaging_offence", peer=peer_id, kind=kind, reason=reason[:300],
                     count=len(record.times))
-        if self.ban_after <= 0 or len(record.times) < self.ban_after:
+        if not conclusive and (self.ban_after <= 0 or len(record.times) < self.ban_after):
             return False
         del self._records[peer_id]
         reason_text = f"{len(record.times)} offences within {self.window:g}s, the last {record.last_reason}"

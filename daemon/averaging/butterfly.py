@@ -38,8 +38,10 @@ import structlog
 
 from .. import timebase
 from ..net import Message, PeerTransport, Stream
+from .accounts import ACCOUNT_KEY, CLIPPED, Entry, account_header, measure, signs
 from .bans import BanList
 from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
+from .corruption import wrong_answer
 from .group import Group
 from .jobs import ChunkJobs
 from .reducer import PartReducer
@@ -57,7 +59,8 @@ class Round:
     def __init__(self, transport: PeerTransport, group: Group, index: int, vector: np.ndarray,
                  weight: float, *, pool: concurrent.futures.Executor, stall_timeout: float,
                  inline_elements: int, counters: Counter[str], on_open: Callable[[Round], None],
-                 policy: ScreeningPolicy, bans: BanList, corruption: str | None = None) -> None:
+                 policy: ScreeningPolicy, bans: BanList, corruption: str | None = None,
+                 wrong_answers: str | None = None) -> None:
         self.transport = transport
         self.group = group
         self.index = index
@@ -69,6 +72,8 @@ class Round:
         self.counters = counters
         self._on_open = on_open
         self.bans = bans
+        self.policy = policy
+        self.wrong_answers = wrong_answers  # tests only (corruption.py)
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + (group.deadline - timebase.now())
         members = group.members
@@ -81,7 +86,7 @@ class Round:
         self.reducer = PartReducer(own, senders, policy=policy,
                                    own=index if self.sends else None) if own else None
         count = own.count if own else 0
-        self.results: list[tuple[Buffer, Meta] | None] = [None] * count
+        self.results: list[tuple[Buffer, Meta, Any] | None] = [None] * count
         self.unaveraged: dict[int, str] = {}
         self.done = [asyncio.Event() for _ in range(count)]
         self.remaining = count
@@ -101,7 +106,9 @@ class Round:
         self.sender = PartSender(transport, group, index, weight, vector, self.codec, self.reply,
                                  self.plans,
                                  self.jobs, self.traffic, self._left, self._exclude, self.log,
-                                 corruption)
+                                 corruption, check=policy.check_answers,
+                                 accept_clipped=policy.robust == "centered_clip",
+                                 on_wrong_average=self._wrong_average)
 
     # --- the round ------------------------------------------------------------------------------
     async def execute(self) -> AllReduceReport:
@@ -112,6 +119,11 @@ class Round:
                 self._on_open(self)
                 self._exclude_banned()
                 for j in self.sender.targets:
+                    banned = self.bans.banned(self.group.members[j].peer_id)
+                    if banned is not None:  # its part stays local here
+                        self.bans.refused(self.group.members[j].peer_id, "reducer")
+                        self.sender.errors[j] = f"reducer {banned}"
+                        continue
                     tg.create_task(self.sender.exchange(j), name=f"allreduce-send-{j}")
                 if self.reducer is not None:
                     if self.sends:
@@ -294,14 +306,23 @@ class Round:
         """Average chunk c into our vector and encode it for the senders; the senders the norm
         rule rejected in it."""
         assert self.own is not None and self.reducer is not None
-        average, rejected = self.reducer.average(c)
+        average, rejected, used = self.reducer.average(c)
         if average is None:
             self.unaveraged[c] = "no sender's contribution was accepted"
             return rejected
+        if self.wrong_answers is not None:
+            wrong_answer(self.wrong_answers, average)
         payload, meta = self.reply.encode(average)
         a, b = self.own.absolute(c)
         self.reply.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
-        self.results[c] = (payload, meta)
+        account: Any = None
+        if self.policy.check_answers:  # what went into the answer, for the senders to check
+            r = signs(self.group.group_id, self.index, c, meta, payload, b - a)
+            error = 0.0 if self.reply.name == "none" else float(
+                np.linalg.norm((self.vector[a:b] - average).astype(np.float64)))
+            account = CLIPPED if self.policy.robust == "centered_clip" else account_header(
+                [Entry(i, w, *measure(r, values)) for i, w, values in used], error)
+        self.results[c] = (payload, meta, account)
         return rejected
 
     async def _answer(self, stream: Stream, peer: str) -> None:
@@ -313,8 +334,10 @@ class Round:
                 header: dict[str, Any] = {"c": c, "skip": self.unaveraged.get(c, "not averaged")}
                 payload: Buffer = b""
             else:
-                payload, meta = result
+                payload, meta, account = result
                 header = chunk_header(c, meta)
+                if account is not None:
+                    header[ACCOUNT_KEY] = account
             await stream.send(Message(header, payload), timeout=self._left())
             self.traffic.sent(peer, len(payload))
         await stream.close()
@@ -340,6 +363,13 @@ class Round:
         for i, member in enumerate(self.group.members):
             if member.sends and i != self.index and i not in self.adopted:
                 self._exclude(i, f"no stream came within {self.stall_timeout}s")
+
+    def _wrong_average(self, j: int, reason: str) -> None:
+        """Reducer j answered against its own account: nothing more of its part is applied here
+        (sending.py stops at the first such answer), and it is banned at once."""
+        peer = self.group.members[j].peer_id
+        self.counters["wrong_averages"] += 1
+        self.bans.offence(peer, "wrong_average", reason, conclusive=True)
 
     def _exclude_banned(self) -> None:
         for i, member in enumerate(self.group.members):

@@ -12,7 +12,10 @@ process) in the k-th way of the list, cycling:
 Its own part, its averages and everything else stay honest. The local API cannot do this: a local
 NaN is the caller's error (averaging.average refuses it), so a bad sender is simulated below it.
 
-The switch is refused unless DEDLOC_TESTING=1 is set as well (logged as an error, and ignored):
+DEDLOC_TEST_WRONG_ANSWERS=zeros (or scale=F) makes this daemon a reducer that answers every
+chunk wrong while its account (accounts.py) stays honest.
+
+Each switch is refused unless DEDLOC_TESTING=1 is set as well (logged as an error, and ignored):
 a production daemon never corrupts anything because of a stray variable.
 """
 
@@ -74,6 +77,38 @@ class SenderCorruption:
         else:  # quantile8: the first level
             raw[0:4] = np.array([bad], np.float32).tobytes()
         return raw, meta
+
+
+ANSWERS_SWITCH = "DEDLOC_TEST_WRONG_ANSWERS"
+ANSWER_MODES = ("zeros", "scale")
+
+
+def wrong_answer(mode: str, average: np.ndarray) -> None:
+    """TEST ONLY: turn a reducer's average (in place) into a wrong one, its account left honest:
+    `zeros`, or `scale=F` (the average times F)."""
+    name, _, argument = mode.partition("=")
+    if name == "zeros":
+        average[...] = 0.0
+    else:
+        np.multiply(average, np.float32(float(argument)), out=average)
+
+
+def answers_from_environment(env: Mapping[str, str] = os.environ) -> str | None:
+    """DEDLOC_TEST_WRONG_ANSWERS=zeros or scale=F (with DEDLOC_TESTING=1): this daemon, as a
+    reducer, answers every chunk wrong (its own vector gets the wrong values too)."""
+    wanted = env.get(ANSWERS_SWITCH, "").strip()
+    if not wanted:
+        return None
+    if env.get(TESTING) != "1":
+        log.error("test_switch_refused", switch=ANSWERS_SWITCH,
+                  reason=f"it is for tests only and {TESTING}=1 is not set: ignored")
+        return None
+    name, _, argument = wanted.partition("=")
+    if name not in ANSWER_MODES or (name == "scale") != bool(argument) \
+            or (argument and not math.isfinite(float(argument))):
+        raise ValueError(f"unknown wrong answer {wanted!r} (known: zeros, scale=F)")
+    log.warning("test_wrong_answers_enabled", switch=ANSWERS_SWITCH, mode=wanted)
+    return wanted
 
 
 def from_environment(env: Mapping[str, str] = os.environ) -> SenderCorruption | None:

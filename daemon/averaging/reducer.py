@@ -30,6 +30,8 @@ from .clipping import centered_clip
 from .screening import ScreeningPolicy, norm_outliers, screen
 from .wire import ChunkPlan
 
+Contribution = tuple[int, float, np.ndarray]  # sender, weight, its decoded chunk
+
 
 class PartReducer:
     def __init__(self, plan: ChunkPlan, senders: Iterable[int], *,
@@ -146,17 +148,18 @@ class PartReducer:
             else:
                 np.add(target, product, out=target)
 
-    def average(self, index: int) -> tuple[np.ndarray | None, dict[int, str]]:
-        """The settled chunk's average (a view of `sums`; None if no contribution is left), and
-        the senders rejected now by the norm rule, with why."""
+    def average(self, index: int) -> tuple[np.ndarray | None, dict[int, str], list[Contribution]]:
+        """The settled chunk's average (a view of `sums`; None if no contribution is left), the
+        senders rejected now by the norm rule, with why, and (kept mode) the contributions that
+        went into it (sender, weight, values), for the answer's account (accounts.py)."""
         first, last = self.plan.relative(index)
         out = self.sums[first:last]
         if not self.keep:
             total = self._weight[index]
             if total <= 0:
-                return None, {}
+                return None, {}, []
             np.multiply(out, np.float32(1.0 / total), out=out)
-            return out, {}
+            return out, {}, []
         with self._locks[index]:
             kept = {s: v for s, v in self._kept[index].items() if s not in self._discarded}
             rows = self._rows[index]
@@ -166,12 +169,13 @@ class PartReducer:
                                  protected=self.own)
         accepted = [s for s in self.senders if s in kept and s not in rejected]
         if not accepted or rows is None:
-            return None, rejected
+            return None, rejected, []
         weights = [kept[s][0] for s in accepted]
+        used = [(s, w, rows[self._row[s]]) for s, w in zip(accepted, weights, strict=True)]
         if self.policy.robust == "centered_clip":
             chosen = rows if len(accepted) == len(self.senders) else rows[[self._row[s] for s in accepted]]
             centered_clip(chosen, weights, self.policy.clip_radius, self.policy.clip_iterations, out)
-            return out, rejected
+            return out, rejected, used
         total = float(sum(weights))
         product = np.empty_like(out)
         for position, (sender, weight) in enumerate(zip(accepted, weights, strict=True)):
@@ -179,4 +183,4 @@ class PartReducer:
             np.multiply(rows[self._row[sender]], np.float32(weight / total), out=scaled)
             if position:
                 np.add(out, product, out=out)
-        return out, rejected
+        return out, rejected, used

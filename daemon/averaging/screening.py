@@ -44,7 +44,8 @@ MIN_SENDERS = 3
 Robust = Literal["none", "centered_clip"]
 
 # What an offence is, for counters and the ban list.
-OffenceKind = Literal["nonfinite", "malformed", "too_large", "norm_outlier", "protocol"]
+OffenceKind = Literal["nonfinite", "malformed", "too_large", "norm_outlier", "protocol",
+                      "wrong_average"]
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,14 @@ class ScreeningPolicy:
     robust: Robust = "none"
     clip_radius: float = 2.0
     clip_iterations: int = 3
+    check_answers: bool = True  # reducers account for their answers, members check (accounts.py)
 
     def keeps(self, senders: int) -> bool:
         """Whether a reducer of a round with `senders` senders must keep every contribution of a
-        chunk until it settles (the norm rule or clipping) rather than a running sum."""
-        return self.robust != "none" or (self.max_norm_ratio > 0 and senders >= MIN_SENDERS)
+        chunk until it settles (the norm rule, clipping, or the account of its answer) rather
+        than a running sum."""
+        return self.robust != "none" or self.check_answers \
+            or (self.max_norm_ratio > 0 and senders >= MIN_SENDERS)
 
 
 class ContributionRejected(PeerFault):

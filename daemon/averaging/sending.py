@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..net import Message, PeerTransport, PeerUnreachableError, Stream, TransportClosed, TransportError
+from .accounts import ACCOUNT_KEY, CLIPPED, WrongAverage, check_answer, measure, parse_account, signs
 from .compression import Buffer, Codec, CompressionError, Meta
 from .corruption import SenderCorruption
 from .group import Group
@@ -58,11 +59,16 @@ class PartSender:
     on_link_lost: Callable[[int, str], None]  # reducer j's link is gone: it cannot send to us either
     log: Any
     corruption: str | None = None  # tests only (corruption.py): how our chunks go out bad
+    check: bool = False  # check each answer against its reducer's account before applying it
+    accept_clipped: bool = False  # take answers aggregated by centered clipping (not checkable)
+    on_wrong_average: Callable[[int, str], None] | None = None  # reducer j contradicted its account
     # the reducers we send to, which averaged chunks came back, why others did not
     targets: list[int] = field(init=False)
     got: dict[int, list[bool]] = field(init=False)
     skipped: dict[tuple[int, int], str] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    # what we sent, until its answer is checked (lossy codecs: the reducer averaged the decoded)
+    sent: dict[tuple[int, int], tuple[Buffer, Meta]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.targets = [j for j in self.plans if j != self.index] \
@@ -88,13 +94,15 @@ class PartSender:
             stream = await self.transport.open_stream(peer, METHOD, opened.header(), timeout=self.left())
             self.traffic.start(peer)
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._push(stream, plan, peer))
+                tg.create_task(self._push(stream, plan, peer, j))
                 tg.create_task(self._pull(stream, plan, j, peer))
             clean = True
         except* FAULTS as errors:
             reason = describe(errors)
             self.errors[j] = reason
             self.log.info("allreduce_reducer_failed", reducer=peer, reason=reason)
+            if isinstance(leaf(errors), WrongAverage) and self.on_wrong_average is not None:
+                self.on_wrong_average(j, reason)
             if isinstance(leaf(errors), TransportClosed | PeerUnreachableError):
                 self.on_link_lost(j, f"link lost: {reason}")
         finally:
@@ -108,10 +116,12 @@ class PartSender:
                                     self.vector[a:b])
         return self.jobs.submit(b - a, self.codec.encode, self.vector[a:b])
 
-    async def _push(self, stream: Stream, plan: ChunkPlan, peer: str) -> None:
+    async def _push(self, stream: Stream, plan: ChunkPlan, peer: str, j: int) -> None:
         upcoming = self._encode(plan, 0)
         for c in range(plan.count):
             payload, meta = await asyncio.shield(upcoming)
+            if self.check and (self.codec.name != "none" or self.corruption is not None):
+                self.sent[(j, c)] = (payload, meta)
             if c + 1 < plan.count:
                 upcoming = self._encode(plan, c + 1)  # encode the next chunk while this one goes
             await stream.send(Message(chunk_header(c, meta), payload), timeout=self.left())
@@ -131,9 +141,39 @@ class PartSender:
             meta = parse_chunk(message.header, c, plan.count)
             self.traffic.received(peer, len(message.payload))
             a, b = plan.absolute(c)
-            await self.jobs.run(b - a, self._take_average, j, c, message.payload, meta)
+            await self.jobs.run(b - a, self._take_average, j, c, message.payload, meta,
+                                message.header.get(ACCOUNT_KEY))
 
-    def _take_average(self, j: int, c: int, payload: Buffer, meta: Meta) -> None:
+    def _take_average(self, j: int, c: int, payload: Buffer, meta: Meta, account: Any) -> None:
         a, b = self.plans[j].absolute(c)
-        self.reply.decode(payload, meta, b - a, out=self.vector[a:b])
+        if not self.check or (account == CLIPPED and self.accept_clipped):
+            self.reply.decode(payload, meta, b - a, out=self.vector[a:b])
+        else:
+            answer = self.reply.decode(payload, meta, b - a, out=np.empty(b - a, np.float32))
+            self._check(j, c, payload, meta, account, answer)
+            np.copyto(self.vector[a:b], answer)
         self.got[j][c] = True
+
+    def _check(self, j: int, c: int, payload: Buffer, meta: Meta, account: Any,
+               answer: np.ndarray) -> None:
+        """WrongAverage unless reducer j's answer to chunk c agrees with its account (accounts.py);
+        nothing of it has been written into the vector yet."""
+        if account == CLIPPED:
+            raise WrongAverage("the reducer aggregates by centered clipping, which no account can "
+                               "check and this member does not take (averaging.robust_aggregation)")
+        if account is None:
+            raise WrongAverage("the reducer's answer comes without an account")
+        members = self.group.members
+        entries, codec_error = parse_account(account, sum(1 for m in members if m.sends))
+        a, b = self.plans[j].absolute(c)
+        r = signs(self.group.group_id, j, c, meta, payload, b - a)
+        projection, norm = measure(r, answer)
+        mine = None
+        if members[self.index].sends:
+            sent = self.sent.pop((j, c), None)
+            values = self.vector[a:b] if sent is None else self.codec.decode(*sent, b - a)
+            mine = measure(r, values)
+        check_answer(entries, codec_error, weights=[m.weight for m in members],
+                     sends=[m.sends for m in members], me=self.index, mine=mine,
+                     answer_projection=projection, answer_norm=norm,
+                     answer_bound=self.reply.error_bound(answer), n=b - a)

@@ -40,6 +40,11 @@ class AveragingSettings:
     clip_radius: float = documented("centered_clip: the clipping radius, in median distances of the "
                                     "contributions to the median.", default=2.0)
     clip_iterations: int = documented("centered_clip: clipping iterations per chunk.", default=3)
+    check_reducers: bool = documented(
+        "Reducers send an account of each averaged chunk and members check every answer against it "
+        "before applying it; a reducer whose answer contradicts its account is banned at once. All "
+        "peers of a run must agree (a checking member refuses answers without an account).",
+        default=True)
     ban_after: int = documented("Rounds with a rejected contribution (within offence_window) after which "
                                 "a peer is banned (0: never).", default=3)
     offence_window: float = documented("Seconds an offence counts towards a ban.", default=3600.0)

@@ -1,0 +1,174 @@
+"""The reducer's account of an answer and the member's check of it (accounts.py), pure: honest
+answers pass in every codec (their error is within the tolerance the codec's bound gives), wrong
+ones (zeros, scaled, another vector, a sender dropped or counted twice) fail, and so does an
+account that misstates the member's own contribution or breaks the group."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dedloc.daemon.averaging.accounts import (
+    Entry,
+    WrongAverage,
+    account_header,
+    check_answer,
+    measure,
+    parse_account,
+    signs,
+)
+from dedloc.daemon.averaging.compression import get_codec, reply_codec, sparsifies
+
+N = 20_000
+WEIGHTS = [1.0, 2.0, 3.0, 5.0]
+REDUCER = 3
+
+
+def contributions(codec_name: str, seed: int = 0) -> list[np.ndarray]:
+    """What the reducer averages: each sender's chunk as it decodes it."""
+    rng = np.random.default_rng(seed)
+    codec = get_codec(codec_name)
+    out = []
+    for i in range(len(WEIGHTS)):
+        values = (rng.standard_normal(N) * (i + 1)).astype(np.float32)
+        if codec_name != "none" and (i != REDUCER or sparsifies(codec)):
+            values = codec.decode(*codec.encode(values), N)
+        out.append(np.array(values))
+    return out
+
+
+def reduce(rows: list[np.ndarray], weights: list[float], codec_name: str,
+           answer: np.ndarray | None = None, chunk: int = 0) -> tuple[Any, Any, dict[str, Any]]:
+    """What an honest reducer sends (as butterfly.py computes it), or `answer` with the honest
+    account."""
+    reply = reply_codec(get_codec(codec_name))
+    if answer is None:
+        total = sum(weights)
+        answer = np.multiply(rows[0], np.float32(weights[0] / total))
+        for row, weight in zip(rows[1:], weights[1:], strict=True):
+            answer += np.multiply(row, np.float32(weight / total))
+    payload, meta = reply.encode(answer)
+    r = signs("g", REDUCER, chunk, meta, payload, N)
+    entries = [Entry(i, w, *measure(r, row)) for i, (row, w) in enumerate(zip(rows, weights, strict=True))]
+    error = float(np.linalg.norm(reply.decode(payload, meta, N).astype(np.float64) - answer))
+    return payload, meta, account_header(entries, error)
+
+
+def check(payload: Any, meta: Any, account: Any, codec_name: str, *, me: int = 0,
+          mine: np.ndarray | None = None, weights: list[float] = WEIGHTS, chunk: int = 0) -> None:
+    reply = reply_codec(get_codec(codec_name))
+    answer = reply.decode(payload, meta, N)
+    r = signs("g", REDUCER, chunk, meta, payload, N)
+    entries, error = parse_account(account, len(weights))
+    check_answer(entries, error, weights=weights, sends=[True] * len(weights), me=me,
+                 mine=None if mine is None else measure(r, mine), answer_projection=measure(r, answer)[0],
+                 answer_norm=measure(r, answer)[1], answer_bound=reply.error_bound(answer), n=N)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "uint8", "quantile8", "topk"])
+@pytest.mark.parametrize("seed", range(3))
+def test_honest_answers_pass_in_every_codec(codec: str, seed: int) -> None:
+    rows = contributions(codec, seed)
+    payload, meta, account = reduce(rows, WEIGHTS, codec)
+    for me in range(len(WEIGHTS)):
+        check(payload, meta, account, codec, me=me, mine=rows[me])
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "uint8", "quantile8", "topk"])
+@pytest.mark.parametrize("wrong", ["zeros", "scaled", "chosen", "dropped", "twice", "shifted"])
+def test_wrong_answers_with_an_honest_account_fail(codec: str, wrong: str) -> None:
+    """Exact and fp16 answers: every wrong chunk is caught. 8-bit and sparse answers: a chunk
+    wrong by a few times the codec's own error can pass, but not every chunk of a part (8 here,
+    each checked against its own signs); a shift within the 8-bit codecs' error is no test."""
+    lossy = codec in ("uint8", "quantile8", "topk")
+    if lossy and wrong == "shifted":
+        pytest.skip("0.05 per value is within the 8-bit codecs' error")
+    rows = contributions(codec)
+    total = sum(WEIGHTS)
+    honest = sum(np.float64(w / total) * row for row, w in zip(rows, WEIGHTS, strict=True))
+    answer = {
+        "zeros": np.zeros(N),
+        "scaled": honest * 1.5,
+        "chosen": np.random.default_rng(9).standard_normal(N),
+        "dropped": sum(np.float64(w / sum(WEIGHTS[1:])) * row for row, w in zip(rows[1:], WEIGHTS[1:],
+                                                                              strict=True)),
+        "twice": honest + WEIGHTS[2] / total * rows[2],
+        "shifted": honest + 0.05 * np.sign(honest),  # small per value, the same direction
+    }[wrong].astype(np.float32)
+    caught = 0
+    for chunk in range(8 if lossy else 1):
+        payload, meta, account = reduce(rows, WEIGHTS, codec, answer, chunk)
+        try:
+            check(payload, meta, account, codec, me=0, mine=rows[0], chunk=chunk)
+        except WrongAverage as exc:
+            assert "weighted mean" in str(exc)
+            caught += 1
+    assert caught >= 1
+
+
+def test_an_account_that_misstates_my_contribution_fails() -> None:
+    rows = contributions("none")
+    payload, meta, account = reduce(rows, WEIGHTS, "none")
+    check(payload, meta, account, "none", me=1, mine=rows[1])
+    with pytest.raises(WrongAverage, match="own contribution"):
+        check(payload, meta, account, "none", me=1, mine=rows[1] * 2)
+    forged = {"e": 0.0, "s": [list(e) for e in account["s"]]}
+    forged["s"][1][3] *= 1.01  # its norm
+    with pytest.raises(WrongAverage, match="own contribution"):
+        check(payload, meta, forged, "none", me=1, mine=rows[1])
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda a: [*a, a[0]], "at most"),  # more entries than senders
+    (lambda a: [a[0], a[0], a[2]], "twice"),
+    (lambda a: [[9, *a[0][1:]], *a[1:]], "no sender"),
+    (lambda a: [[0, 100.0, *a[0][2:]], *a[1:]], "weight"),
+    (lambda a: [[0, a[0][1], a[0][2], 1e-9], *a[1:]], "norm allows"),
+    (lambda a: [[0, a[0][1], float("nan"), a[0][3]], *a[1:]], "non-finite"),
+    (lambda a: [[True, *a[0][1:]], *a[1:]], "member index"),
+    (lambda a: [[0, 1.0]], "sender, weight"),
+    (lambda a: {"0": 1}, "not a list"),
+    (lambda a: [], "empty account"),
+])
+def test_malformed_or_impossible_accounts_fail(change: Any, match: str) -> None:
+    rows = contributions("none")
+    payload, meta, account = reduce(rows, WEIGHTS, "none")
+    with pytest.raises(WrongAverage, match=match):
+        check(payload, meta, {"e": 0.0, "s": change(account["s"])}, "none", me=0, mine=rows[0])
+
+
+@pytest.mark.parametrize("account", [[], {"s": []}, {"s": [], "e": -1.0}, {"s": [], "e": None},
+                                     {"s": [], "e": float("inf")}, {"s": [], "e": 0, "x": 1}])
+def test_an_account_of_the_wrong_shape_fails(account: Any) -> None:
+    with pytest.raises(WrongAverage):
+        parse_account(account, 4)
+
+
+def test_a_codec_error_over_the_codec_bound_fails() -> None:
+    """A reducer cannot widen the tolerance past what the codec allows."""
+    rows = contributions("uint8")
+    payload, meta, account = reduce(rows, WEIGHTS, "uint8")
+    with pytest.raises(WrongAverage, match="codec allows"):
+        check(payload, meta, {**account, "e": account["e"] * 100}, "uint8", me=0, mine=rows[0])
+
+
+def test_the_sign_vector_depends_on_every_byte_of_the_answer() -> None:
+    payload = np.arange(64, dtype=np.float32).tobytes()
+    r = signs("g", 1, 2, {}, payload, 1000)
+    assert r.shape == (1000,) and set(np.unique(r)) == {-1.0, 1.0}
+    assert 400 < (r > 0).sum() < 600
+    assert np.array_equal(r, signs("g", 1, 2, {}, payload, 1000))
+    changed = bytearray(payload)
+    changed[-1] ^= 1
+    for other in (signs("g", 1, 2, {}, bytes(changed), 1000), signs("h", 1, 2, {}, payload, 1000),
+                  signs("g", 0, 2, {}, payload, 1000), signs("g", 1, 3, {}, payload, 1000),
+                  signs("g", 1, 2, {"e": 1}, payload, 1000)):
+        assert not np.array_equal(r, other)
+
+
+def test_the_false_alarm_bound_is_what_the_docs_say() -> None:
+    from dedloc.daemon.averaging.accounts import Z
+    assert 2 * math.exp(-Z**2 / 2) < 3e-14

@@ -1,0 +1,106 @@
+"""A reducer that answers with a wrong average: three honest dedlocd processes and one whose
+reducer answers every chunk of its part with zeros (or its average scaled by 10) while its
+account stays honest (the test-only switch DEDLOC_TEST_WRONG_ANSWERS, corruption.py; its
+contributions as a sender stay honest). Each honest member checks every answer against the
+reducer's account before writing it (accounts.py): the wrong part is never applied (it keeps the
+member's own values, reported in failed_parts), the reducer is banned at once and counted, and
+the next round averages the honest three to their exact weighted mean."""
+
+from __future__ import annotations
+
+import asyncio
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+import pytest
+from support import DaemonProcess, p2p_address, wait_until
+
+from dedloc.daemon.averaging.compression import get_codec
+from dedloc.rpc import RpcCallError
+
+CHUNK = 16 << 10  # elements (64 KiB chunks): several per part
+LENGTH = 4 * 3 * CHUNK + 1234
+WEIGHTS = [1.0, 2.0, 3.0, 5.0]
+ARGS = ("--averaging.chunk_bytes", str(CHUNK * 4))
+
+
+async def swarm(daemon_factory: Any, mode: str) -> list[DaemonProcess]:
+    first = await daemon_factory(*ARGS)
+    address = await p2p_address(first)
+    honest = [daemon_factory(*ARGS, "--net.bootstrap", address) for _ in range(2)]
+    bad = daemon_factory(*ARGS, "--net.bootstrap", address, name="bad",
+                         env={"DEDLOC_TESTING": "1", "DEDLOC_TEST_WRONG_ANSWERS": mode})
+    daemons = [first, *await asyncio.gather(*honest, bad)]
+
+    async def ready() -> bool:
+        try:
+            for daemon in daemons:
+                await daemon.call("averaging.status")
+        except RpcCallError:  # still joining
+            return False
+        return True
+
+    await wait_until(ready, timeout=60)
+    return daemons
+
+
+async def average(daemons: list[DaemonProcess], key: str, seed: int, compression: str
+                  ) -> tuple[list[Any], list[np.ndarray], list[np.ndarray]]:
+    """One round, every daemon a trainer: the reports, the results and the inputs."""
+    rng = np.random.default_rng(seed)
+    vectors = [rng.standard_normal(LENGTH).astype(np.float32) * (i + 1) for i in range(4)]
+    shms = [shared_memory.SharedMemory(create=True, size=LENGTH * 4) for _ in vectors]
+    try:
+        for shm, vector in zip(shms, vectors, strict=True):
+            np.ndarray(LENGTH, np.float32, shm.buf)[:] = vector
+        reports = await asyncio.gather(*(daemon.call("averaging.average", {
+            "key": key, "buffer": shm.name, "length": LENGTH, "weight": weight,
+            "expected_peers": 4, "window": 5, "timeout": 60, "compression": compression},
+            timeout=90) for daemon, shm, weight in zip(daemons, shms, WEIGHTS, strict=True)))
+        results = [np.ndarray(LENGTH, np.float32, shm.buf).copy() for shm in shms]
+    finally:
+        for shm in shms:
+            shm.close()
+            shm.unlink()
+    return list(reports), results, vectors
+
+
+@pytest.mark.parametrize(("mode", "compression"), [("zeros", "none"), ("scale=10", "uint8")])
+async def test_wrong_average_is_not_applied_and_its_reducer_is_banned(
+        daemon_factory: Any, mode: str, compression: str) -> None:
+    daemons = await swarm(daemon_factory, mode)
+    bad = (await daemons[3].call("node.info"))["peer_id"]
+    reports, results, vectors = await average(daemons, "wrong/0", 0, compression)
+    # a value crosses the wire twice: at most the inbound plus the outbound codec bound (the
+    # widest vector's bound covers both; compression.py)
+    tolerance = 1e-5 if compression == "none" else 2 * get_codec(compression).error_bound(vectors[3])
+    assert all(r["group_size"] == 4 for r in reports), reports
+    everyone = np.average(np.stack(vectors).astype(np.float64), axis=0, weights=WEIGHTS)
+    position, shares = reports[0]["members"].index(bad), reports[0]["shares"]
+    start = sum(shares[:position])
+    end = start + shares[position]
+    assert end > start
+    for index in range(3):
+        report, result = reports[index], results[index]
+        assert report["failed_parts"] == [[start, end]], report
+        # the bad part keeps this member's own values: the wrong average was never written
+        np.testing.assert_array_equal(result[start:end], vectors[index][start:end])
+        outside = np.r_[0:start, end:LENGTH]
+        np.testing.assert_allclose(result[outside], everyone[outside], rtol=1e-5, atol=tolerance)
+    for daemon in daemons[:3]:
+        status = await daemon.call("averaging.status")
+        assert [b["peer_id"] for b in status["bans"]["active"]] == [bad], status["bans"]
+        counters = status["counters"]
+        assert counters["offences_wrong_average"] == 1 and counters["bans"] == 1, counters
+        assert (await daemon.call("node.info"))["counters"]["averaging.offences_wrong_average"] == 1
+
+    # banned: the honest three average without it, to their exact weighted mean
+    reports, results, vectors = await average(daemons, "wrong/1", 1, compression)
+    assert [r["group_size"] for r in reports[:3]] == [3, 3, 3], reports
+    assert all(bad not in r["members"] for r in reports[:3])
+    honest = np.average(np.stack(vectors[:3]).astype(np.float64), axis=0, weights=WEIGHTS[:3])
+    for report, result in zip(reports[:3], results[:3], strict=True):
+        assert not report["failed_parts"], report
+        np.testing.assert_allclose(result, honest, rtol=1e-5, atol=tolerance)
+        np.testing.assert_array_equal(result, results[0])
