@@ -85,9 +85,10 @@ def encode_caller(client: bool, addresses: list[PeerAddress]) -> dict[str, Any]:
 
 def _parse_addresses(raw: Any) -> tuple[PeerAddress, ...]:
     _expect(isinstance(raw, list) and len(raw) <= MAX_ADDRESSES_PER_NODE, "bad address list")
-    if all(type(text) is str for text in raw):  # every contact of every reply repeats a list
+    try:  # every contact of every reply repeats a list: parse each list once
         return _parse_address_list(tuple(raw))
-    return _parse_address_list_uncached(raw)
+    except TypeError:  # an element that cannot be hashed (a list, an object): not an address
+        return _parse_address_list_uncached(raw)
 
 
 def _parse_address_list_uncached(raw: list[Any] | tuple[Any, ...]) -> tuple[PeerAddress, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -175,3 +176,20 @@ def test_full_bucket_does_not_ping_a_node_seen_lately() -> None:
     assert table.add_or_update(NodeInfo("d", far + 3), now=131.0) is table.get("a")  # 31 s
     table.mark_seen("a", now=132.0)
     assert table.add_or_update(NodeInfo("e", far + 4), now=140.0) is table.get("b")  # 39 s ago
+
+
+@pytest.mark.parametrize("raw", [[["/ip4/1.2.3.4/tcp/1"]], [1], [{"a": 1}], ["not an address"],
+                                 ["/ip4/1.2.3.4/tcp/1"] * 9, "text"])
+def test_bad_address_lists_are_malformed_cached_or_not(raw: object) -> None:
+    from dedloc.daemon.dht.errors import MalformedMessage
+    from dedloc.daemon.dht.protocol import decode_contacts
+    for _ in range(2):  # the second time through the cache of parsed lists
+        with pytest.raises(MalformedMessage):
+            decode_contacts([{"peer_id": "p", "addresses": raw}])
+
+
+def test_address_lists_parse_alike_cached_or_not() -> None:
+    from dedloc.daemon.dht.protocol import decode_contacts
+    raw = [{"peer_id": "p", "addresses": ["/ip4/1.2.3.4/tcp/1", "/ip4/1.2.3.5/tcp/2/p2p/q"]}]
+    first, second = decode_contacts(raw), decode_contacts(raw)
+    assert first == second and [str(a) for a in first[0].addresses] == raw[0]["addresses"]
