@@ -881,9 +881,11 @@ class Link:
                 raise ProtocolViolation("ping payload too long")
         elif length > 0:
             raise ProtocolViolation(f"{ftype.name} frames carry no payload")
-        # discard: a frame for a call or stream we no longer track
+        # discard: a frame for a call or stream we no longer track, or a ping's few bytes (the
+        # scratch grows by doubling from what is asked: a 64 KiB floor cost every link of
+        # hundreds 64 KiB for its first ping)
         if len(self._scratch) < length:
-            self._scratch = bytearray(min(max(length, 64 * 1024), self.limits.max_payload))
+            self._scratch = bytearray(min(max(length, 2 * len(self._scratch)), self.limits.max_payload))
         return memoryview(self._scratch)[:length]
 
     async def _read_loop(self) -> None:

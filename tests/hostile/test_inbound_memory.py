@@ -85,3 +85,14 @@ async def test_the_link_that_owes_the_most_makes_way_for_a_small_honest_message(
     assert not honest.closed
     assert counters["inbound_budget_evictions"] == 1
     await honest.close()
+
+
+async def test_pings_do_not_cost_a_link_a_large_scratch_buffer() -> None:
+    # a daemon of hundreds of links: every link's first ping allocated 64 KiB to discard 8 bytes
+    pipe = FuzzPipe()
+    link = _link(pipe, {}, None)
+    pipe.feed(frame_bytes(FrameType.PING, 0, 0, b"", b"12345678"))
+    await asyncio.sleep(0.1)
+    assert not link.closed
+    assert len(link._scratch) <= 64
+    await link.close()
