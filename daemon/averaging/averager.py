@@ -231,7 +231,8 @@ class Averager:
 
     def status(self) -> dict[str, Any]:
         bans = self.bans.status()  # first: it expires bans (and counts them)
-        return {"rounds": list(self.history), "counters": dict(self.counters), "bans": bans,
+        counters = {**self.counters, "refused_groups": self.matchmaker.refused_groups}
+        return {"rounds": list(self.history), "counters": counters, "bans": bans,
                 "screening": {"max_value": self.policy.max_value,
                               "max_norm_ratio": self.policy.max_norm_ratio,
                               "robust_aggregation": self.policy.robust,

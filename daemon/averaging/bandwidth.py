@@ -104,8 +104,10 @@ def measured_rates(group: Group, index: int, report: AllReduceReport) -> dict[st
     failed it (a reducer whose part did not come back, a sender left out). Exchanges under
     MIN_BYTES or MIN_SECONDS measure latency, not bandwidth, and are left out.
 
-    The time includes waiting for the slowest member of the round, so the rate is a lower bound
-    of what the member can do: claims.EVIDENCE_SLACK allows for that."""
+    The time includes waiting for the slowest member of the round, so the rate is what the member
+    did in this round, not all it could do; every member is measured alike, and a member's own
+    claim (BandwidthEstimator: its bytes over its round's time) waits the same, so figures
+    bounded by it stay comparable (claims.py)."""
     members = group.members
     if len(members) < 2 or group.size <= 0:
         return {}

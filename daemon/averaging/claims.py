@@ -16,8 +16,10 @@ leader's group against it, `share_refusal`):
   chunk more for the rounding to whole chunks.
 
 The leader's rule (`leader_plan`), on top, from what it measured itself (bandwidth.PeerRates):
-- a member it has measured counts for at most EVIDENCE_SLACK times that rate (the rate its
-  all-reduce transfers showed: the member's modelled load over the time they took);
+- a member it has measured counts for at most that rate (what its all-reduce transfers showed:
+  the member's modelled load over the time they took), put on the scale of the claims
+  (`_evidence_scale`: honest claims read lower than a leader's measurements, and a liar must win
+  nothing over an honest member measured alike);
 - a member it has never measured counts for at most the group's median figure and reduces at
   most one equal share;
 - its own figure is its own measurement (what it claims).
@@ -42,7 +44,6 @@ from .group import Group, Member
 
 __all__ = [
     "ALLOWANCE_FLOOR_RATE",
-    "EVIDENCE_SLACK",
     "MAX_BANDWIDTH",
     "MIN_BANDWIDTH",
     "OVERCLAIM_FACTOR",
@@ -50,8 +51,8 @@ __all__ = [
     "SPREAD",
     "LeaderPlan",
     "bounded_figures",
-    "narrower_link",
     "leader_plan",
+    "narrower_link",
     "share_caps",
     "share_refusal",
     "stall_allowance",
@@ -61,7 +62,6 @@ MIN_BANDWIDTH = 1e3  # bytes/s; what a zero, negative or unknown bandwidth count
 MAX_BANDWIDTH = 1e12  # bytes/s; what an infinite or absurd bandwidth counts as
 SPREAD = 8.0  # a figure counts for at most this many times the group's median, at least 1/SPREAD
 SHARE_MULTIPLE = 2.0  # no member reduces more than this many equal shares
-EVIDENCE_SLACK = 2.0  # a measured member counts for at most this many times its measured rate
 OVERCLAIM_FACTOR = 8.0  # a claim this many times over the measured rate is counted (an overclaim)
 ALLOWANCE_FLOOR_RATE = 32 * 1024.0  # bytes/s: the slowest rate a stall allowance is computed from
 SOCKET_QUEUE_BYTES = 4 << 20  # what kernel socket buffers may hold ahead of a chunk
@@ -140,6 +140,7 @@ def leader_plan(members: Sequence[Member], me: str, rates: Mapping[str, float]) 
     caps = share_caps(members)
     median = statistics.median(figures) if figures else 0.0
     reducers = sum(1 for m in members if m.can_reduce)
+    scale = _evidence_scale(members, figures, me, rates)
     planned: list[Member] = []
     planned_caps: list[float] = []
     bounded = cut = 0
@@ -152,10 +153,23 @@ def leader_plan(members: Sequence[Member], me: str, rates: Mapping[str, float]) 
                 limit = median
                 cap = min(cap, 1.0 / reducers) if member.can_reduce else cap
             else:
-                limit = EVIDENCE_SLACK * measured
+                limit = scale * measured
             if limit < figure:
                 figure = max(limit, MIN_BANDWIDTH)
                 cut += 1
         planned.append(dataclasses.replace(member, upload=figure, download=figure))
         planned_caps.append(cap)
     return LeaderPlan(tuple(planned), tuple(planned_caps), bounded, cut)
+
+
+def _evidence_scale(members: Sequence[Member], figures: Sequence[float], me: str,
+                    rates: Mapping[str, float]) -> float:
+    """What a measured rate counts for on the scale of the claims: the median over the measured
+    members of figure / measured, at most 1. An honest peer's claim is its own moving average of
+    its bytes over its rounds' whole time, which lags and reads lower than a leader's measurement
+    of its transfers alone; without this, an honest peer counted for its claim and a liar for its
+    (higher) measured rate, and the liar won a larger share for a claim over the evidence. The
+    median stays with the honest members while they are most of those measured."""
+    ratios = [min(1.0, figure / rate) for member, figure in zip(members, figures, strict=True)
+              if member.peer_id != me and (rate := rates.get(member.peer_id)) is not None and rate > 0]
+    return statistics.median(ratios) if ratios else 1.0
