@@ -12,7 +12,10 @@ as long as its slowest member, so `solve_shares` solves the linear program (as i
 Diskin et al. 2021)
 
     minimise T   subject to   load_i(w) ≤ T·up_i,  load_i(w) ≤ T·down_i   for every member i,
-                              Σ w_i = 1,  w_i ≥ 0,  w_i = 0 where the member cannot reduce.
+                              Σ w_i = 1,  0 ≤ w_i ≤ cap_i,  w_i = 0 where the member cannot reduce,
+
+with caps on the shares (1 when none are given). The averager passes the caps and bounded figures
+in place of the members' claimed bandwidths (claims.py: a claim alone must not win the vector).
 
 Because upload and download amounts are equal, both constraints of a member collapse into one with
 its narrower link c_i = min(up_i, down_i). Rearranged, member i's constraint reads

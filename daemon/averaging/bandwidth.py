@@ -139,8 +139,9 @@ def measured_rates(group: Group, index: int, report: AllReduceReport) -> dict[st
 class PeerRates:
     """The rates (bytes/s) this peer measured of others in past rounds, one moving average per
     peer (the first sample taken as it is, then halfway to each new one after
-    `half_life_samples`), for at most MAX_PEERS peers. Written on the event loop; reading with
-    `get` from the load balancer's thread is safe (one dict lookup)."""
+    `half_life_samples`), for at most MAX_PEERS peers. Written on the event loop; reading from the
+    load balancer's thread is safe (dict lookups; one racing an update of the same peer reads it
+    as never measured, the conservative side)."""
 
     def __init__(self, *, half_life_samples: float = 2.0, max_peers: int = MAX_PEERS) -> None:
         self._alpha = 1.0 - 0.5 ** (1.0 / _positive("half_life_samples", half_life_samples))

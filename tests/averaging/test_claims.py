@@ -110,7 +110,7 @@ def test_stall_allowances_come_from_bounded_figures(claim: float, most: float) -
     members = [member(name, c) for name, c in zip("abcd", [HONEST] * 3 + [claim], strict=True)]
     allowance = stall_allowance(group(members, (0.25,) * 4), 3, 10.0)
     assert 10.0 <= allowance <= most + 1e-9
-    # unbounded, a claimed 1 B/s waited (4 x 4 KiB-element chunks + 4 MiB) x 4 / 1e3 = 4.7 hours
+    # unbounded, a claimed 1 B/s waited (4 chunks of 16 KiB + 4 MiB) x 4 / 1e3 B/s = 4.7 hours
 
 
 def test_an_all_slow_group_still_has_a_floor() -> None:
