@@ -175,6 +175,30 @@ async def start_swarm(daemon_factory: Any, count: int, *args: str) -> list[Daemo
     return daemons
 
 
+async def swarm_with_odd_one(daemon_factory: Any, args: tuple[str, ...], name: str,
+                             env: dict[str, str]) -> list[DaemonProcess]:
+    """Three honest daemons and a fourth (`name`) started with `env` (a test-only switch that
+    makes it misbehave), all bootstrapped from the first, once each answers averaging.status."""
+    from dedloc.rpc import RpcCallError
+
+    first = await daemon_factory(*args)
+    address = await p2p_address(first)
+    honest = [daemon_factory(*args, "--net.bootstrap", address) for _ in range(2)]
+    odd = daemon_factory(*args, "--net.bootstrap", address, name=name, env=env)
+    daemons = [first, *await asyncio.gather(*honest, odd)]
+
+    async def ready() -> bool:
+        try:
+            for daemon in daemons:
+                await daemon.call("averaging.status")
+        except RpcCallError:  # still joining
+            return False
+        return True
+
+    await wait_until(ready, timeout=60)
+    return daemons
+
+
 async def dedloc_cli(socket: Path, *args: str) -> tuple[int, str, str]:
     """Run the `dedloc` CLI against the daemon at `socket`: (exit code, stdout, stderr)."""
     process = await asyncio.create_subprocess_exec(

@@ -13,9 +13,7 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
-from support import DaemonProcess, p2p_address, wait_until
-
-from dedloc.rpc import RpcCallError
+from support import DaemonProcess, swarm_with_odd_one, wait_until
 
 CHUNK = 16 << 10  # elements (64 KiB chunks): several per part
 LENGTH = 3 * 3 * CHUNK + 1234
@@ -26,23 +24,8 @@ ARGS = ("--averaging.chunk_bytes", str(CHUNK * 4), "--averaging.ban_after", "3",
 
 
 async def swarm(daemon_factory: Any) -> list[DaemonProcess]:
-    first = await daemon_factory(*ARGS)
-    address = await p2p_address(first)
-    honest = [daemon_factory(*ARGS, "--net.bootstrap", address) for _ in range(2)]
-    bad = daemon_factory(*ARGS, "--net.bootstrap", address, name="bad",
-                         env={"DEDLOC_TESTING": "1", "DEDLOC_TEST_CORRUPT_PARTS": "nan,short,scale=1e6"})
-    daemons = [first, *await asyncio.gather(*honest, bad)]
-
-    async def ready() -> bool:
-        try:
-            for daemon in daemons:
-                await daemon.call("averaging.status")
-        except RpcCallError:  # still joining
-            return False
-        return True
-
-    await wait_until(ready, timeout=60)
-    return daemons
+    return await swarm_with_odd_one(daemon_factory, ARGS, "bad", {
+        "DEDLOC_TESTING": "1", "DEDLOC_TEST_CORRUPT_PARTS": "nan,short,scale=1e6"})
 
 
 async def average(daemons: list[DaemonProcess], key: str, seed: int) -> tuple[list[Any], list[np.ndarray],

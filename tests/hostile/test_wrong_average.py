@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import DaemonProcess, p2p_address, wait_until
+from support import DaemonProcess, swarm_with_odd_one
 
 from dedloc.daemon.averaging.compression import get_codec
-from dedloc.rpc import RpcCallError
 
 CHUNK = 16 << 10  # elements (64 KiB chunks): several per part
 LENGTH = 4 * 3 * CHUNK + 1234
@@ -26,23 +25,8 @@ ARGS = ("--averaging.chunk_bytes", str(CHUNK * 4))
 
 
 async def swarm(daemon_factory: Any, mode: str) -> list[DaemonProcess]:
-    first = await daemon_factory(*ARGS)
-    address = await p2p_address(first)
-    honest = [daemon_factory(*ARGS, "--net.bootstrap", address) for _ in range(2)]
-    bad = daemon_factory(*ARGS, "--net.bootstrap", address, name="bad",
-                         env={"DEDLOC_TESTING": "1", "DEDLOC_TEST_WRONG_ANSWERS": mode})
-    daemons = [first, *await asyncio.gather(*honest, bad)]
-
-    async def ready() -> bool:
-        try:
-            for daemon in daemons:
-                await daemon.call("averaging.status")
-        except RpcCallError:  # still joining
-            return False
-        return True
-
-    await wait_until(ready, timeout=60)
-    return daemons
+    return await swarm_with_odd_one(daemon_factory, ARGS, "bad", {
+        "DEDLOC_TESTING": "1", "DEDLOC_TEST_WRONG_ANSWERS": mode})
 
 
 async def average(daemons: list[DaemonProcess], key: str, seed: int, compression: str
