@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="average parameters and optimizer state every K epochs (0: never)")
     start.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8"),
                        help="compression of the gradients in averaging rounds")
+    start.add_argument("--sync", choices=("gradients", "local"),
+                       help="how the run syncs: gradients (DeDLOC, the default) or local (DiLoCo: "
+                            "inner steps, then an outer step; needs --inner-steps)")
+    start.add_argument("--inner-steps", type=int,
+                       help="a local run's target batches of inner steps per outer step (H)")
+    start.add_argument("--outer-lr", type=float, help="a local run's outer learning rate (0.7)")
+    start.add_argument("--outer-momentum", type=float,
+                       help="a local run's outer Nesterov momentum (0.9)")
     start.add_argument("--closed", action="store_true",
                        help="a closed run this daemon owns: only peers with its tokens take part "
                             "(dedloc token issue)")
@@ -272,7 +280,8 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] 
     if args.command == "start":
         params: dict[str, Any] = {"workload": args.workload, "config": dict(args.config)}
         for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device", "min_peers",
-                       "average_state_every", "compression"):
+                       "average_state_every", "compression", "sync", "inner_steps", "outer_lr",
+                       "outer_momentum"):
             if getattr(args, option) is not None:
                 params[option] = getattr(args, option)
         if args.collaborative:

@@ -74,6 +74,9 @@ class DescribeResult(TypedDict):
     step: int
     samples_per_second: float | None
     running: str | None
+    # how the run syncs: {"mode": "gradients"} or the local-update settings (worker.load's sync)
+    sync: NotRequired[dict[str, Any]]
+    inner_step: NotRequired[int]  # a local-update run: inner steps since the last outer step
 
 
 class RankResult(TypedDict):
@@ -89,6 +92,7 @@ class TrainResult(TypedDict):
     samples_per_second: float | None
     accumulated_samples: int
     ranks: NotRequired[list[RankResult]]
+    inner_step: NotRequired[int]  # a local-update run: inner steps since the last outer step
 
 
 class ExportResult(TypedDict):

@@ -1,6 +1,7 @@
 """A trainer's run on this daemon: one workload trained by one worker, epoch by epoch.
 
-An epoch is one optimizer step over `target_batch_size` accumulated samples. `Run` owns the run's
+An epoch is one optimizer step over `target_batch_size` accumulated samples (in a local-update
+run, one outer step after `inner_steps` target batches of inner steps: manifest.py). `Run` owns the run's
 lifecycle: it spawns and loads the worker, checks the run's manifest against it, resumes from the
 newest intact checkpoint (`CheckpointStore`), then hands the run to its engine (engine.py), which
 trains, averages with the run's other trainers (collaborative runs) or alone (local runs), steps
@@ -80,7 +81,9 @@ class RunSpec:
 
 
 def schedule_of(manifest: RunManifest) -> Schedule:
-    return Schedule(manifest.target_batch_size, manifest.min_peers, manifest.epochs,
+    """What the engine's policy follows: an epoch is one step of the run, over the target batch
+    (a gradients run) or over `inner_steps` target batches (a local-update run's outer step)."""
+    return Schedule(manifest.epoch_samples, manifest.min_peers, manifest.epochs,
                     manifest.average_state_every)
 
 
@@ -130,6 +133,11 @@ class Run:
         return "idle" if self.engine is None else self.engine.phase.value
 
     @property
+    def inner_step(self) -> int | None:
+        """A local-update run: the worker's inner steps since the last outer step."""
+        return None if self._trainer is None else self._trainer.inner_step
+
+    @property
     def key(self) -> str | None:
         """The run's peer-to-peer key (collaborative runs)."""
         return None if self.board is None else self.board.key
@@ -161,7 +169,8 @@ class Run:
         manifest = self.spec.manifest
         self.description = await worker.call(WorkerMethod.LOAD, {
             "workload": manifest.workload, "config": manifest.config, "seed": self.spec.seed,
-            "init_seed": manifest.init_seed, "device": self.spec.device})
+            "init_seed": manifest.init_seed, "device": self.spec.device,
+            "sync": manifest.worker_sync()})
         # The worker fills in the config's defaults: peers that leave out a default and peers that
         # spell it out run the same manifest.
         full = self.description.get("config")

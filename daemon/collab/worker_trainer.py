@@ -29,6 +29,7 @@ class WorkerTrainer:
         self.worker = worker
         self.model_lock = asyncio.Lock()
         self._buffer = SharedBuffer(gradient_numel)
+        self.inner_step: int | None = None  # a local-update run's, as the worker last said
 
     async def call(self, method: WorkerMethod, params: dict[str, Any] | None = None) -> Any:
         async with self.model_lock:
@@ -36,6 +37,8 @@ class WorkerTrainer:
 
     async def train(self, samples: int, seconds: float) -> Trained:
         result = await self.call(WorkerMethod.TRAIN, {"samples": samples, "max_seconds": seconds})
+        inner = result.get("inner_step")
+        self.inner_step = inner if isinstance(inner, int) else None
         return Trained(int(result["samples"]), float(result["loss"]),
                        result.get("samples_per_second"))
 
@@ -50,6 +53,8 @@ class WorkerTrainer:
         applied = await self.call(WorkerMethod.APPLY, {
             "what": "gradients", "buffer": buffer.name, "numel": buffer.numel,
             "meta": {"step": epoch}})  # the learning-rate schedule follows the run's epoch
+        if self.inner_step is not None:
+            self.inner_step = 0
         return applied.get("lr")
 
     async def zero_grad(self) -> None:

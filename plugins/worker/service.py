@@ -46,6 +46,7 @@ from ..errors import (
     WorkloadConfigError,
     WorkloadError,
 )
+from .outer import LocalUpdates
 from .replicas import ReplicatedSession, parse_devices
 from .session import Session
 
@@ -140,6 +141,12 @@ class WorkerService:
         device: Annotated[str, "auto (cuda if available, else cpu), cpu, cuda or cuda:N; several, "
                           "comma-separated (cuda:0,cuda:1), or cuda:all: one process per device, "
                           "data-parallel, still one worker."] = "auto",
+        sync: Annotated[dict[str, Any] | None, "How the run syncs: null or {\"mode\": "
+                        "\"gradients\"} (gradients accumulate until exported), or {\"mode\": "
+                        "\"local\", \"inner_steps\": H, \"outer_lr\": 0.7, \"outer_momentum\": "
+                        "0.9, \"nesterov\": true} (a local-update run: the optimizer steps on "
+                        "every batch; export gradients gives outer minus local parameters, apply "
+                        "gradients takes one outer step)."] = None,
     ) -> DescribeResult:
         """Build a workload's model, optimizer and data; replaces any loaded one.
 
@@ -154,6 +161,11 @@ class WorkerService:
         except ValueError as exc:
             raise InvalidParams("device", str(exc)) from None
         devices = [_pick_device(name) for name in names]
+        local = LocalUpdates.from_json(sync)
+        if local is not None and len(devices) > 1:
+            raise InvalidParams("sync", "a local-update run trains on one device per worker (the "
+                                "inner steps of several replicas are not kept in step yet); give "
+                                "one device")
         previous = self._session
 
         def build() -> Session:
@@ -161,7 +173,7 @@ class WorkerService:
                 previous.close()  # a replicated session leaves its process group first
             if len(devices) > 1:
                 return ReplicatedSession(entry, resolved, seed, init_seed, devices)
-            return Session(entry, resolved, seed, init_seed, devices[0])
+            return Session(entry, resolved, seed, init_seed, devices[0], local)
 
         session = await self._exclusive("worker.load", build)
         self._session = session
@@ -191,7 +203,9 @@ class WorkerService:
 
         Accumulated gradients add up across calls until `worker.apply` of gradients or
         `worker.zero_grad`. A NaN/Inf loss or gradient fails the call (WORKLOAD_ERROR); that
-        batch's gradients are discarded, earlier batches stay accumulated.
+        batch's gradients are discarded, earlier batches stay accumulated. In a local-update run
+        (`worker.load` sync mode "local") the optimizer steps on every batch instead (an inner
+        step; `inner_step` in the answer counts them since the last outer step).
         """
         session = self._loaded()
         return await self._exclusive(  # type: ignore[return-value]

@@ -170,6 +170,57 @@ def test_fingerprint_changes_with_every_field(name: str, value: Any) -> None:
     assert changed.fingerprint() != BASE.fingerprint()
 
 
+LOCAL = dataclasses.replace(BASE, sync="local", inner_steps=25)
+
+
+def test_a_gradients_run_keeps_the_fingerprint_it_had_before_sync_existed() -> None:
+    # the fields of local-update runs are left out of a gradients run's JSON
+    assert set(BASE.to_json()) == {"workload", "config", "target_batch_size", "epochs", "min_peers",
+                                   "average_state_every", "compression", "init_seed"}
+    assert BASE.fingerprint() == RunManifest.from_json(BASE.to_json()).fingerprint()
+
+
+def test_a_local_update_run_names_its_outer_optimizer() -> None:
+    data = LOCAL.to_json()
+    assert (data["sync"], data["inner_steps"], data["outer_lr"], data["outer_momentum"],
+            data["outer_nesterov"]) == ("local", 25, 0.7, 0.9, True)
+    assert RunManifest.from_json(data) == LOCAL
+    assert LOCAL.fingerprint() != BASE.fingerprint()
+    assert LOCAL.epoch_samples == 25 * 64 and BASE.epoch_samples == 64
+    assert LOCAL.worker_sync() == {"mode": "local", "inner_steps": 25, "outer_lr": 0.7,
+                                   "outer_momentum": 0.9, "nesterov": True}
+    assert BASE.worker_sync() is None and BASE.sync_fields() == {}
+    assert dataclasses.replace(BASE, **LOCAL.sync_fields()) == LOCAL
+    # 1 and 1.0 are one outer learning rate, one fingerprint
+    assert dataclasses.replace(LOCAL, outer_lr=1).fingerprint() \
+        == dataclasses.replace(LOCAL, outer_lr=1.0).fingerprint()
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("inner_steps", 26), ("outer_lr", 0.5), ("outer_momentum", 0.0), ("outer_nesterov", False),
+])
+def test_a_local_update_runs_fingerprint_changes_with_its_outer_optimizer(name: str, value: Any) -> None:
+    assert dataclasses.replace(LOCAL, **{name: value}).fingerprint() != LOCAL.fingerprint()
+
+
+@pytest.mark.parametrize("changes", [
+    {"sync": "diloco"}, {"sync": None},
+    {"sync": "local"},  # no inner_steps
+    {"sync": "local", "inner_steps": 0}, {"sync": "local", "inner_steps": 10**7},
+    {"sync": "local", "inner_steps": True}, {"sync": "local", "inner_steps": 2.0},
+    {"sync": "local", "inner_steps": 4, "outer_lr": -0.1},
+    {"sync": "local", "inner_steps": 4, "outer_lr": float("inf")},
+    {"sync": "local", "inner_steps": 4, "outer_lr": "1"},
+    {"sync": "local", "inner_steps": 4, "outer_momentum": 1.0},
+    {"sync": "local", "inner_steps": 4, "outer_nesterov": "yes"},
+    {"inner_steps": 4},  # outer settings without sync "local": a mistake, said so
+    {"outer_lr": 1.0},
+])
+def test_malformed_sync_settings_are_refused(changes: dict[str, Any]) -> None:
+    with pytest.raises(ManifestError):
+        dataclasses.replace(BASE, **changes)
+
+
 def test_fingerprint_distinguishes_list_order_and_types() -> None:
     assert RunManifest("t", {"l": [1, 2]}).fingerprint() != RunManifest("t", {"l": [2, 1]}).fingerprint()
     assert RunManifest("t", {"v": 1}).fingerprint() != RunManifest("t", {"v": "1"}).fingerprint()

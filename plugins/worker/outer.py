@@ -1,0 +1,141 @@
+"""Local-update runs (the DiLoCo family): the outer parameters and the outer optimizer of a worker.
+
+In a run whose manifest says `sync = "local"`, the workload's own optimizer is the *inner* one: it
+steps on every batch, so the model's parameters drift away from the *outer* parameters, the ones
+every peer of the run holds alike. When the swarm has trained `inner_steps` global batches, the
+daemon exports each trainer's pseudo-gradient (outer minus local parameters), averages it over the
+trainers weighted by their samples, and applies the average here as one step of the outer
+optimizer (SGD with Nesterov momentum, as DiLoCo): every trainer then holds the same new outer
+parameters and starts its next inner steps from them.
+
+    momentum = mu * momentum + delta
+    outer   -= lr * (delta + mu * momentum)   # nesterov; plain momentum: lr * momentum
+
+With lr 1 and mu 0 the outer step is the weighted mean of the peers' local parameters.
+
+`OuterState` keeps both vectors flat (float32, on the model's device); the worker's state export
+carries them (the outer parameters in the parameters' slots, the momentum after everything else),
+and so do checkpoints. A worker in a local-update run never gives out its drifted local parameters
+as "the state": a newcomer starts from the outer parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dedloc.rpc import InvalidParams
+
+from .layout import Slot, gather, scatter_views
+
+__all__ = ["LocalUpdates", "OuterState"]
+
+
+@dataclass(frozen=True)
+class LocalUpdates:
+    """What `worker.load`'s `sync` says about a local-update run (see the module docstring).
+    `inner_steps` is the run's H: the outer step t positions the workload's learning-rate
+    schedule at t * H inner steps, so that every peer's schedule agrees at each outer boundary."""
+
+    inner_steps: int
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+
+    @classmethod
+    def from_json(cls, sync: Mapping[str, Any] | None) -> LocalUpdates | None:
+        """None for a gradients run (`sync` null or mode "gradients"); InvalidParams if malformed."""
+        if sync is None:
+            return None
+        if not isinstance(sync, Mapping):
+            raise InvalidParams("sync", "must be an object such as {\"mode\": \"local\", "
+                                "\"inner_steps\": 100}")
+        mode = sync.get("mode", "gradients")
+        if mode == "gradients":
+            if set(sync) - {"mode"}:
+                raise InvalidParams("sync", "a gradients run takes no other sync settings")
+            return None
+        if mode != "local":
+            raise InvalidParams("sync.mode", f"must be \"gradients\" or \"local\", not {mode!r:.40}")
+        unknown = set(sync) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov"}
+        if unknown:
+            raise InvalidParams("sync", f"unknown keys: {', '.join(sorted(map(str, unknown)))}")
+        steps = sync.get("inner_steps")
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1_000_000:
+            raise InvalidParams("sync.inner_steps", f"must be an integer from 1 to 1000000, not "
+                                f"{steps!r:.40}")
+        lr = _number(sync, "outer_lr", 0.7, 0.0, 10.0)
+        momentum = _number(sync, "outer_momentum", 0.9, 0.0, 0.999)
+        nesterov = sync.get("nesterov", True)
+        if not isinstance(nesterov, bool):
+            raise InvalidParams("sync.nesterov", f"must be a boolean, not {nesterov!r:.40}")
+        return cls(steps, lr, momentum, nesterov)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum, "nesterov": self.nesterov}
+
+
+def _number(sync: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = sync.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise InvalidParams(f"sync.{key}", f"must be a number from {low} to {high}, not {value!r:.40}")
+    return float(value)
+
+
+class OuterState:
+    """The outer parameters and the outer optimizer's momentum (flat float32 vectors)."""
+
+    def __init__(self, settings: LocalUpdates, slots: Sequence[Slot],
+                 params: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.settings = settings
+        self.slots = list(slots)
+        numel = self.slots[-1].end
+        self.params = torch.empty(numel, dtype=torch.float32, device=device)
+        self.momentum = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.take(params)
+
+    @property
+    def numel(self) -> int:
+        return int(self.params.numel())
+
+    def take(self, params: Sequence[torch.Tensor]) -> None:
+        """The outer parameters become the model's current ones (at load: the initial weights)."""
+        with torch.no_grad():
+            gather(self.slots, params, self.params)
+
+    def restore(self, params: Sequence[torch.Tensor]) -> None:
+        """The model's parameters go back to the outer ones (inner progress dropped)."""
+        with torch.no_grad():
+            for param, value in zip(params, scatter_views(self.slots, self.params), strict=True):
+                param.copy_(value)
+
+    def pseudo_gradient(self, params: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+        """out = outer - local parameters (what the inner steps moved, with the sign of a gradient)."""
+        with torch.no_grad():
+            gather(self.slots, params, out)
+            out.neg_().add_(self.params.to(out.device))
+
+    def step(self, delta: torch.Tensor) -> None:
+        """One outer optimizer step with the averaged pseudo-gradient `delta` (flat)."""
+        settings = self.settings
+        delta = delta.to(self.params.device, dtype=torch.float32)
+        with torch.no_grad():
+            if settings.outer_momentum > 0:
+                self.momentum.mul_(settings.outer_momentum).add_(delta)
+                direction = delta.add(self.momentum, alpha=settings.outer_momentum) \
+                    if settings.nesterov else self.momentum
+            else:
+                direction = delta
+            self.params.add_(direction, alpha=-settings.outer_lr)
+
+    def load(self, params: torch.Tensor, momentum: torch.Tensor) -> None:
+        """Take outer parameters and momentum from a state or checkpoint (flat, checked by the caller)."""
+        with torch.no_grad():
+            self.params.copy_(params.reshape(-1))
+            self.momentum.copy_(momentum.reshape(-1))
