@@ -137,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
     start.add_argument("--average-state-every", type=int,
                        help="average parameters and optimizer state every K epochs (0: never)")
-    start.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8"),
-                       help="compression of the gradients in averaging rounds")
+    start.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8", "topk"),
+                       help="compression of the gradients in averaging rounds (topk: --sync "
+                            "local only)")
     start.add_argument("--sync", choices=("gradients", "local"),
                        help="how the run syncs: gradients (DeDLOC, the default) or local (DiLoCo: "
                             "inner steps, then an outer step; needs --inner-steps)")

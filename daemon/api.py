@@ -175,8 +175,9 @@ class ControlApi:
                         "node.role."] = None,
         average_state_every: Annotated[int, "Average parameters and optimizer state every K epochs "
                                        "(0: never).", {"minimum": 0}] = 5,
-        compression: Annotated[Literal["none", "fp16", "uint8", "quantile8"],
-                               "Compression of the gradients in averaging rounds."] = "none",
+        compression: Annotated[Literal["none", "fp16", "uint8", "quantile8", "topk"],
+                               "Compression of the gradients in averaging rounds (topk: "
+                               "local-update runs only, with error feedback)."] = "none",
         closed: Annotated[bool, "Create a closed run owned by this daemon: only peers holding a "
                           "token it issued (token.issue) may take part."] = False,
         token: Annotated[str | None, "Join the closed run this token (issued by its owner to this "

@@ -28,9 +28,10 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 
-#: Which vector an export or apply moves: the mean accumulated gradients, the parameters, or
-#: the full state (parameters, optimizer state, buffers).
-Vector = Literal["gradients", "parameters", "state"]
+#: Which vector an export or apply moves: the mean accumulated gradients, the parameters, the
+#: full state (parameters, optimizer state, buffers), or a local-update run's error-feedback
+#: residual (what a lossy codec did not convey yet; added to the next exported pseudo-gradient).
+Vector = Literal["gradients", "parameters", "state", "residual"]
 
 
 class WorkerMethod(StrEnum):

@@ -25,6 +25,8 @@ import numpy as np
 import structlog
 
 from .. import timebase
+from ..averaging.compression import get_codec
+from ..averaging.error_feedback import unconveyed
 from ..averaging.report import AveragingReport
 from .donors import DonorChoice
 from .errors import DonorBusy, StateSyncError
@@ -123,7 +125,7 @@ class RunEngine:
                  checkpoint: Callable[[], Awaitable[None]] | None = None,
                  checkpoint_every: int = 0, collaborative: bool = True, name: str = "",
                  on_finished: Callable[[], None] | None = None,
-                 donors: DonorChoice | None = None) -> None:
+                 donors: DonorChoice | None = None, error_feedback: bool = False) -> None:
         if role == "trainer" and trainer is None:
             raise ValueError("a trainer run needs a trainer")
         self.peer_id = peer_id
@@ -136,6 +138,9 @@ class RunEngine:
         self.progress = progress or RunProgress()
         self.parameters = parameters
         self.compression = compression
+        # a local-update run with a lossy codec: what a round did not convey of this peer's
+        # vector goes back to the trainer, which adds it to the next one (_settle_residual)
+        self.error_feedback = error_feedback and compression != "none"
         self.timing = timing or Timing()
         self.collaborative = collaborative
         self._blocked = blocked or (lambda: None)
@@ -387,6 +392,8 @@ class RunEngine:
             p.accumulated = 0
             vector = await self.trainer.export_gradients()
             weight = 0.0
+        # what we send, before the round overwrites it with the average (error feedback)
+        prepared = vector.copy() if self.error_feedback and weight > 0 else None
         report = await self.averaging.average(vector, round_key("grad", head), weight=weight,
                                               expected=action.expected, role="trainer",
                                               compression=self.compression,
@@ -409,6 +416,8 @@ class RunEngine:
             return
         self.phase.set("stepping")
         p.lr = await self.trainer.step(p.epoch)
+        if prepared is not None:
+            await self._settle_residual(prepared, report)
         self._stepped(report)
         if state_round_due(self.schedule, p.epoch, report.trainers):
             await self._average_state(report)
@@ -416,6 +425,15 @@ class RunEngine:
         if every > 0 and p.epoch % every == 0:
             await self._save_checkpoint()
         self._schedule_look(0.0)  # the others are stepping too: look again now
+
+    async def _settle_residual(self, prepared: np.ndarray, report: AveragingReport) -> None:
+        """The new residual: what the codec did not convey of `prepared`, recomputed chunk by
+        chunk as the round cut it (the codecs are deterministic). Only a stepped round settles:
+        a failed one changed nothing, and the next export adds the same residual again."""
+        assert self.trainer is not None
+        residual = await asyncio.to_thread(unconveyed, get_codec(self.compression), prepared,
+                                           report.part_bounds, report.chunk_elements, report.part)
+        await self.trainer.settle_residual(residual)
 
     def _leaders(self) -> tuple[str, ...]:
         """Who leads a round at our head first: the members of the round that made it, as we

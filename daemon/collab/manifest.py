@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-# (not "topk": without error feedback it drops most of every gradient; it is for the
-# local-update runs of issue 16, which keep the residual, and for averaging.average)
 COMPRESSIONS = ("none", "fp16", "uint8", "quantile8")
+# "topk" only where error feedback keeps what it drops (local-update runs: the trainer keeps the
+# residual); in a gradients run it would drop most of every gradient for good
+LOCAL_COMPRESSIONS = (*COMPRESSIONS, "topk")
 SYNC_MODES = ("gradients", "local")
 MAX_INNER_STEPS = 1_000_000
 MANIFEST_TTL = 600.0  # seconds a published manifest stays in the DHT without a refresh
@@ -111,10 +112,14 @@ class RunManifest:
             raise ManifestError(f"owner must be a peer id, got {self.owner!r:.80}")
         if not isinstance(self.closed, bool) or (self.closed and self.owner is None):
             raise ManifestError("closed must be a boolean, and a closed run needs an owner")
-        if self.compression not in COMPRESSIONS:
-            raise ManifestError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
-                                f"got {self.compression!r}")
         self._check_sync()
+        if self.compression == "topk" and self.sync != "local":
+            raise ManifestError("compression topk is for local-update runs (sync \"local\"), "
+                                "whose error feedback keeps what it drops; a gradients run "
+                                "would lose most of every gradient")
+        if self.compression not in LOCAL_COMPRESSIONS:
+            raise ManifestError(f"compression must be one of {', '.join(COMPRESSIONS)}, or "
+                                f"topk in a local-update run, got {self.compression!r:.40}")
 
     def _check_sync(self) -> None:
         if self.sync not in SYNC_MODES:

@@ -121,6 +121,10 @@ class Trainer(Protocol):
 
     async def zero_grad(self) -> None: ...
 
+    async def settle_residual(self, residual: np.ndarray) -> None:
+        """A local-update run with a lossy codec: replace the error-feedback residual (what the
+        last exchange did not convey of the exported vector; added to the next one)."""
+
     async def export_state(self) -> DownloadedState:
         """The whole state (parameters, optimizer, buffers) in a new buffer the caller closes;
         epoch and lineage are left for the caller to fill in."""

@@ -218,7 +218,8 @@ class Run:
             parameters=parameters, compression=spec.manifest.compression,
             blocked=None if availability is None else availability.blocked,
             checkpoint=self._periodic_checkpoint, checkpoint_every=spec.checkpoint_every,
-            collaborative=network is not None, name=spec.name, on_finished=self._finished)
+            collaborative=network is not None, name=spec.name, on_finished=self._finished,
+            error_feedback=spec.manifest.local_updates)
 
     def _finished(self) -> None:
         """The manifest's last epoch is reached (the engine may linger, serving its state)."""

@@ -60,6 +60,13 @@ class WorkerTrainer:
     async def zero_grad(self) -> None:
         await self.call(WorkerMethod.ZERO_GRAD)
 
+    async def settle_residual(self, residual: np.ndarray) -> None:
+        buffer = self._buffer
+        async with self.model_lock:
+            np.copyto(buffer.array, residual)
+            await self.worker.call(WorkerMethod.APPLY, {
+                "what": "residual", "buffer": buffer.name, "numel": buffer.numel})
+
     async def export_state(self) -> DownloadedState:
         async with self.model_lock:
             description = await self.worker.call(WorkerMethod.DESCRIBE)

@@ -98,6 +98,9 @@ class OuterState:
         numel = self.slots[-1].end
         self.params = torch.empty(numel, dtype=torch.float32, device=device)
         self.momentum = torch.zeros(numel, dtype=torch.float32, device=device)
+        # error feedback (a lossy codec): what the exchanges did not convey yet; the daemon
+        # computes it (it knows the codec) and hands it back after each outer step
+        self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
         self.take(params)
 
     @property
@@ -116,10 +119,11 @@ class OuterState:
                 param.copy_(value)
 
     def pseudo_gradient(self, params: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-        """out = outer - local parameters (what the inner steps moved, with the sign of a gradient)."""
+        """out = outer - local parameters (what the inner steps moved, with the sign of a
+        gradient), plus the error-feedback residual."""
         with torch.no_grad():
             gather(self.slots, params, out)
-            out.neg_().add_(self.params.to(out.device))
+            out.neg_().add_(self.params.to(out.device)).add_(self.residual.to(out.device))
 
     def step(self, delta: torch.Tensor) -> None:
         """One outer optimizer step with the averaged pseudo-gradient `delta` (flat)."""
@@ -134,8 +138,15 @@ class OuterState:
                 direction = delta
             self.params.add_(direction, alpha=-settings.outer_lr)
 
-    def load(self, params: torch.Tensor, momentum: torch.Tensor) -> None:
-        """Take outer parameters and momentum from a state or checkpoint (flat, checked by the caller)."""
+    def load(self, params: torch.Tensor, momentum: torch.Tensor,
+             residual: torch.Tensor | None = None) -> None:
+        """Take outer parameters and momentum from a state or checkpoint (flat, checked by the
+        caller); the residual from a checkpoint of this peer, else zero (a downloaded state's
+        owner keeps its own residual: taking it would send that mass twice)."""
         with torch.no_grad():
             self.params.copy_(params.reshape(-1))
             self.momentum.copy_(momentum.reshape(-1))
+            if residual is None:
+                self.residual.zero_()
+            else:
+                self.residual.copy_(residual.reshape(-1))

@@ -66,7 +66,8 @@ ERROR_MAP: dict[type[BaseException], ErrorCode] = {
 
 T = TypeVar("T")
 What = Annotated[Vector, "Which vector: the mean accumulated "
-                 "gradients, the parameters, or the full state (parameters, optimizer state, buffers)."]
+                 "gradients, the parameters, the full state (parameters, optimizer state, buffers), "
+                 "or a local-update run's error-feedback residual."]
 BufferName = Annotated[str, "Name of a POSIX shared-memory object the caller created (no leading slash)."]
 Numel = Annotated[int, "Size of the buffer in float32 elements.", {"minimum": 1}]
 
@@ -219,7 +220,10 @@ class WorkerService:
         `numel` is the buffer's capacity; a buffer too small fails with BUFFER_ERROR naming the
         size needed. gradients: mean gradient per accumulated sample (zeros if none). state: the
         parameters, the optimizer's per-parameter tensors and the model's floating buffers; `meta`
-        holds the layout and everything else needed by `worker.apply` of state.
+        holds the layout and everything else needed by `worker.apply` of state. In a local-update
+        run, gradients is the pseudo-gradient (outer minus local parameters) plus the residual,
+        state carries the outer parameters and momentum (never the residual: it is this peer's
+        own), and residual is the error-feedback residual.
         """
         session = self._loaded()
         return await self._exclusive(  # type: ignore[return-value]
@@ -241,7 +245,9 @@ class WorkerService:
         is the schedule's at meta.step. parameters: copy them in (and the step from meta.step if
         given). state: restore parameters, optimizer and scheduler state and step, checked against
         meta's layout. A wrong numel, a bad meta.step or a NaN/Inf value fails with BUFFER_ERROR
-        and changes nothing.
+        and changes nothing. In a local-update run, gradients is the averaged pseudo-gradient: one
+        outer step; residual replaces the error-feedback residual (what the codec did not convey
+        of the last exported vector).
         """
         session = self._loaded()
         return await self._exclusive(  # type: ignore[return-value]

@@ -43,7 +43,7 @@ from .outer import LocalUpdates, OuterState
 
 log = structlog.get_logger(__name__)
 
-Kind = Literal["gradients", "parameters", "state"]
+Kind = Literal["gradients", "parameters", "state", "residual"]
 OUTER_MOMENTUM = "outer.momentum"  # the slot of a local-update run's state after everything else
 MAX_TASK_FINGERPRINT = 128
 
@@ -196,6 +196,11 @@ class Session:
             result["inner_step"] = self.inner_step
         return result
 
+    def _local_only(self, what: str) -> None:
+        if self.outer is None:
+            raise SharedBufferError(f"{what!r} is a vector of local-update runs (worker.load sync "
+                                    "mode \"local\"); this worker trains a gradients run")
+
     def _inner_step(self) -> None:
         with self._guard("optimizer.step"):
             self.optimizer.step()
@@ -243,6 +248,8 @@ class Session:
 
     def export(self, what: Kind, buffer: str, capacity: int) -> dict[str, Any]:
         """Write gradients, parameters or full state into shared-memory `buffer`."""
+        if what == "residual":
+            self._local_only(what)
         if what == "state":
             slots, tensors, meta = self._state_pieces()
         else:
@@ -258,6 +265,10 @@ class Session:
                 self.outer.pseudo_gradient(self.params, view)
                 meta = {"accumulated_samples": self.accumulated_samples, "step": self.step,
                         "inner_step": self.inner_step}
+            elif what == "residual":
+                assert self.outer is not None
+                view.copy_(self.outer.residual)
+                meta = {"step": self.step}
             elif what == "gradients":
                 view.copy_(self._grad_sum)
                 if self.accumulated_samples:
@@ -319,6 +330,8 @@ class Session:
         meta = dict(meta or {})
         if what == "state":
             return self._apply_state(buffer, numel, meta)
+        if what == "residual":
+            self._local_only(what)
         if numel != self.total_numel:
             raise SharedBufferError(f"applying {what} needs exactly {self.total_numel} float32 "
                                     f"elements (worker.describe total_numel), got numel={numel}",
@@ -335,6 +348,11 @@ class Session:
             incoming = [v.to(self.device, dtype=p.dtype, copy=True)
                         for v, p in zip(scatter_views(self.slots, view), self.params, strict=True)]
             del view
+        if what == "residual":
+            assert self.outer is not None
+            with torch.no_grad():
+                self.outer.residual.copy_(torch.cat([v.reshape(-1).float() for v in incoming]))
+            return {"step": self.step}
         if what == "parameters":
             with torch.no_grad():
                 for param, value in zip(self.params, incoming, strict=True):
@@ -465,7 +483,8 @@ class Session:
         }
         if self.outer is not None:  # the model's parameters may have drifted: the outer ones count
             payload["outer"] = {"parameters": self.outer.params.detach().cpu(),
-                                "momentum": self.outer.momentum.detach().cpu()}
+                                "momentum": self.outer.momentum.detach().cpu(),
+                                "residual": self.outer.residual.detach().cpu()}
         size = checkpoint.save(path, payload)
         return {"path": str(Path(path).absolute()), "bytes": size, "step": self.step}
 
@@ -503,7 +522,10 @@ class Session:
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise CheckpointError(f"{path} does not fit the loaded workload: {exc}", where) from exc
         if self.outer is not None:
-            self.outer.load(outer["parameters"], outer["momentum"])
+            residual = outer.get("residual")
+            self.outer.load(outer["parameters"], outer["momentum"],
+                            residual if isinstance(residual, torch.Tensor)
+                            and tuple(residual.shape) == (self.total_numel,) else None)
         self.step = int(document.get("step", 0))
         self.zero_grad()  # (a local-update run: back on the outer parameters)
         self.state_numel = self._count_state_numel()

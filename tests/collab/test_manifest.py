@@ -71,6 +71,12 @@ def test_every_known_compression_is_accepted(compression: str) -> None:
     assert RunManifest("tiny", compression=compression).compression == compression
 
 
+def test_topk_is_for_local_update_runs_only() -> None:
+    assert RunManifest("tiny", compression="topk", sync="local", inner_steps=10).compression == "topk"
+    with pytest.raises(ManifestError, match="local-update runs"):
+        RunManifest("tiny", compression="topk")
+
+
 @pytest.mark.parametrize("compression", ["", "FP16", "int4", None, 16])
 def test_bad_compression(compression: object) -> None:
     with pytest.raises(ManifestError, match="compression") as info:

@@ -187,3 +187,42 @@ def test_sync_settings_default_like_diloco() -> None:
     local = LocalUpdates.from_json({"mode": "local", "inner_steps": 100})
     assert local == LocalUpdates(100, 0.7, 0.9, True)
     assert LocalUpdates.from_json(local.to_json()) == local
+
+
+def test_the_residual_joins_the_next_pseudo_gradient_stays_in_checkpoints_and_not_in_states(
+        tmp_path: Any, buffers: Any) -> None:
+    local = LocalUpdates(inner_steps=2)
+    peer = _session(1, local)
+    numel = peer.total_numel
+    name, vector = buffers.make(numel)
+    residual = np.linspace(-1, 1, numel, dtype=np.float32)
+    vector[:] = residual
+    peer.apply("residual", name, numel, None)
+    out_name, out = buffers.make(numel)
+    peer.export("residual", out_name, numel)
+    assert np.array_equal(out, residual)
+    initial = _flat(peer)
+    _train(peer, 16)
+    peer.export("gradients", out_name, numel)
+    np.testing.assert_allclose(out, initial - _flat(peer) + residual, rtol=0, atol=1e-6)
+    path = str(tmp_path / "checkpoint.pt")
+    peer.save_checkpoint(path)
+    resumed = _session(2, local)
+    resumed.load_checkpoint(path)
+    resumed.export("residual", out_name, numel)
+    assert np.array_equal(out, residual)  # this peer's own: kept across a restart
+    state_numel = peer.describe()["state_numel"]
+    state_name, _ = buffers.make(state_numel)
+    exported = peer.export("state", state_name, state_numel)
+    joiner = _session(3, local)
+    joiner.apply("state", state_name, exported["numel"], exported["meta"])
+    joiner.export("residual", out_name, numel)
+    assert not out.any()  # a downloaded state starts without one
+    vector[0] = float("nan")
+    with pytest.raises(SharedBufferError):
+        peer.apply("residual", name, numel, None)
+    plain = _session(4, None)
+    with pytest.raises(SharedBufferError, match="local-update runs"):
+        plain.export("residual", out_name, numel)
+    with pytest.raises(SharedBufferError, match="local-update runs"):
+        plain.apply("residual", out_name, numel, None)
