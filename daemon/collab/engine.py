@@ -125,7 +125,8 @@ class RunEngine:
                  checkpoint: Callable[[], Awaitable[None]] | None = None,
                  checkpoint_every: int = 0, collaborative: bool = True, name: str = "",
                  on_finished: Callable[[], None] | None = None,
-                 donors: DonorChoice | None = None, error_feedback: bool = False) -> None:
+                 donors: DonorChoice | None = None, error_feedback: bool = False,
+                 overlap: bool = False) -> None:
         if role == "trainer" and trainer is None:
             raise ValueError("a trainer run needs a trainer")
         self.peer_id = peer_id
@@ -141,6 +142,9 @@ class RunEngine:
         # a local-update run with a lossy codec: what a round did not convey of this peer's
         # vector goes back to the trainer, which adds it to the next one (_settle_residual)
         self.error_feedback = error_feedback and compression != "none"
+        # a local-update run that trains on while its pseudo-gradient is averaged (the worker
+        # carries those inner steps over onto the new outer parameters: plugins/worker/outer.py)
+        self.overlap = overlap
         self.timing = timing or Timing()
         self.collaborative = collaborative
         self._blocked = blocked or (lambda: None)
@@ -394,7 +398,8 @@ class RunEngine:
             weight = 0.0
         # what we send, before the round overwrites it with the average (error feedback)
         prepared = vector.copy() if self.error_feedback and weight > 0 else None
-        report = await self.averaging.average(vector, round_key("grad", head), weight=weight,
+        exported = p.accumulated
+        averaged = self.averaging.average(vector, round_key("grad", head), weight=weight,
                                               expected=action.expected, role="trainer",
                                               compression=self.compression,
                                               min_trainers=needed_trainers(action, self.schedule),
@@ -402,6 +407,7 @@ class RunEngine:
                                               cells=self._grid_cells(),
                                               aux=self._aux_peers(),
                                               max_weight=self._max_weight())
+        report = await (self._train_while(averaged) if self.overlap and weight > 0 else averaged)
         if report is not None:
             self.last_round = report
         result = None if report is None else RoundResult(report.trainers, report.senders,
@@ -418,13 +424,33 @@ class RunEngine:
         p.lr = await self.trainer.step(p.epoch)
         if prepared is not None:
             await self._settle_residual(prepared, report)
+        carried = p.accumulated - exported  # trained during the round (overlap): the next epoch's
+        p.accumulated = exported
         self._stepped(report)
+        p.accumulated = carried
         if state_round_due(self.schedule, p.epoch, report.trainers):
             await self._average_state(report)
         every = self._checkpoint_every
         if every > 0 and p.epoch % every == 0:
             await self._save_checkpoint()
         self._schedule_look(0.0)  # the others are stepping too: look again now
+
+    async def _train_while(self, averaged: Awaitable[AveragingReport | None]
+                           ) -> AveragingReport | None:
+        """Overlap: train (in chunks of `Timing.max_chunk`) until the round is over; the phase
+        stays "averaging" (a donor serves its state after the step)."""
+        assert self.trainer is not None
+        round_ = asyncio.ensure_future(averaged)
+        try:
+            while not round_.done() and not self._stop.is_set():
+                done = await self.trainer.train(self.schedule.target_batch_size, self.timing.max_chunk)
+                self._count(done.samples, done.loss, done.samples_per_second)
+            return await round_
+        finally:
+            if not round_.done():  # the trainer failed: the round is not ours to finish
+                round_.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await round_
 
     async def _settle_residual(self, prepared: np.ndarray, report: AveragingReport) -> None:
         """The new residual: what the codec did not convey of `prepared`, recomputed chunk by
@@ -523,6 +549,7 @@ class RunEngine:
                                group_size=report and report.group_size)
                 return
             await self.trainer.load_state(state)
+            p.accumulated = 0  # (what an overlapping run trained meanwhile went with the old state)
             p.state_rounds += 1
             p.lineage = next_lineage(p.lineage or "", f"state/{report.group_id}")
             self._head_group = report.members

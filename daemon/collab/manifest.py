@@ -5,7 +5,8 @@ schedule (`epochs`), when parameters and optimizer state are averaged, the gradi
 the initialisation seed, and how the run syncs: `sync = "gradients"` (DeDLOC: every global batch's
 gradients are averaged) or `sync = "local"` (the DiLoCo family: `inner_steps` global batches of
 local optimizer steps, then the pseudo-gradients are averaged and one outer step of Nesterov SGD
-with `outer_lr` and `outer_momentum` is taken; an epoch is then one outer step).
+with `outer_lr` and `outer_momentum` is taken, optionally `overlap`ped with the next inner steps;
+an epoch is then one outer step).
 Its hash (the fingerprint) is part of the run's key in the DHT: peers
 whose manifests differ in anything never meet, even under the same run name.
 
@@ -48,7 +49,7 @@ REFRESH_EVERY = 120.0
 MAX_MANIFEST_BYTES = 16 << 10
 
 
-_GRADIENTS_SYNC = (0, 0.7, 0.9, True)  # what a gradients run's manifest holds for them
+_GRADIENTS_SYNC = (0, 0.7, 0.9, True, False)  # what a gradients run's manifest holds for them
 
 
 def run_key(name: str, manifest: RunManifest) -> str:
@@ -91,6 +92,8 @@ class RunManifest:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
+    # local: train on while the pseudo-gradient is averaged (a one-step-delayed outer step)
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.workload, str) or not self.workload:
@@ -130,8 +133,9 @@ class RunManifest:
                     or not math.isfinite(value) or not 0.0 <= value <= high:
                 raise ManifestError(f"{name} must be a number from 0 to {high}, got {value!r:.40}")
             object.__setattr__(self, name, float(value))  # 1 and 1.0: one fingerprint
-        if not isinstance(self.outer_nesterov, bool):
-            raise ManifestError(f"outer_nesterov must be a boolean, got {self.outer_nesterov!r:.40}")
+        for flag in ("outer_nesterov", "overlap"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ManifestError(f"{flag} must be a boolean, got {getattr(self, flag)!r:.40}")
         steps = self.inner_steps
         if isinstance(steps, bool) or not isinstance(steps, int):
             raise ManifestError(f"inner_steps must be an integer, got {steps!r:.40}")
@@ -139,7 +143,7 @@ class RunManifest:
             raise ManifestError(f"a local-update run (sync \"local\") needs inner_steps from 1 to "
                                 f"{MAX_INNER_STEPS}, got {steps}")
         if self.sync == "gradients" and (steps, self.outer_lr, self.outer_momentum,
-                                         self.outer_nesterov) != _GRADIENTS_SYNC:
+                                         self.outer_nesterov, self.overlap) != _GRADIENTS_SYNC:
             raise ManifestError("inner_steps and the outer optimizer's settings are for "
                                 "local-update runs: give sync \"local\" too, or leave them out")
 
@@ -158,14 +162,16 @@ class RunManifest:
         if not self.local_updates:
             return {}
         return {"sync": self.sync, "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov}
+                "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov,
+                "overlap": self.overlap}
 
     def worker_sync(self) -> dict[str, Any] | None:
         """`worker.load`'s sync settings (None: a gradients run)."""
         if not self.local_updates:
             return None
         return {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum, "nesterov": self.outer_nesterov}
+                "outer_momentum": self.outer_momentum, "nesterov": self.outer_nesterov,
+                "overlap": self.overlap}
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -173,7 +179,8 @@ class RunManifest:
             if data[key] == unset:  # so that a run without them keeps its fingerprint
                 del data[key]
         if self.sync == "gradients":  # the same: gradients runs keep their fingerprints
-            for key in ("sync", "inner_steps", "outer_lr", "outer_momentum", "outer_nesterov"):
+            for key in ("sync", "inner_steps", "outer_lr", "outer_momentum", "outer_nesterov",
+                        "overlap"):
                 del data[key]
         return data
 

@@ -219,7 +219,7 @@ class Run:
             blocked=None if availability is None else availability.blocked,
             checkpoint=self._periodic_checkpoint, checkpoint_every=spec.checkpoint_every,
             collaborative=network is not None, name=spec.name, on_finished=self._finished,
-            error_feedback=spec.manifest.local_updates)
+            error_feedback=spec.manifest.local_updates, overlap=spec.manifest.overlap)
 
     def _finished(self) -> None:
         """The manifest's last epoch is reached (the engine may linger, serving its state)."""

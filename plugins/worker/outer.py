@@ -13,6 +13,13 @@ parameters and starts its next inner steps from them.
 
 With lr 1 and mu 0 the outer step is the weighted mean of the peers' local parameters.
 
+**Overlap** (`overlap`, a one-step-delayed outer step): the trainer keeps training while its
+pseudo-gradient is being averaged. The export remembers where the model was (the *anchor*);
+when the average comes back, the outer step is taken as above and the inner steps made since
+the export are carried over onto the new outer parameters: local = new outer + (local - anchor).
+Every inner step still goes into exactly one exchange (the next one), and the exchange costs no
+training time; the price is that those inner steps started from parameters one outer step old.
+
 `OuterState` keeps both vectors flat (float32, on the model's device); the worker's state export
 carries them (the outer parameters in the parameters' slots, the momentum after everything else),
 and so do checkpoints. A worker in a local-update run never gives out its drifted local parameters
@@ -45,6 +52,7 @@ class LocalUpdates:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
+    overlap: bool = False  # train on while the pseudo-gradient is averaged (module docstring)
 
     @classmethod
     def from_json(cls, sync: Mapping[str, Any] | None) -> LocalUpdates | None:
@@ -61,7 +69,8 @@ class LocalUpdates:
             return None
         if mode != "local":
             raise InvalidParams("sync.mode", f"must be \"gradients\" or \"local\", not {mode!r:.40}")
-        unknown = set(sync) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov"}
+        unknown = set(sync) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov",
+                               "overlap"}
         if unknown:
             raise InvalidParams("sync", f"unknown keys: {', '.join(sorted(map(str, unknown)))}")
         steps = sync.get("inner_steps")
@@ -70,14 +79,18 @@ class LocalUpdates:
                                 f"{steps!r:.40}")
         lr = _number(sync, "outer_lr", 0.7, 0.0, 10.0)
         momentum = _number(sync, "outer_momentum", 0.9, 0.0, 0.999)
-        nesterov = sync.get("nesterov", True)
-        if not isinstance(nesterov, bool):
-            raise InvalidParams("sync.nesterov", f"must be a boolean, not {nesterov!r:.40}")
-        return cls(steps, lr, momentum, nesterov)
+        flags = []
+        for key, default in (("nesterov", True), ("overlap", False)):
+            flag = sync.get(key, default)
+            if not isinstance(flag, bool):
+                raise InvalidParams(f"sync.{key}", f"must be a boolean, not {flag!r:.40}")
+            flags.append(flag)
+        return cls(steps, lr, momentum, *flags)
 
     def to_json(self) -> dict[str, Any]:
         return {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum, "nesterov": self.nesterov}
+                "outer_momentum": self.outer_momentum, "nesterov": self.nesterov,
+                "overlap": self.overlap}
 
 
 def _number(sync: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -101,6 +114,11 @@ class OuterState:
         # error feedback (a lossy codec): what the exchanges did not convey yet; the daemon
         # computes it (it knows the codec) and hands it back after each outer step
         self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
+        # overlap: the local parameters at the last export, and the samples and inner steps
+        # trained by then (what the exchange under way carries)
+        self.anchor: torch.Tensor | None = None
+        self.anchor_samples = 0
+        self.anchor_inner_steps = 0
         self.take(params)
 
     @property
@@ -124,6 +142,33 @@ class OuterState:
         with torch.no_grad():
             gather(self.slots, params, out)
             out.neg_().add_(self.params.to(out.device)).add_(self.residual.to(out.device))
+
+    def remember(self, params: Sequence[torch.Tensor], samples: int, inner_steps: int) -> None:
+        """Overlap: an export; training goes on from here while it is averaged."""
+        if not self.settings.overlap:
+            return
+        if self.anchor is None:
+            self.anchor = torch.empty_like(self.params)
+        with torch.no_grad():
+            gather(self.slots, params, self.anchor)
+        self.anchor_samples, self.anchor_inner_steps = samples, inner_steps
+
+    def forget(self) -> None:
+        self.anchor = None
+        self.anchor_samples = self.anchor_inner_steps = 0
+
+    def carry_over(self, params: Sequence[torch.Tensor]) -> bool:
+        """Overlap, after an outer step: move the inner steps made since the export onto the
+        new outer parameters (local = outer + local - anchor). False if there is no export to
+        carry over from (the model then goes back to the outer parameters)."""
+        anchor = self.anchor
+        if anchor is None:
+            return False
+        with torch.no_grad():
+            shift = self.params - anchor
+            for param, value in zip(params, scatter_views(self.slots, shift), strict=True):
+                param.add_(value.to(param.dtype))
+        return True
 
     def step(self, delta: torch.Tensor) -> None:
         """One outer optimizer step with the averaged pseudo-gradient `delta` (flat)."""

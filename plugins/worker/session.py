@@ -215,6 +215,7 @@ class Session:
         self.accumulated_samples = 0
         if self.outer is not None:
             self.outer.restore(self.params)
+            self.outer.forget()
             self.inner_step = 0
 
     def close(self) -> None:
@@ -263,6 +264,7 @@ class Session:
         with buffers.attach(buffer, numel) as view:
             if what == "gradients" and self.outer is not None:
                 self.outer.pseudo_gradient(self.params, view)
+                self.outer.remember(self.params, self.accumulated_samples, self.inner_step)
                 meta = {"accumulated_samples": self.accumulated_samples, "step": self.step,
                         "inner_step": self.inner_step}
             elif what == "residual":
@@ -389,16 +391,25 @@ class Session:
         assert self.outer is not None and self.local is not None
         delta = torch.empty(self.total_numel, dtype=torch.float32, device=self.device)
         gather(self.slots, incoming, delta)
-        self.outer.step(delta)
+        outer = self.outer
+        outer.step(delta)
         self.step = new_step + 1
+        # overlap: what was trained since the export carries over onto the new outer parameters
+        carried = outer.carry_over(self.params)
+        samples = self.accumulated_samples - outer.anchor_samples if carried else 0
+        inner = self.inner_step - outer.anchor_inner_steps if carried else 0
+        if not carried:
+            self.zero_grad()  # back on the (new) outer parameters
+        outer.forget()
+        self._grad_sum.zero_()
+        self.accumulated_samples, self.inner_step = max(0, samples), max(0, inner)
         if self.scheduler is not None:
             with self._guard("scheduler"):
-                position_scheduler(self.scheduler, self.step * self.local.inner_steps,
+                position_scheduler(self.scheduler, self.step * self.local.inner_steps + self.inner_step,
                                    self._scheduler_start)
-        self.zero_grad()  # back on the (new) outer parameters
         self.state_numel = self._count_state_numel()
         return {"step": self.step, "lr": float(self.optimizer.param_groups[0]["lr"]),
-                "outer_lr": self.local.outer_lr}
+                "outer_lr": self.local.outer_lr, "accumulated_samples": self.accumulated_samples}
 
     def _apply_state(self, buffer: str, numel: int, meta: dict[str, Any]) -> dict[str, Any]:
         layout = meta.get("layout")

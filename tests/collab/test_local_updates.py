@@ -70,7 +70,8 @@ CHAOS = {"workload": "tiny", "name": "chaos", "target_batch_size": 64, "epochs":
          "collaborative": True, "min_peers": 2, "average_state_every": 0, "checkpoint_every": 1,
          "config": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "batch_size": 16},
          "sync": "local", "inner_steps": 2,  # the outer optimizer's defaults: 0.7, Nesterov 0.9
-         "compression": "topk"}  # with error feedback
+         "compression": "topk",  # with error feedback
+         "overlap": True}  # training goes on during the exchange
 
 
 async def _status(daemon: Any) -> dict[str, Any]:
@@ -83,7 +84,9 @@ async def test_a_trainer_killed_mid_round_a_newcomer_and_a_restart_end_on_the_sa
     """Whatever the machine's speed: should the run end before the newcomer or the restarted
     trainer is back, they catch up from the finished peers, which linger while one is behind.
     The exchange is topk with error feedback: every trainer keeps its own residual (a restart
-    takes it from its checkpoint, a download starts without one)."""
+    takes it from its checkpoint, a download starts without one); and it overlaps the next inner
+    steps, so the model a trainer ends with is the outer parameters plus what it trained during
+    the last exchange: the outer parameters and momentum are what all must agree on."""
     first, second, victim = await start_swarm(daemon_factory, 3)
     address = await p2p_address(first)
     await asyncio.gather(*(d.call("run.start", CHAOS) for d in (first, second, victim)))
@@ -110,8 +113,6 @@ async def test_a_trainer_killed_mid_round_a_newcomer_and_a_restart_end_on_the_sa
             for key in ("parameters", "momentum"):
                 torch.testing.assert_close(saved["outer"][key], reference["outer"][key],
                                            rtol=0, atol=1e-6, msg=key)
-            for name, tensor in reference["model"].items():
-                torch.testing.assert_close(saved["model"][name], tensor, rtol=0, atol=1e-6, msg=name)
         assert bool(reference["outer"]["momentum"].abs().sum() > 0)  # the outer momentum moved
         assert bool(reference["outer"]["residual"].abs().sum() > 0)  # topk left some for later
         sync = statuses[0]["sync"]

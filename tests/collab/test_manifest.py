@@ -194,7 +194,7 @@ def test_a_local_update_run_names_its_outer_optimizer() -> None:
     assert LOCAL.fingerprint() != BASE.fingerprint()
     assert LOCAL.epoch_samples == 25 * 64 and BASE.epoch_samples == 64
     assert LOCAL.worker_sync() == {"mode": "local", "inner_steps": 25, "outer_lr": 0.7,
-                                   "outer_momentum": 0.9, "nesterov": True}
+                                   "outer_momentum": 0.9, "nesterov": True, "overlap": False}
     assert BASE.worker_sync() is None and BASE.sync_fields() == {}
     assert dataclasses.replace(BASE, **LOCAL.sync_fields()) == LOCAL
     # 1 and 1.0 are one outer learning rate, one fingerprint
@@ -204,6 +204,7 @@ def test_a_local_update_run_names_its_outer_optimizer() -> None:
 
 @pytest.mark.parametrize(("name", "value"), [
     ("inner_steps", 26), ("outer_lr", 0.5), ("outer_momentum", 0.0), ("outer_nesterov", False),
+    ("overlap", True),
 ])
 def test_a_local_update_runs_fingerprint_changes_with_its_outer_optimizer(name: str, value: Any) -> None:
     assert dataclasses.replace(LOCAL, **{name: value}).fingerprint() != LOCAL.fingerprint()
@@ -220,7 +221,7 @@ def test_a_local_update_runs_fingerprint_changes_with_its_outer_optimizer(name: 
     {"sync": "local", "inner_steps": 4, "outer_momentum": 1.0},
     {"sync": "local", "inner_steps": 4, "outer_nesterov": "yes"},
     {"inner_steps": 4},  # outer settings without sync "local": a mistake, said so
-    {"outer_lr": 1.0},
+    {"outer_lr": 1.0}, {"overlap": True}, {"sync": "local", "inner_steps": 4, "overlap": 1},
 ])
 def test_malformed_sync_settings_are_refused(changes: dict[str, Any]) -> None:
     with pytest.raises(ManifestError):

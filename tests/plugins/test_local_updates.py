@@ -226,3 +226,40 @@ def test_the_residual_joins_the_next_pseudo_gradient_stays_in_checkpoints_and_no
         plain.export("residual", out_name, numel)
     with pytest.raises(SharedBufferError, match="local-update runs"):
         plain.apply("residual", out_name, numel, None)
+
+
+def test_with_overlap_the_inner_steps_made_during_the_exchange_carry_over(buffers: Any) -> None:
+    local = LocalUpdates(inner_steps=4, outer_lr=1.0, outer_momentum=0.0, overlap=True)
+    peers = [_session(1, local), _session(2, local)]
+    initial = _flat(peers[0])
+    for peer in peers:
+        _train(peer, 16)
+    numel = peers[0].total_numel
+    exported, anchors = [], []
+    for peer in peers:
+        name, vector = buffers.make(numel)
+        peer.export("gradients", name, numel)
+        exported.append((name, vector))
+        anchors.append(_flat(peer))
+    _train(peers[0], 8)  # trained on while the pseudo-gradients are averaged
+    moved = _flat(peers[0]) - anchors[0]
+    mean = (exported[0][1] + exported[1][1]) / 2
+    answers = []
+    for peer, (name, vector) in zip(peers, exported, strict=True):
+        vector[:] = mean
+        answers.append(peer.apply("gradients", name, numel, {"step": 0}))
+    outer = initial - mean
+    np.testing.assert_allclose(peers[1].outer.params.numpy(), outer, rtol=0, atol=1e-6)  # type: ignore[union-attr]
+    np.testing.assert_allclose(_flat(peers[1]), outer, rtol=0, atol=1e-6)  # nothing to carry
+    np.testing.assert_allclose(_flat(peers[0]), outer + moved, rtol=0, atol=1e-6)
+    assert answers[0]["accumulated_samples"] == 8 and peers[0].inner_step == 1
+    assert answers[1]["accumulated_samples"] == 0 and peers[1].inner_step == 0
+    # the next pseudo-gradient holds exactly the carried inner step
+    name, vector = buffers.make(numel)
+    peers[0].export("gradients", name, numel)
+    np.testing.assert_allclose(vector, -moved, rtol=0, atol=1e-6)
+    # a round that fails settles nothing: the next export covers everything since the outer step
+    _train(peers[0], 8)
+    peers[0].export("gradients", name, numel)
+    np.testing.assert_allclose(vector, outer - _flat(peers[0]), rtol=0, atol=1e-6)
+    assert peers[0].accumulated_samples == 16
