@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--overlap", action="store_true", default=None,
                        help="a local run trains on while its pseudo-gradient is averaged "
                             "(a one-step-delayed outer step)")
+    start.add_argument("--outer-clip", type=float,
+                       help="a local run's outer-step guard: at most this many times the recent "
+                            "steps' norm (4; 0: none)")
     start.add_argument("--closed", action="store_true",
                        help="a closed run this daemon owns: only peers with its tokens take part "
                             "(dedloc token issue)")
@@ -285,7 +288,7 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] 
         params: dict[str, Any] = {"workload": args.workload, "config": dict(args.config)}
         for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device", "min_peers",
                        "average_state_every", "compression", "sync", "inner_steps", "outer_lr",
-                       "outer_momentum", "overlap"):
+                       "outer_momentum", "overlap", "outer_clip"):
             if getattr(args, option) is not None:
                 params[option] = getattr(args, option)
         if args.collaborative:

@@ -195,6 +195,9 @@ class ControlApi:
                                   "0.9).", {"minimum": 0, "maximum": 0.999}] = None,
         overlap: Annotated[bool | None, "A local run trains on while its pseudo-gradient is "
                            "averaged (a one-step-delayed outer step; default false)."] = None,
+        outer_clip: Annotated[float | None, "A local run's outer-step guard: a step at most this "
+                              "many times the recent steps' norm (default 4; 0: none).",
+                              {"minimum": 0, "maximum": 1000}] = None,
     ) -> RunStatus:
         """Start a run, or join a collaborative one; answers once the worker has loaded it.
 
@@ -212,7 +215,7 @@ class ControlApi:
             raise InvalidParams("workload", "give a workload to start a run, a run name to join "
                                             "one, or the token of a closed run")
         local = {"sync": sync, "inner_steps": inner_steps, "outer_lr": outer_lr,
-                 "outer_momentum": outer_momentum, "overlap": overlap}
+                 "outer_momentum": outer_momentum, "overlap": overlap, "outer_clip": outer_clip}
         return await self._node.runs.start(workload, dict(config), name, target_batch_size, epochs,
                                            checkpoint_every, device, collaborative, min_peers,
                                            role, average_state_every, compression, closed, token,

@@ -202,6 +202,7 @@ class Averager:
             weight=weight, represented=represented,
             part_bounds=tuple(group.part_bounds),
             chunk_elements=group.chunk_elements if report is not None else 0,
+            compression=group.compression,
         )
 
     def status(self) -> dict[str, Any]:

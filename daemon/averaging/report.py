@@ -102,6 +102,7 @@ class AveragingReport:
     # the parts and the chunk size of its all-reduce; chunk_elements 0: it was sent to nobody
     part_bounds: tuple[tuple[int, int], ...] = ()
     chunk_elements: int = 0
+    compression: str = "none"  # ... and the codec it went out in
 
     @property
     def group_size(self) -> int:

@@ -33,6 +33,7 @@ from .errors import DonorBusy, StateSyncError
 from .estimate import GlobalProgress, Head, estimate_global
 from .lineage import next_lineage
 from .policy import (
+    WEIGHT_SLACK,
     Action,
     Average,
     CatchUp,
@@ -63,7 +64,6 @@ Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averagi
 IN_ROUND: tuple[Phase, ...] = ("averaging", "stepping", "averaging_state")
 STALE_AFTER = 30.0  # seconds a progress report stays believable
 HISTORY = 200
-WEIGHT_SLACK = 8  # a gradient round's weights: at most this many target batches (_max_weight)
 
 
 @dataclass
@@ -126,7 +126,7 @@ class RunEngine:
                  checkpoint_every: int = 0, collaborative: bool = True, name: str = "",
                  on_finished: Callable[[], None] | None = None,
                  donors: DonorChoice | None = None, error_feedback: bool = False,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, max_weight: float | None = None) -> None:
         if role == "trainer" and trainer is None:
             raise ValueError("a trainer run needs a trainer")
         self.peer_id = peer_id
@@ -145,6 +145,7 @@ class RunEngine:
         # a local-update run that trains on while its pseudo-gradient is averaged (the worker
         # carries those inner steps over onto the new outer parameters: plugins/worker/outer.py)
         self.overlap = overlap
+        self._weight_cap = max_weight  # (default: _max_weight's)
         self.timing = timing or Timing()
         self.collaborative = collaborative
         self._blocked = blocked or (lambda: None)
@@ -293,6 +294,11 @@ class RunEngine:
         if self.schedule.epochs is not None and self.role == "trainer" \
                 and p.epoch >= self.schedule.epochs and self._finished_at is None:
             self._finished_at = now
+            if p.accumulated and self.trainer is not None:
+                # what was trained past the last step counts for nothing now: the final state
+                # (checkpoint, donations) is the run's (a local-update run's outer parameters)
+                await self.trainer.zero_grad()
+                p.accumulated = 0
             if self._on_finished is not None:
                 self._on_finished()
             await self._save_checkpoint()
@@ -376,7 +382,10 @@ class RunEngine:
     def _max_weight(self) -> float:
         """The most samples a member of this run's gradient rounds may claim: an honest trainer
         stops at the target, overshooting by at most one of its batches (WEIGHT_SLACK covers a
-        batch of up to 7 targets); a claim of 1e15 is refused, not averaged."""
+        batch of up to 7 targets); a claim of 1e15 is refused, not averaged. The run may say
+        (RunManifest.max_weight: a local-update run's epoch is H target batches)."""
+        if self._weight_cap is not None:
+            return float(self._weight_cap)
         return float(WEIGHT_SLACK * self.schedule.target_batch_size)
 
     async def _average(self, action: Average) -> None:
@@ -457,7 +466,7 @@ class RunEngine:
         chunk as the round cut it (the codecs are deterministic). Only a stepped round settles:
         a failed one changed nothing, and the next export adds the same residual again."""
         assert self.trainer is not None
-        residual = await asyncio.to_thread(unconveyed, get_codec(self.compression), prepared,
+        residual = await asyncio.to_thread(unconveyed, get_codec(report.compression), prepared,
                                            report.part_bounds, report.chunk_elements, report.part)
         await self.trainer.settle_residual(residual)
 

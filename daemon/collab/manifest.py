@@ -32,6 +32,7 @@ from ..identity import verify
 from ..net import TransportError
 from .errors import ManifestError
 from .membership import namespace
+from .policy import WEIGHT_SLACK
 
 if TYPE_CHECKING:
     from ..dht import DHTNode
@@ -49,7 +50,7 @@ REFRESH_EVERY = 120.0
 MAX_MANIFEST_BYTES = 16 << 10
 
 
-_GRADIENTS_SYNC = (0, 0.7, 0.9, True, False)  # what a gradients run's manifest holds for them
+_GRADIENTS_SYNC = (0, 0.7, 0.9, True, False, 4.0)  # what a gradients run's manifest holds for them
 
 
 def run_key(name: str, manifest: RunManifest) -> str:
@@ -94,6 +95,9 @@ class RunManifest:
     outer_nesterov: bool = True
     # local: train on while the pseudo-gradient is averaged (a one-step-delayed outer step)
     overlap: bool = False
+    # local: the outer step's guard, kappa: a step at most kappa times the recent steps' norm
+    # (plugins/worker/outer.py; 0: none)
+    outer_clip: float = 4.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.workload, str) or not self.workload:
@@ -127,7 +131,7 @@ class RunManifest:
     def _check_sync(self) -> None:
         if self.sync not in SYNC_MODES:
             raise ManifestError(f"sync must be one of {', '.join(SYNC_MODES)}, got {self.sync!r:.40}")
-        for name, high in (("outer_lr", 10.0), ("outer_momentum", 0.999)):
+        for name, high in (("outer_lr", 10.0), ("outer_momentum", 0.999), ("outer_clip", 1000.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) \
                     or not math.isfinite(value) or not 0.0 <= value <= high:
@@ -143,13 +147,21 @@ class RunManifest:
             raise ManifestError(f"a local-update run (sync \"local\") needs inner_steps from 1 to "
                                 f"{MAX_INNER_STEPS}, got {steps}")
         if self.sync == "gradients" and (steps, self.outer_lr, self.outer_momentum,
-                                         self.outer_nesterov, self.overlap) != _GRADIENTS_SYNC:
+                                         self.outer_nesterov, self.overlap,
+                                         self.outer_clip) != _GRADIENTS_SYNC:
             raise ManifestError("inner_steps and the outer optimizer's settings are for "
                                 "local-update runs: give sync \"local\" too, or leave them out")
 
     @property
     def local_updates(self) -> bool:
         return self.sync == "local"
+
+    @property
+    def max_weight(self) -> int:
+        """The most samples one member of a gradient (or pseudo-gradient) round may claim: an
+        honest trainer stops at the epoch's samples, overshooting by at most one of its batches
+        (7 target batches of slack: WEIGHT_SLACK); a claim of 1e15 is refused, not averaged."""
+        return self.epoch_samples + (WEIGHT_SLACK - 1) * self.target_batch_size
 
     @property
     def epoch_samples(self) -> int:
@@ -163,7 +175,7 @@ class RunManifest:
             return {}
         return {"sync": self.sync, "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
                 "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov,
-                "overlap": self.overlap}
+                "overlap": self.overlap, "outer_clip": self.outer_clip}
 
     def worker_sync(self) -> dict[str, Any] | None:
         """`worker.load`'s sync settings (None: a gradients run)."""
@@ -171,7 +183,7 @@ class RunManifest:
             return None
         return {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
                 "outer_momentum": self.outer_momentum, "nesterov": self.outer_nesterov,
-                "overlap": self.overlap}
+                "overlap": self.overlap, "clip": self.outer_clip}
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -180,7 +192,7 @@ class RunManifest:
                 del data[key]
         if self.sync == "gradients":  # the same: gradients runs keep their fingerprints
             for key in ("sync", "inner_steps", "outer_lr", "outer_momentum", "outer_nesterov",
-                        "overlap"):
+                        "overlap", "outer_clip"):
                 del data[key]
         return data
 

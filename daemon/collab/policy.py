@@ -49,6 +49,7 @@ from typing import Literal
 from .estimate import GlobalProgress, Head, next_report_delay
 
 __all__ = [
+    "WEIGHT_SLACK",
     "Action",
     "Average",
     "CatchUp",
@@ -69,6 +70,9 @@ __all__ = [
 ]
 
 Role = Literal["trainer", "aux"]
+# a member of a gradient round claims at most this many target batches: an honest trainer stops
+# at the target, overshooting by one of its batches (one of up to 7 targets)
+WEIGHT_SLACK = 8
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import structlog
 
 from .. import timebase
 from ..averaging.averager import RoundOptions
+from ..averaging.compression import get_codec, sparsifies
 from ..averaging.errors import AveragingError
 from ..averaging.report import AveragingReport
 from .grid import GridRounds
@@ -30,6 +31,15 @@ log = structlog.get_logger(__name__)
 __all__ = ["ROUND_TIMEOUT", "NetworkRounds", "SoloRounds"]
 
 ROUND_TIMEOUT = 60.0
+
+
+def stage_compression(compression: str, label: str) -> str:
+    """What a grid stage sends in: the run's codec in the first stage; after it, a sparsifying
+    codec (topk) would drop most of each block's mean for good (only what a trainer sends of its
+    own vector is kept for later by error feedback), so the later stages go in fp16."""
+    if label.startswith("m0/") or not sparsifies(get_codec(compression)):
+        return compression
+    return "fp16"
 
 
 class NetworkRounds:
@@ -68,7 +78,8 @@ class NetworkRounds:
             # them; which helpers a peer expects may differ with its view)
             return await self._round(part, f"{key}/{label}", weight=stage_weight,
                                      expected=len(stage_peers) + 1, role=role,
-                                     compression=compression, min_trainers=stage_min,
+                                     compression=stage_compression(compression, label),
+                                     min_trainers=stage_min,
                                      peers=stage_peers, leaders=stage_leaders,
                                      represents=represents,
                                      max_represents=max_represents,

@@ -82,9 +82,11 @@ class RunSpec:
 
 def schedule_of(manifest: RunManifest) -> Schedule:
     """What the engine's policy follows: an epoch is one step of the run, over the target batch
-    (a gradients run) or over `inner_steps` target batches (a local-update run's outer step)."""
+    (a gradients run) or over `inner_steps` target batches (a local-update run's outer step). A
+    local-update run averages no state: its trainers hold the same outer parameters after every
+    outer step by construction (and a state round would drop their residuals)."""
     return Schedule(manifest.epoch_samples, manifest.min_peers, manifest.epochs,
-                    manifest.average_state_every)
+                    0 if manifest.local_updates else manifest.average_state_every)
 
 
 class Run:
@@ -219,7 +221,8 @@ class Run:
             blocked=None if availability is None else availability.blocked,
             checkpoint=self._periodic_checkpoint, checkpoint_every=spec.checkpoint_every,
             collaborative=network is not None, name=spec.name, on_finished=self._finished,
-            error_feedback=spec.manifest.local_updates, overlap=spec.manifest.overlap)
+            error_feedback=spec.manifest.local_updates, overlap=spec.manifest.overlap,
+            max_weight=spec.manifest.max_weight)
 
     def _finished(self) -> None:
         """The manifest's last epoch is reached (the engine may linger, serving its state)."""

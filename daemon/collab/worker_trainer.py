@@ -53,8 +53,9 @@ class WorkerTrainer:
         applied = await self.call(WorkerMethod.APPLY, {
             "what": "gradients", "buffer": buffer.name, "numel": buffer.numel,
             "meta": {"step": epoch}})  # the learning-rate schedule follows the run's epoch
-        if self.inner_step is not None:
-            self.inner_step = 0
+        inner = applied.get("inner_step")  # a local-update run: what it carried over
+        if self.inner_step is not None or isinstance(inner, int):
+            self.inner_step = inner if isinstance(inner, int) else 0
         return applied.get("lr")
 
     async def zero_grad(self) -> None:

@@ -13,6 +13,17 @@ parameters and starts its next inner steps from them.
 
 With lr 1 and mu 0 the outer step is the weighted mean of the peers' local parameters.
 
+**The outer step's guard** (`outer_clip`, kappa): the averaged pseudo-gradient goes straight into
+the outer parameters, so one peer that claims a large weight and sends a huge vector could set
+them to anything in one round (no inner optimizer normalises it, as Adam or LAMB do a gradient).
+Before the step, delta is scaled down to at most kappa times `step_norm`, a running mean (0.9)
+of the norms of the steps taken so far; the first step, with no history, to at most
+`FIRST_STEP_RATIO` of the outer parameters' norm. Every trainer computes the same factor: the
+norms are float64 sums on the CPU over the same vectors, the factor is rounded to 7 significant
+digits, and `step_norm` travels in the downloaded state and in checkpoints. An honest run's
+steps grow and shrink slowly, so the guard rarely bites; an attacker can still move the run by
+up to kappa times its recent steps per round (what remains: docs/security.md).
+
 **Overlap** (`overlap`, a one-step-delayed outer step): the trainer keeps training while its
 pseudo-gradient is being averaged. The export remembers where the model was (the *anchor*);
 when the average comes back, the outer step is taken as above and the inner steps made since
@@ -33,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dedloc.rpc import InvalidParams
@@ -53,6 +65,7 @@ class LocalUpdates:
     outer_momentum: float = 0.9
     nesterov: bool = True
     overlap: bool = False  # train on while the pseudo-gradient is averaged (module docstring)
+    clip: float = 4.0  # the outer step's guard, kappa (module docstring; 0: none)
 
     @classmethod
     def from_json(cls, sync: Mapping[str, Any] | None) -> LocalUpdates | None:
@@ -70,7 +83,7 @@ class LocalUpdates:
         if mode != "local":
             raise InvalidParams("sync.mode", f"must be \"gradients\" or \"local\", not {mode!r:.40}")
         unknown = set(sync) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov",
-                               "overlap"}
+                               "overlap", "clip"}
         if unknown:
             raise InvalidParams("sync", f"unknown keys: {', '.join(sorted(map(str, unknown)))}")
         steps = sync.get("inner_steps")
@@ -79,18 +92,19 @@ class LocalUpdates:
                                 f"{steps!r:.40}")
         lr = _number(sync, "outer_lr", 0.7, 0.0, 10.0)
         momentum = _number(sync, "outer_momentum", 0.9, 0.0, 0.999)
+        clip = _number(sync, "clip", 4.0, 0.0, 1000.0)
         flags = []
         for key, default in (("nesterov", True), ("overlap", False)):
             flag = sync.get(key, default)
             if not isinstance(flag, bool):
                 raise InvalidParams(f"sync.{key}", f"must be a boolean, not {flag!r:.40}")
             flags.append(flag)
-        return cls(steps, lr, momentum, *flags)
+        return cls(steps, lr, momentum, *flags, clip=clip)
 
     def to_json(self) -> dict[str, Any]:
         return {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
                 "outer_momentum": self.outer_momentum, "nesterov": self.nesterov,
-                "overlap": self.overlap}
+                "overlap": self.overlap, "clip": self.clip}
 
 
 def _number(sync: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -99,6 +113,17 @@ def _number(sync: Mapping[str, Any], key: str, default: float, low: float, high:
             or not low <= value <= high:
         raise InvalidParams(f"sync.{key}", f"must be a number from {low} to {high}, not {value!r:.40}")
     return float(value)
+
+
+FIRST_STEP_RATIO = 0.1  # the first outer step: at most this fraction of the parameters' norm
+STEP_NORM_DECAY = 0.9
+_CLIP_DIGITS = 7
+
+
+def cpu_norm(vector: torch.Tensor) -> float:
+    """The L2 norm as a float64 sum on the CPU: the same on every peer for the same vector."""
+    flat = vector.detach().reshape(-1).to("cpu", torch.float32).numpy()
+    return float(np.sqrt(np.dot(flat.astype(np.float64), flat.astype(np.float64))))
 
 
 class OuterState:
@@ -119,6 +144,9 @@ class OuterState:
         self.anchor: torch.Tensor | None = None
         self.anchor_samples = 0
         self.anchor_inner_steps = 0
+        # the guard's running mean of the outer steps' norms (None: no step yet)
+        self.step_norm: float | None = None
+        self.clipped_steps = 0
         self.take(params)
 
     @property
@@ -170,10 +198,31 @@ class OuterState:
                 param.add_(value.to(param.dtype))
         return True
 
-    def step(self, delta: torch.Tensor) -> None:
-        """One outer optimizer step with the averaged pseudo-gradient `delta` (flat)."""
+    def guard(self, delta_norm: float) -> float:
+        """The factor (at most 1) the averaged pseudo-gradient of norm `delta_norm` is scaled by
+        (module docstring), and the running norm updated with the step taken."""
+        kappa = self.settings.clip
+        factor = 1.0
+        if kappa > 0 and math.isfinite(delta_norm) and delta_norm > 0:
+            bound = kappa * self.step_norm if self.step_norm is not None \
+                else FIRST_STEP_RATIO * cpu_norm(self.params)
+            if delta_norm > bound:
+                factor = float(f"{bound / delta_norm:.{_CLIP_DIGITS}g}")
+                self.clipped_steps += 1
+        taken = float(f"{delta_norm * factor:.{_CLIP_DIGITS}g}")
+        self.step_norm = taken if self.step_norm is None \
+            else float(f"{STEP_NORM_DECAY * self.step_norm + (1 - STEP_NORM_DECAY) * taken:.{_CLIP_DIGITS}g}")
+        return factor
+
+    def step(self, delta: torch.Tensor, delta_norm: float | None = None) -> float:
+        """One outer optimizer step with the averaged pseudo-gradient `delta` (flat), through
+        the guard (`delta_norm`: its norm as `cpu_norm` computes it, if known); the factor the
+        guard scaled it by."""
         settings = self.settings
+        factor = self.guard(cpu_norm(delta) if delta_norm is None else delta_norm)
         delta = delta.to(self.params.device, dtype=torch.float32)
+        if factor < 1.0:
+            delta = delta * factor
         with torch.no_grad():
             if settings.outer_momentum > 0:
                 self.momentum.mul_(settings.outer_momentum).add_(delta)
@@ -182,6 +231,7 @@ class OuterState:
             else:
                 direction = delta
             self.params.add_(direction, alpha=-settings.outer_lr)
+        return factor
 
     def load(self, params: torch.Tensor, momentum: torch.Tensor,
              residual: torch.Tensor | None = None) -> None:

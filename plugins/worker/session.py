@@ -39,7 +39,7 @@ from .layout import (
     slots_from_meta,
     to_json,
 )
-from .outer import LocalUpdates, OuterState
+from .outer import LocalUpdates, OuterState, cpu_norm
 
 log = structlog.get_logger(__name__)
 
@@ -86,7 +86,9 @@ class Session:
         self.params = [p for _, p in named]
         self.slots = pack((name, p.shape) for name, p in named)
         self.total_numel = self.slots[-1].end
-        self._grad_sum = torch.zeros(self.total_numel, dtype=torch.float32, device=device)
+        # (a local-update run steps on every batch: it accumulates no gradients)
+        self._grad_sum = torch.zeros(self.total_numel if local is None else 0, dtype=torch.float32,
+                                     device=device)
         self.accumulated_samples = 0
         self.step = 0
         self.samples_per_second: float | None = None
@@ -202,10 +204,9 @@ class Session:
                                     "mode \"local\"); this worker trains a gradients run")
 
     def _inner_step(self) -> None:
+        """The workload's optimizer steps; its schedule does not (`_position_inner_schedule`)."""
         with self._guard("optimizer.step"):
             self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
         self.inner_step += 1
 
     def zero_grad(self) -> None:
@@ -314,6 +315,7 @@ class Session:
                 "buffers": [s.to_json() for s in buffer_slots],
                 **({} if outer is None else {"outer": [s.to_json() for s in outer_slots]}),
             },
+            **({} if outer is None else {"outer": {"step_norm": outer.step_norm}}),
             "optimizer": {"param_groups": to_json(groups, "optimizer param_groups"),
                           "scalars": scalars},
             "scheduler": (None if self.scheduler is None
@@ -347,13 +349,19 @@ class Session:
                                     {"key": "meta.step", "value": repr(new_step)})
         with buffers.attach(buffer, numel) as view:
             _check_finite(view, buffer, what)
-            incoming = [v.to(self.device, dtype=p.dtype, copy=True)
-                        for v, p in zip(scatter_views(self.slots, view), self.params, strict=True)]
+            if self.outer is not None and what in ("gradients", "residual"):
+                # a local-update run's vectors stay float32 whatever the model's dtype, and the
+                # outer step's guard reads them here, on the CPU (outer.py: the same on every peer)
+                flat = view.clone()
+                incoming = []
+            else:
+                incoming = [v.to(self.device, dtype=p.dtype, copy=True)
+                            for v, p in zip(scatter_views(self.slots, view), self.params, strict=True)]
             del view
         if what == "residual":
             assert self.outer is not None
             with torch.no_grad():
-                self.outer.residual.copy_(torch.cat([v.reshape(-1).float() for v in incoming]))
+                self.outer.residual.copy_(flat)
             return {"step": self.step}
         if what == "parameters":
             with torch.no_grad():
@@ -365,7 +373,7 @@ class Session:
             self.step = new_step
             return {"step": self.step}
         if self.outer is not None:
-            return self._outer_step(incoming, new_step)
+            return self._outer_step(flat, new_step)
         if global_step and self.scheduler is not None:
             with self._guard("scheduler"):
                 position_scheduler(self.scheduler, new_step, self._scheduler_start)
@@ -384,15 +392,13 @@ class Session:
         self.state_numel = self._count_state_numel()
         return {"step": self.step, "lr": lr}
 
-    def _outer_step(self, incoming: list[torch.Tensor], new_step: int) -> dict[str, Any]:
-        """A local-update run: one outer step with the averaged pseudo-gradient (`incoming`,
-        per parameter); the model goes to the new outer parameters, and the learning-rate
-        schedule of the next inner steps starts where the run's outer step puts it."""
+    def _outer_step(self, delta: torch.Tensor, new_step: int) -> dict[str, Any]:
+        """A local-update run: one outer step with the averaged pseudo-gradient `delta` (flat
+        float32, on the CPU), through the guard; the model goes to the new outer parameters, and
+        the learning-rate schedule of the next inner steps is put where the run's outer step is."""
         assert self.outer is not None and self.local is not None
-        delta = torch.empty(self.total_numel, dtype=torch.float32, device=self.device)
-        gather(self.slots, incoming, delta)
         outer = self.outer
-        outer.step(delta)
+        factor = outer.step(delta, cpu_norm(delta))
         self.step = new_step + 1
         # overlap: what was trained since the export carries over onto the new outer parameters
         carried = outer.carry_over(self.params)
@@ -403,13 +409,23 @@ class Session:
         outer.forget()
         self._grad_sum.zero_()
         self.accumulated_samples, self.inner_step = max(0, samples), max(0, inner)
-        if self.scheduler is not None:
-            with self._guard("scheduler"):
-                position_scheduler(self.scheduler, self.step * self.local.inner_steps + self.inner_step,
-                                   self._scheduler_start)
+        self._position_inner_schedule()
         self.state_numel = self._count_state_numel()
+        if factor < 1.0:
+            log.warning("outer_step_clipped", step=new_step, factor=factor,
+                        step_norm=outer.step_norm, clipped_steps=outer.clipped_steps)
         return {"step": self.step, "lr": float(self.optimizer.param_groups[0]["lr"]),
-                "outer_lr": self.local.outer_lr, "accumulated_samples": self.accumulated_samples}
+                "outer_lr": self.local.outer_lr, "accumulated_samples": self.accumulated_samples,
+                "inner_step": self.inner_step, "clip_factor": factor}
+
+    def _position_inner_schedule(self) -> None:
+        """A local-update run's learning rate is the schedule's at (outer step x H), held for
+        the whole outer step: the schedule counts the run's target batches, as in a gradients
+        run, and every peer then takes its inner steps at the same rate, whatever its batch."""
+        if self.scheduler is not None and self.local is not None:
+            with self._guard("scheduler"):
+                position_scheduler(self.scheduler, self.step * self.local.inner_steps,
+                                   self._scheduler_start)
 
     def _apply_state(self, buffer: str, numel: int, meta: dict[str, Any]) -> dict[str, Any]:
         layout = meta.get("layout")
@@ -437,6 +453,10 @@ class Session:
                 raise SharedBufferError("a local-update run's state needs meta.layout.outer: one "
                                         f"{OUTER_MOMENTUM!r} slot of {self.total_numel} elements")
             total = outer_slots[-1].end
+            outer_meta = meta.get("outer")
+            if outer_meta is not None and not isinstance(outer_meta, dict):
+                raise SharedBufferError("meta.outer must be an object")
+            step_norm = _step_norm(None if outer_meta is None else outer_meta.get("step_norm"))
         if numel != total or meta.get("numel", total) != total:
             raise SharedBufferError(f"the state layout in meta holds {total} float32 elements, got "
                                     f"numel={numel}", {"buffer": buffer, "needed": total, "given": numel})
@@ -475,6 +495,7 @@ class Session:
         if self.outer is not None:  # the state's parameters are the outer ones
             self.outer.take(self.params)
             self.outer.load(self.outer.params, scatter_views(outer_slots, copied)[0])
+            self.outer.step_norm = step_norm
         self.step = step
         self.zero_grad()
         self.state_numel = self._count_state_numel()
@@ -495,7 +516,8 @@ class Session:
         if self.outer is not None:  # the model's parameters may have drifted: the outer ones count
             payload["outer"] = {"parameters": self.outer.params.detach().cpu(),
                                 "momentum": self.outer.momentum.detach().cpu(),
-                                "residual": self.outer.residual.detach().cpu()}
+                                "residual": self.outer.residual.detach().cpu(),
+                                "step_norm": self.outer.step_norm}
         size = checkpoint.save(path, payload)
         return {"path": str(Path(path).absolute()), "bytes": size, "step": self.step}
 
@@ -537,10 +559,25 @@ class Session:
             self.outer.load(outer["parameters"], outer["momentum"],
                             residual if isinstance(residual, torch.Tensor)
                             and tuple(residual.shape) == (self.total_numel,) else None)
+            try:
+                self.outer.step_norm = _step_norm(outer.get("step_norm"))
+            except SharedBufferError:
+                self.outer.step_norm = None  # the guard starts over (from the parameters' norm)
         self.step = int(document.get("step", 0))
         self.zero_grad()  # (a local-update run: back on the outer parameters)
         self.state_numel = self._count_state_numel()
         return {"step": self.step}
+
+
+def _step_norm(value: Any) -> float | None:
+    """A state's or checkpoint's outer-step norm (outer.py's guard): null or a finite number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value < 0:
+        raise SharedBufferError(f"meta.outer.step_norm must be null or a finite number >= 0, not "
+                                f"{value!r:.40}")
+    return float(value)
 
 
 def _check_finite(view: torch.Tensor, buffer: str, what: str) -> None:

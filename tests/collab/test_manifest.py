@@ -194,7 +194,9 @@ def test_a_local_update_run_names_its_outer_optimizer() -> None:
     assert LOCAL.fingerprint() != BASE.fingerprint()
     assert LOCAL.epoch_samples == 25 * 64 and BASE.epoch_samples == 64
     assert LOCAL.worker_sync() == {"mode": "local", "inner_steps": 25, "outer_lr": 0.7,
-                                   "outer_momentum": 0.9, "nesterov": True, "overlap": False}
+                                   "outer_momentum": 0.9, "nesterov": True, "overlap": False,
+                                   "clip": 4.0}
+    assert LOCAL.max_weight == 25 * 64 + 7 * 64 and BASE.max_weight == 8 * 64
     assert BASE.worker_sync() is None and BASE.sync_fields() == {}
     assert dataclasses.replace(BASE, **LOCAL.sync_fields()) == LOCAL
     # 1 and 1.0 are one outer learning rate, one fingerprint
@@ -204,7 +206,7 @@ def test_a_local_update_run_names_its_outer_optimizer() -> None:
 
 @pytest.mark.parametrize(("name", "value"), [
     ("inner_steps", 26), ("outer_lr", 0.5), ("outer_momentum", 0.0), ("outer_nesterov", False),
-    ("overlap", True),
+    ("overlap", True), ("outer_clip", 0.0),
 ])
 def test_a_local_update_runs_fingerprint_changes_with_its_outer_optimizer(name: str, value: Any) -> None:
     assert dataclasses.replace(LOCAL, **{name: value}).fingerprint() != LOCAL.fingerprint()
@@ -221,7 +223,8 @@ def test_a_local_update_runs_fingerprint_changes_with_its_outer_optimizer(name: 
     {"sync": "local", "inner_steps": 4, "outer_momentum": 1.0},
     {"sync": "local", "inner_steps": 4, "outer_nesterov": "yes"},
     {"inner_steps": 4},  # outer settings without sync "local": a mistake, said so
-    {"outer_lr": 1.0}, {"overlap": True}, {"sync": "local", "inner_steps": 4, "overlap": 1},
+    {"outer_lr": 1.0}, {"overlap": True}, {"outer_clip": 2.0},
+    {"sync": "local", "inner_steps": 4, "outer_clip": -1}, {"sync": "local", "inner_steps": 4, "overlap": 1},
 ])
 def test_malformed_sync_settings_are_refused(changes: dict[str, Any]) -> None:
     with pytest.raises(ManifestError):
@@ -513,3 +516,19 @@ def test_task_is_part_of_the_identity_and_absent_when_none() -> None:
 def test_bad_task_is_refused(task: Any) -> None:
     with pytest.raises(ManifestError, match="task"):
         RunManifest.from_json({**BASE.to_json(), "task": task})
+
+
+def test_a_local_update_run_averages_no_state() -> None:
+    from dedloc.daemon.collab.run import schedule_of
+
+    assert schedule_of(BASE).average_state_every == 3 and schedule_of(BASE).target_batch_size == 64
+    local = schedule_of(dataclasses.replace(LOCAL, average_state_every=5))
+    assert local.average_state_every == 0 and local.target_batch_size == 25 * 64
+
+
+def test_a_grid_round_sends_its_later_stages_densely_when_the_codec_sparsifies() -> None:
+    from dedloc.daemon.collab.rounds import stage_compression
+
+    assert stage_compression("topk", "m0/3") == "topk"
+    assert stage_compression("topk", "m1/0") == "fp16" and stage_compression("topk", "m2/1") == "fp16"
+    assert stage_compression("uint8", "m1/0") == "uint8" and stage_compression("none", "m1/0") == "none"

@@ -38,7 +38,7 @@ def _train(session: Session, samples: int) -> None:
 
 
 def test_the_outer_step_is_sgd_with_nesterov_momentum() -> None:
-    settings = LocalUpdates(inner_steps=4, outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    settings = LocalUpdates(inner_steps=4, outer_lr=0.7, outer_momentum=0.9, nesterov=True, clip=0)
     start = torch.randn(10, generator=torch.Generator().manual_seed(1))
     reference = torch.nn.Parameter(start.clone())
     optimizer = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
@@ -60,7 +60,7 @@ def _slot(numel: int) -> Any:
 
 def test_an_outer_step_of_lr_one_without_momentum_is_the_weighted_mean_of_the_local_parameters(
         buffers: Any) -> None:
-    local = LocalUpdates(inner_steps=4, outer_lr=1.0, outer_momentum=0.0)
+    local = LocalUpdates(inner_steps=4, outer_lr=1.0, outer_momentum=0.0, clip=0)
     peers = [_session(1, local), _session(2, local)]
     initial = _flat(peers[0])
     assert np.array_equal(initial, _flat(peers[1]))  # the same initial weights
@@ -185,7 +185,7 @@ def test_sync_settings_default_like_diloco() -> None:
     assert LocalUpdates.from_json(None) is None
     assert LocalUpdates.from_json({"mode": "gradients"}) is None
     local = LocalUpdates.from_json({"mode": "local", "inner_steps": 100})
-    assert local == LocalUpdates(100, 0.7, 0.9, True)
+    assert local == LocalUpdates(100, 0.7, 0.9, True, False, 4.0)
     assert LocalUpdates.from_json(local.to_json()) == local
 
 
@@ -229,7 +229,7 @@ def test_the_residual_joins_the_next_pseudo_gradient_stays_in_checkpoints_and_no
 
 
 def test_with_overlap_the_inner_steps_made_during_the_exchange_carry_over(buffers: Any) -> None:
-    local = LocalUpdates(inner_steps=4, outer_lr=1.0, outer_momentum=0.0, overlap=True)
+    local = LocalUpdates(inner_steps=4, outer_lr=1.0, outer_momentum=0.0, overlap=True, clip=0)
     peers = [_session(1, local), _session(2, local)]
     initial = _flat(peers[0])
     for peer in peers:
@@ -263,3 +263,67 @@ def test_with_overlap_the_inner_steps_made_during_the_exchange_carry_over(buffer
     peers[0].export("gradients", name, numel)
     np.testing.assert_allclose(vector, outer - _flat(peers[0]), rtol=0, atol=1e-6)
     assert peers[0].accumulated_samples == 16
+
+
+def test_the_guard_bounds_an_outer_step_by_the_recent_ones() -> None:
+    settings = LocalUpdates(inner_steps=4, outer_lr=1.0, outer_momentum=0.0, clip=4.0)
+    start = torch.ones(100)
+    outer = OuterState(settings, [_slot(100)], [start], torch.device("cpu"))
+    # the first step: at most a tenth of the parameters' norm (10 here)
+    assert outer.step(torch.full((100,), 0.05)) == 1.0  # norm 0.5: taken whole
+    assert outer.step_norm == pytest.approx(0.5)
+    # a hostile average 1e6 times larger is scaled to 4x the recent steps' norm
+    before = outer.params.clone()
+    factor = outer.step(torch.full((100,), 5e4))
+    assert factor == pytest.approx(4 * 0.5 / 5e5, rel=1e-6)
+    assert float((before - outer.params).norm()) == pytest.approx(2.0, rel=1e-5)
+    assert outer.clipped_steps == 1
+    # a fresh state's first step cannot rewrite the parameters either
+    fresh = OuterState(settings, [_slot(100)], [start], torch.device("cpu"))
+    fresh.step(torch.full((100,), -1e3))
+    assert float((fresh.params - start).norm()) == pytest.approx(1.0, rel=1e-5)
+    # the factor is a function of the norms only: two peers compute the same
+    twin = OuterState(settings, [_slot(100)], [start], torch.device("cpu"))
+    twin.step(torch.full((100,), -1e3))
+    assert torch.equal(twin.params, fresh.params) and twin.step_norm == fresh.step_norm
+
+
+def test_the_guards_norm_travels_with_the_state_and_the_checkpoint(tmp_path: Any, buffers: Any) -> None:
+    local = LocalUpdates(inner_steps=2)
+    donor = _session(1, local)
+    _train(donor, 16)
+    _outer_step(donor, buffers)
+    assert donor.outer is not None and donor.outer.step_norm is not None
+    state_numel = donor.describe()["state_numel"]
+    name, _ = buffers.make(state_numel)
+    exported = donor.export("state", name, state_numel)
+    assert exported["meta"]["outer"]["step_norm"] == donor.outer.step_norm
+    joiner = _session(2, local)
+    joiner.apply("state", name, exported["numel"], exported["meta"])
+    assert joiner.outer is not None and joiner.outer.step_norm == donor.outer.step_norm
+    path = str(tmp_path / "checkpoint.pt")
+    donor.save_checkpoint(path)
+    resumed = _session(3, local)
+    resumed.load_checkpoint(path)
+    assert resumed.outer is not None and resumed.outer.step_norm == donor.outer.step_norm
+    for bad in (-1.0, float("nan"), "1", True):
+        with pytest.raises(SharedBufferError, match="step_norm"):
+            joiner.apply("state", name, exported["numel"],
+                         {**exported["meta"], "outer": {"step_norm": bad}})
+
+
+def test_the_inner_learning_rate_is_held_for_an_outer_step_at_the_runs_position(buffers: Any) -> None:
+    config = {**CONFIG, "warmup_steps": 10}
+    peer = _session(1, LocalUpdates(inner_steps=2, clip=0), config)
+    lr = CONFIG["lr"]
+    assert peer.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 1 / 10)
+    _train(peer, 40)  # five inner steps: the schedule does not move within the outer step
+    assert peer.inner_step == 5
+    assert peer.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 1 / 10)
+    numel = peer.total_numel
+    name, _ = buffers.make(numel)
+    peer.export("gradients", name, numel)
+    answer = peer.apply("gradients", name, numel, {"step": 3})  # the run's outer step 3
+    # outer step 4 starts at the run's 4 * H = 8th target batch
+    assert answer["lr"] == pytest.approx(lr * 9 / 10)
+    assert peer.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 9 / 10)
