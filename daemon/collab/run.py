@@ -140,6 +140,10 @@ class Run:
         return None if self._trainer is None else self._trainer.inner_step
 
     @property
+    def clipped_steps(self) -> int:
+        return 0 if self._trainer is None else self._trainer.clipped_steps
+
+    @property
     def key(self) -> str | None:
         """The run's peer-to-peer key (collaborative runs)."""
         return None if self.board is None else self.board.key

@@ -17,12 +17,14 @@ _RATIO_CHUNK = 1 << 20  # elements: a codec's nominal compression ratio on a chu
 
 
 def sync_status(manifest: RunManifest, engine: RunEngine | None,
-                inner_step: int | None) -> dict[str, Any]:
+                inner_step: int | None, clipped_steps: int = 0) -> dict[str, Any]:
     """How the run syncs and what its last exchange cost: `mode`; for a local-update run also
     `inner_steps` (H), `outer_step` (the run's epoch: outer steps taken), `inner_step` (inner
-    steps since the last one); for both, `bytes_sent_per_step` and `bytes_received_per_step`
-    (this peer's traffic in the last round), `bytes_per_sample` (sent, per sample of that
-    step) and `compression_ratio` (float32 bytes per byte on the wire, nominal for the codec)."""
+    steps since the last one) and `clipped_steps` (outer steps its guard scaled down: a large
+    count means a peer pushes, or `outer_clip` is too tight); for both, `bytes_sent_per_step`
+    and `bytes_received_per_step` (this peer's traffic in the last round), `bytes_per_sample`
+    (sent, per sample of that step) and `compression_ratio` (float32 bytes per byte on the
+    wire, nominal for the codec)."""
     codec = get_codec(manifest.compression)
     ratio = 4 * _RATIO_CHUNK / codec.max_payload_bytes(_RATIO_CHUNK)
     last = None if engine is None else engine.last_round
@@ -39,7 +41,8 @@ def sync_status(manifest: RunManifest, engine: RunEngine | None,
         status.update({"inner_steps": manifest.inner_steps, "outer_lr": manifest.outer_lr,
                        "outer_momentum": manifest.outer_momentum,
                        "outer_step": None if engine is None else engine.progress.epoch,
-                       "inner_step": inner_step})
+                       "inner_step": inner_step, "outer_clip": manifest.outer_clip,
+                       "clipped_steps": clipped_steps})
     return status
 
 
@@ -89,7 +92,7 @@ def run_status(run: Run) -> dict[str, Any]:
         "samples": p.samples,
         "accumulated": p.accumulated,
         "target_batch_size": run.spec.target_batch_size,
-        "sync": sync_status(run.spec.manifest, engine, run.inner_step),
+        "sync": sync_status(run.spec.manifest, engine, run.inner_step, run.clipped_steps),
         "loss_first": p.loss_first,
         "loss": p.loss_last,
         "epoch_losses": list(p.epoch_losses),

@@ -30,6 +30,7 @@ class WorkerTrainer:
         self.model_lock = asyncio.Lock()
         self._buffer = SharedBuffer(gradient_numel)
         self.inner_step: int | None = None  # a local-update run's, as the worker last said
+        self.clipped_steps = 0  # a local-update run's outer steps that its guard scaled down
 
     async def call(self, method: WorkerMethod, params: dict[str, Any] | None = None) -> Any:
         async with self.model_lock:
@@ -53,6 +54,9 @@ class WorkerTrainer:
         applied = await self.call(WorkerMethod.APPLY, {
             "what": "gradients", "buffer": buffer.name, "numel": buffer.numel,
             "meta": {"step": epoch}})  # the learning-rate schedule follows the run's epoch
+        factor = applied.get("clip_factor")
+        if isinstance(factor, int | float) and factor < 1.0:
+            self.clipped_steps += 1
         inner = applied.get("inner_step")  # a local-update run: what it carried over
         if self.inner_step is not None or isinstance(inner, int):
             self.inner_step = inner if isinstance(inner, int) else 0
