@@ -137,23 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
     start.add_argument("--average-state-every", type=int,
                        help="average parameters and optimizer state every K epochs (0: never)")
-    start.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8", "topk"),
-                       help="compression of the gradients in averaging rounds (topk: --sync "
-                            "local only)")
-    start.add_argument("--sync", choices=("gradients", "local"),
-                       help="how the run syncs: gradients (DeDLOC, the default) or local (DiLoCo: "
-                            "inner steps, then an outer step; needs --inner-steps)")
-    start.add_argument("--inner-steps", type=int,
-                       help="a local run's target batches of inner steps per outer step (H)")
-    start.add_argument("--outer-lr", type=float, help="a local run's outer learning rate (0.7)")
-    start.add_argument("--outer-momentum", type=float,
-                       help="a local run's outer Nesterov momentum (0.9)")
-    start.add_argument("--overlap", action="store_true", default=None,
-                       help="a local run trains on while its pseudo-gradient is averaged "
-                            "(a one-step-delayed outer step)")
-    start.add_argument("--outer-clip", type=float,
-                       help="a local run's outer-step guard: at most this many times the recent "
-                            "steps' norm (4; 0: none)")
+    add_sync_options(start)
     start.add_argument("--closed", action="store_true",
                        help="a closed run this daemon owns: only peers with its tokens take part "
                             "(dedloc token issue)")
@@ -273,6 +257,27 @@ async def _run(args: argparse.Namespace, socket: Path) -> int:
         else:
             sys.stdout.write(_render(args.command, result))
     return EXIT_OK
+
+
+def add_sync_options(parser: argparse.ArgumentParser) -> None:
+    """How a run syncs (`dedloc start`, `dedloc run create`): compression and local updates."""
+    parser.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8", "topk"),
+                        help="compression of the gradients in averaging rounds (topk: --sync "
+                             "local only)")
+    parser.add_argument("--sync", choices=("gradients", "local"),
+                        help="how the run syncs: gradients (DeDLOC, the default) or local "
+                             "(DiLoCo: inner steps, then an outer step; needs --inner-steps)")
+    parser.add_argument("--inner-steps", type=int,
+                        help="a local run's target batches of inner steps per outer step (H)")
+    parser.add_argument("--outer-lr", type=float, help="a local run's outer learning rate (0.7)")
+    parser.add_argument("--outer-momentum", type=float,
+                        help="a local run's outer Nesterov momentum (0.9)")
+    parser.add_argument("--overlap", action="store_true", default=None,
+                        help="a local run trains on while its pseudo-gradient is averaged "
+                             "(a one-step-delayed outer step)")
+    parser.add_argument("--outer-clip", type=float,
+                        help="a local run's outer-step guard: at most this many times the "
+                             "recent steps' norm (4; 0: none)")
 
 
 def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] | None]:
