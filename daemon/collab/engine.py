@@ -169,6 +169,7 @@ class RunEngine:
         # the trainers seen at the run's head so far, and when that set last grew (policy: a
         # first grid round waits for it to settle)
         self._head_seen: tuple[Head, frozenset[str], float] | None = None
+        self._head_since: dict[str, float] = {}  # each trainer seen at that head: first seen at
         self._finished_at: float | None = None
         self._averaged: Head | None = None  # aux: the head of its last good round
         self._head_group: tuple[str, ...] = ()  # the members of the round that made our head
@@ -313,9 +314,18 @@ class RunEngine:
         seen = self._head_seen
         if seen is None or seen[0] != run.head:
             self._head_seen = (run.head, at_head, now)
+            self._head_since = {}
         elif not at_head <= seen[1]:
             self._head_seen = (run.head, seen[1] | at_head, now)
+        self._head_since = {peer: self._head_since.get(peer, now) for peer in at_head}
         return self._head_seen[2]
+
+    def _settled(self) -> tuple[str, ...]:
+        """The trainers at the run's head that we have seen there for `Timing.settle` seconds or
+        more (ourselves included): a first grid round's roster is drawn from them (rounds.py),
+        since a trainer that came a moment ago begins its round late (policy: it settles)."""
+        until = timebase.now() - self.timing.settle
+        return tuple(sorted(peer for peer, since in self._head_since.items() if since <= until))
 
     def _estimate_reached(self, run: GlobalProgress, now: float) -> float:
         """When the run reached its target, from the overshoot (for the epoch's overhead)."""
@@ -415,7 +425,8 @@ class RunEngine:
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),
                                               aux=self._aux_peers(),
-                                              max_weight=self._max_weight())
+                                              max_weight=self._max_weight(),
+                                              settled=self._settled())
         report = await (self._train_while(averaged) if self.overlap and weight > 0 else averaged)
         if report is not None:
             self.last_round = report
@@ -578,7 +589,8 @@ class RunEngine:
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),
                                               aux=self._aux_peers(),
-                                              max_weight=self._max_weight())
+                                              max_weight=self._max_weight(),
+                                              settled=self._settled())
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))
         if report is not None and report.group_size > 1:

@@ -34,7 +34,9 @@ The rules, one each:
   first after a restart) lays the grid out from its own view, and views that differ by a few
   newcomers put everyone in other slices. Such a peer averages only once the trainers it sees at
   the head have not grown for `Timing.settle` seconds (newcomers still arriving: wait), and at
-  most `Timing.max_settle` seconds after the run reached its target there.
+  most `Timing.max_settle` seconds after the run reached its target there; its cells then go
+  to the round's roster (roster.py), one list drawn from the trainers settled at the head, so
+  that views still growing (a trickle of newcomers outlasting `max_settle`) agree on the grid.
 
 An aux peer follows the head like a trainer and averages (weight 0: it only reduces) each head
 once, when its trainers average.

@@ -210,7 +210,7 @@ class Run:
                 raise RunNotActiveError("the peer network is not started")
             self.board = DhtProgressBoard(dht, network.identity, network.membership, spec.name,
                                           spec.manifest, "trainer", parameters, spec.owner_signature)
-            rounds: NetworkRounds | SoloRounds = NetworkRounds(averager, self.board.key)
+            rounds: NetworkRounds | SoloRounds = NetworkRounds(averager, self.board.key, dht)
             states = NetworkStates(transport, network.membership, self.board.key,
                                    parameters=parameters)
             board: DhtProgressBoard | LocalBoard = self.board
