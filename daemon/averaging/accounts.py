@@ -12,10 +12,12 @@ A member that receives the answer checks, before it writes anything into its vec
    those of the chunk it sent (decoded as the reducer decodes it);
 2. every entry: a sender of the group, listed once, with its group weight, and a projection no
    larger than Cauchy-Schwarz allows for its norm;
-3. the answer against the account: the weighted mean is linear, so an honest answer y satisfies
+3. the answer's norm: ||y|| <= sum_i q_i ||x_i|| (q_i = w_i / sum w, the triangle inequality),
+   up to the answer codec's error and float32 rounding (`norm_bound`): no false alarm at all;
+4. the answer against the account: the weighted mean is linear, so an honest answer y satisfies
    <r, y> = sum_i w_i p_i / sum_i w_i, up to the answer codec's error and float32 rounding.
 
-The tolerance of (3) comes from known bounds, not guesses. r's signs are independent of the
+The tolerance of (4) comes from known bounds, not guesses. r's signs are independent of the
 errors (a hash of the answer), so by Hoeffding's inequality |<r, e>| > Z * ||e||_2 has
 probability at most 2 exp(-Z^2 / 2) (Z = 8: below 3e-14 per chunk) for an error vector e. The
 errors: the answer codec's, whose norm the reducer states in the account ("e", which must be
@@ -24,11 +26,15 @@ evaluated on the decoded answer: a bound evaluated on values within the bound of
 and the float32 weighted mean's, at most (senders + 2) * 2^-24 * sqrt(sum_i q_i ||x_i||^2) with
 q_i = w_i / sum w; plus the float64 error of the sums themselves. What the check sees of a wrong
 answer y + d is <r, d>, about ||d||_2 times a standard normal: exact answers ("none") are caught
-for any d above float32 rounding; with a lossy codec, a chunk whose d is within a few times the
-codec's own error can pass (it is indistinguishable from that error), each chunk independently.
+for any d above float32 rounding; with a lossy codec, a chunk passes with probability about
+sqrt(2 / pi) * Z * ||e|| / ||d|| (a standard normal within +-Z ||e|| / ||d||), each chunk
+independently: not only a d within a few times the codec's error, also a large one now and then
+(uint8, an average scaled by 10 with the scaled answer's codec error: 6% of its chunks). (3)
+closes that for answers larger than any mean of the contributions (a scaled-up average, a vector
+of large norm), whatever the signs.
 
 A wrong answer (zeros, a scaled average, a vector of the reducer's choosing, another sender's
-contribution dropped or counted twice) with an honest account fails (3); an account that
+contribution dropped or counted twice) with an honest account fails (3) or (4); an account that
 misstates the member's own contribution fails (1). Not covered (docs/security.md): a reducer that
 also forges its account, the projection of its own contribution or of another sender's; closing
 that needs signed contribution hashes and a dispute step.
@@ -137,6 +143,17 @@ def tolerance(entries: Sequence[Entry], n: int, codec_error: float, answer_norm:
     return Z * (codec + rounding) + sums
 
 
+def norm_bound(entries: Sequence[Entry], n: int, codec_error: float) -> float:
+    """The largest norm an honest answer can have: ||sum_i q_i x_i|| <= sum_i q_i ||x_i|| (the
+    triangle inequality), plus the float32 mean's rounding and the codec's error, plus the float32
+    squares and float64 sums that measured the norms (`measure`)."""
+    total = sum(e.weight for e in entries)
+    mean_square = sum(e.weight / total * e.norm**2 for e in entries)
+    rounding = (len(entries) + 2) * FLOAT32_UNIT * math.sqrt(mean_square)
+    mean = sum(e.weight / total * e.norm for e in entries)
+    return (mean + rounding + codec_error) * (1 + 8 * FLOAT32_UNIT + 2 * n * FLOAT64_UNIT) + 1e-30
+
+
 def check_answer(entries: Sequence[Entry], codec_error: float, *, weights: Sequence[float],
                  sends: Sequence[bool], me: int, mine: tuple[float, float] | None, answer_projection: float,
                  answer_norm: float, answer_bound: float, n: int) -> None:
@@ -168,6 +185,10 @@ def check_answer(entries: Sequence[Entry], codec_error: float, *, weights: Seque
                 or abs(own.norm - norm) > 4 * FLOAT32_UNIT * norm + slack:
             raise WrongAverage("the account misstates this member's own contribution")
     total = sum(e.weight for e in entries)
+    largest = norm_bound(entries, n, codec_error)
+    if not answer_norm <= largest:
+        raise WrongAverage(f"the answer's norm {answer_norm:.6g} exceeds what a weighted mean of "
+                           f"the account's contributions can have ({largest:.6g})")
     expected = sum(e.weight * e.projection for e in entries) / total
     allowed = tolerance(entries, n, codec_error, answer_norm)
     if not abs(answer_projection - expected) <= allowed:
