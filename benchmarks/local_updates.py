@@ -8,6 +8,7 @@ workload on 127.0.0.1 in one collaborative run per configuration, each on the sa
 
   gradients          today's DeDLOC rounds: the gradients of every target batch are averaged
   local_h<H>         sync "local" with inner_steps H (outer Nesterov SGD, lr 0.7, momentum 0.9)
+  local_h<H>[_<codec>]_overlap  the same with overlap (train on during the exchange)
   local_h<H>_<codec> the same with the pseudo-gradients compressed by <codec> (e.g. topk); a codec
                      the manifest does not accept is reported as skipped, with the daemon's reason
   gradients_<codec>  gradient rounds with a codec (fp16, uint8, quantile8)
@@ -103,7 +104,7 @@ class BenchmarkError(RuntimeError):
 # --- configurations -------------------------------------------------------------------------------
 
 _CONFIG_NAME = re.compile(r"^(?:(?P<alone>alone)|(?P<gradients>gradients)|local_h(?P<h>[0-9]+))"
-                          r"(?:_(?P<codec>[a-z0-9]+))?$")
+                          r"(?:_(?!overlap$)(?P<codec>[a-z0-9]+))?(?:_(?P<overlap>overlap))?$")
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class ConfigSpec:
     sync: str  # "gradients", "local" or "alone"
     inner_steps: int = 0
     compression: str = "none"
+    overlap: bool = False
 
     @property
     def epoch_batches(self) -> int:
@@ -127,6 +129,8 @@ def parse_config(name: str) -> ConfigSpec:
         raise ValueError(f"unknown configuration {name!r} (gradients, gradients_<codec>, local_h<H>, "
                          "local_h<H>_<codec>, alone)")
     codec = match["codec"] or "none"
+    if match["overlap"] and not match["h"]:
+        raise ValueError(f"{name}: overlap is for local runs (local_h<H>_overlap)")
     if match["alone"]:
         if codec != "none":
             raise ValueError("alone trains without a network: it takes no codec")
@@ -136,7 +140,7 @@ def parse_config(name: str) -> ConfigSpec:
     steps = int(match["h"])
     if steps < 1:
         raise ValueError(f"{name}: H must be at least 1")
-    return ConfigSpec(name, "local", steps, codec)
+    return ConfigSpec(name, "local", steps, codec, bool(match["overlap"]))
 
 
 def parse_configs(text: str) -> list[ConfigSpec]:
@@ -169,6 +173,8 @@ def run_params(spec: ConfigSpec, workload: str, config: dict[str, Any], peers: i
         "compression": spec.compression}
     if spec.sync == "local":
         params.update({"sync": "local", "inner_steps": spec.inner_steps, **(outer or {})})
+        if spec.overlap:
+            params["overlap"] = True
     return params
 
 
@@ -181,7 +187,8 @@ def manifest_problem(params: dict[str, Any]) -> str | None:
                                      "average_state_every", "compression") if k in params}
     if params.get("sync") == "local":
         fields.update(sync="local", inner_steps=params["inner_steps"],
-                      **{k: params[k] for k in ("outer_lr", "outer_momentum") if k in params})
+                      **{k: params[k] for k in ("outer_lr", "outer_momentum", "overlap")
+                         if k in params})
     try:
         RunManifest(**fields)
     except ManifestError as exc:
