@@ -15,13 +15,23 @@ leader's group against it, `share_refusal`):
   as bounds, so an honest leader's split keeps them by construction, and a follower allows one
   chunk more for the rounding to whole chunks.
 
-The leader's rule (`leader_plan`), on top, from what it measured itself (bandwidth.PeerRates):
+The leader's rule (`leader_plan`), on top, from what it measured itself (bandwidth.PeerRates).
+Each member has a typical figure: the median of the other members' figures (its own claim does
+not move it), what its peers claim for themselves.
+- a member it has never measured counts for at most its typical figure and reduces at most one
+  equal share;
 - a member it has measured counts for at most that rate (what its all-reduce transfers showed:
   the member's modelled load over the time they took), put on the scale of the claims
   (`_evidence_scale`: honest claims read lower than a leader's measurements, and a liar must win
-  nothing over an honest member measured alike);
-- a member it has never measured counts for at most the group's median figure and reduces at
-  most one equal share;
+  nothing over an honest member measured alike), but never for less than its typical figure:
+  evidence backs a claim above the typical figure, it does not cut one below it. A rate is
+  measured over a round whose time includes waiting for its slowest member, so in a round that
+  latency or a busy CPU paces it reads the load the leader gave the member, not its link. Cut
+  below the typical figure by such rates, honest members lost their parts: the leader, counted
+  for its own claim, took the two equal shares its cap allows, and the others split the rest by
+  the parts they had been given (a smaller part read slower and got a smaller part, down to
+  none: a member that reduces nothing screens nothing). A member slower than its peers still
+  gets a smaller part from its own claim, which is its own measurement;
 - its own figure is its own measurement (what it claims).
 Followers cannot check the leader's evidence; they check the public caps, which the leader's rule
 never exceeds (it only lowers figures and caps).
@@ -138,28 +148,35 @@ def leader_plan(members: Sequence[Member], me: str, rates: Mapping[str, float]) 
     has of the others (bandwidth.PeerRates); `me` is the leader itself."""
     figures = bounded_figures(members)
     caps = share_caps(members)
-    median = statistics.median(figures) if figures else 0.0
     reducers = sum(1 for m in members if m.can_reduce)
     scale = _evidence_scale(members, figures, me, rates)
     planned: list[Member] = []
     planned_caps: list[float] = []
     bounded = cut = 0
-    for member, figure, cap in zip(members, figures, caps, strict=True):
+    for index, (member, figure, cap) in enumerate(zip(members, figures, caps, strict=True)):
         if figure != min(member.upload, member.download):
             bounded += 1
         if member.peer_id != me:
+            typical = _typical_figure(figures, index)
             measured = rates.get(member.peer_id)
-            if measured is None:  # never measured: a median member, at most an equal share
-                limit = median
+            if measured is None:  # never measured: a typical member, at most an equal share
+                limit = typical
                 cap = min(cap, 1.0 / reducers) if member.can_reduce else cap
-            else:
-                limit = scale * measured
+            else:  # evidence backs a figure above the typical one, never cuts below it
+                limit = max(scale * measured, typical)
             if limit < figure:
                 figure = max(limit, MIN_BANDWIDTH)
                 cut += 1
         planned.append(dataclasses.replace(member, upload=figure, download=figure))
         planned_caps.append(cap)
     return LeaderPlan(tuple(planned), tuple(planned_caps), bounded, cut)
+
+
+def _typical_figure(figures: Sequence[float], index: int) -> float:
+    """The median of the figures of the members other than `index` (its own figure when it is
+    alone): what its peers claim, which its own claim cannot move."""
+    others = [*figures[:index], *figures[index + 1:]]
+    return statistics.median(others) if others else figures[index]
 
 
 def _evidence_scale(members: Sequence[Member], figures: Sequence[float], me: str,

@@ -24,6 +24,7 @@ from dedloc.daemon.averaging.group import Group, Member
 from dedloc.daemon.averaging.report import AllReduceReport, PartFailure, PeerTransfer
 
 HONEST = 1e7  # bytes/s
+MIN_BYTES_EACH = 1 << 20  # a transfer large enough to measure
 SIZE = 1 << 20  # elements
 CHUNK = 1 << 12
 
@@ -54,13 +55,23 @@ CASES = {
     # honest claims (their own moving averages) read lower than the leader's measurements
     "1e12 claim, measured like the honest, who claim less": (
         [HONEST] * 3 + [1e12], {"b": 2 * HONEST, "c": 2 * HONEST, "d": 2 * HONEST}, 0.25, 0.25, 1, 1),
+    # evidence does not cut a figure below the typical one (the median of the others' figures)
     "1e12 claim, measured slow": ([HONEST] * 3 + [1e12], {"b": HONEST, "c": HONEST, "d": 1e5},
-                                  0.01, 0.0, 1, 1),
+                                  0.25, 0.25, 1, 1),
     "1 B/s claim": ([HONEST] * 3 + [1.0], {"b": HONEST, "c": HONEST, "d": HONEST}, 0.01, 0.0, 1, 0),
     "a proven fast peer": ([HONEST] * 3 + [4 * HONEST], {"b": HONEST, "c": HONEST, "d": 4 * HONEST},
                            0.5, 0.45, 0, 0),
     "history contradicting a claim": ([HONEST] * 3 + [4 * HONEST],
-                                      {"b": HONEST, "c": HONEST, "d": HONEST / 4}, 0.2, 0.0, 0, 1),
+                                      {"b": HONEST, "c": HONEST, "d": HONEST / 4}, 0.25, 0.25, 0, 1),
+    "history backing part of a claim": ([HONEST] * 3 + [4 * HONEST],
+                                        {"b": HONEST, "c": HONEST, "d": 2 * HONEST}, 0.5, 0.4, 0, 1),
+    # an honest member measured slow (a busy CPU, or the smaller part it had): not cut
+    "honest, one measured slow": ([HONEST] * 4, {"b": HONEST, "c": HONEST, "d": HONEST / 4},
+                                  0.25, 0.25, 0, 0),
+    # measurements that read below every claim do not give the leader, whose figure is its own
+    # claim, more than the others
+    "honest, all measured below their claims": (
+        [HONEST] * 4, {"b": HONEST / 2, "c": HONEST / 2, "d": HONEST / 2}, 0.25, 0.25, 0, 0),
 }
 
 
@@ -168,8 +179,47 @@ def test_peer_rates_move_towards_new_samples_and_stay_bounded() -> None:
         rates.observe("b", float("nan"))
 
 
-def test_a_measured_peer_counts_for_its_claim_or_its_rate_whichever_is_lower() -> None:
-    members = [member(name, HONEST) for name in "abcd"]
-    plan = leader_plan(members, "a", {"b": 2 * HONEST, "c": HONEST, "d": HONEST / 2})
+def test_a_measured_peer_counts_for_its_claim_or_its_rate_but_not_below_its_peers() -> None:
+    members = [member(name, claim) for name, claim in zip("abcd", [HONEST] * 3 + [4 * HONEST], strict=True)]
+    plan = leader_plan(members, "a", {"b": HONEST / 2, "c": HONEST, "d": 2 * HONEST})
     assert plan.claims_cut == 1
-    assert [m.upload for m in plan.members] == [HONEST, HONEST, HONEST, HONEST / 2]
+    assert [m.upload for m in plan.members] == [HONEST, HONEST, HONEST, 2 * HONEST]
+    plan = leader_plan(members, "a", {"b": HONEST / 2, "c": HONEST, "d": HONEST / 4})
+    assert [m.upload for m in plan.members] == [HONEST] * 4  # d: the median of a, b and c
+
+
+def test_a_group_of_two_gives_a_measured_liar_no_more_than_the_leader() -> None:
+    """With two members the median is halfway to the liar's claim; its typical figure is the
+    leader's alone."""
+    members = [member("a", HONEST), member("d", 1e12)]
+    fractions = split(members, "a", {"d": HONEST})
+    assert fractions[1] <= 0.5 + 1e-9, fractions
+
+
+def test_rounds_paced_by_latency_keep_every_honest_member_a_part() -> None:
+    """Rounds that latency or a busy CPU paces: every transfer lasts the round, so a leader
+    measures each member at the load it gave it (a smaller part reads slower), and one member's
+    transfers were slow once. Led in turn by the three trainers, with a client sending, every
+    trainer keeps reducing its third, round after round (cut by such rates, each leader, counted
+    for its own claim, took the two thirds its cap allows and the others split the rest by the
+    parts they had been given: one chunk or less for one of them)."""
+    size, chunk = 9 * CHUNK + 1234, CHUNK
+    members = [member("a", HONEST), member("b", HONEST), member("c", HONEST),
+               member("d", HONEST, "client")]
+    rates = {name: PeerRates() for name in "abc"}
+    for round_index in range(12):
+        leader = "abc"[round_index % 3]
+        plan = leader_plan(members, leader, rates[leader].snapshot(m.peer_id for m in members))
+        bounds = to_part_bounds(solve_shares(plan.members, size * 4, plan.caps).fractions, size, chunk)
+        g = Group("g", "k", tuple(members), size, bounds, chunk, "none", 1e9)
+        assert all(end - start > 2 * chunk for start, end in bounds[:3]), bounds  # 3 of 10 chunks
+        for index, name in enumerate("abc"):
+            fractions = [(end - start) / size for start, end in bounds]
+            own = ((1 - fractions[index]) + 3 * fractions[index]) * size * 4  # bytes each way
+            slow = 1.5 if round_index == 0 and name != "b" else 1.0  # b's transfers, once
+            transfers = {m.peer_id: PeerTransfer(MIN_BYTES_EACH, MIN_BYTES_EACH,
+                                                 slow if m.peer_id == "b" else 1.0)
+                         for m in members if m.peer_id != name}
+            report = AllReduceReport("g", 1.5, int(own), int(own), transfers, ((0, size),), (), (), {})
+            for peer_id, rate in measured_rates(g, index, report).items():
+                rates[name].observe(peer_id, rate)
