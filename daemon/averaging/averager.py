@@ -107,7 +107,8 @@ class Averager:
         members' claims bounded by the public rule and by what we measured (claims.py)."""
         from .balancing import solve_shares, to_part_bounds, uniform_shares  # scipy: loaded on first use
 
-        plan = leader_plan(members, self.peer_id, self.peer_rates.snapshot(m.peer_id for m in members))
+        rates = self.peer_rates.snapshot(m.peer_id for m in members)
+        plan = leader_plan(members, self.peer_id, rates)
         if self._loop is not None and (plan.claims_bounded or plan.claims_cut):
             self._loop.call_soon_threadsafe(self.counters.update, {
                 "bandwidth_claims_bounded": plan.claims_bounded,
@@ -116,6 +117,11 @@ class Averager:
             fractions = uniform_shares(members)
         else:
             fractions = solve_shares(plan.members, size * 4, plan.caps).fractions
+        log.debug("averaging_plan", members=[m.peer_id[:12] for m in members],
+                  claims=[round(narrower_link(m)) for m in members],
+                  measured=[round(rates[m.peer_id]) if m.peer_id in rates else None for m in members],
+                  figures=[round(m.upload) for m in plan.members],
+                  caps=[round(c, 4) for c in plan.caps], fractions=[round(f, 4) for f in fractions])
         return to_part_bounds(fractions, size, chunk)
 
     def advertised_bandwidth(self) -> tuple[float, float]:
