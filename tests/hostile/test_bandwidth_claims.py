@@ -2,9 +2,10 @@
 (to be given most of the vector to reduce) or 1 B/s (so that reducers wait hours for its chunks)
 in every round, whatever it measured (the test-only switch DEDLOC_TEST_CLAIMED_BANDWIDTH,
 corruption.py); its transfers themselves are honest. The honest leaders bound its claim
-(claims.py): it never reduces more than its measured rate and the public caps allow (an equal
-share while nobody has measured it), the honest peers count the discrepancy, and every round
-averages all four to their exact weighted mean."""
+(claims.py): it never reduces more than the public caps allow, nor more than its peers' typical
+figure unless its measured rate backs it (an equal share while nobody has measured it), the
+honest peers count the discrepancy, and every round averages all four to their exact weighted
+mean."""
 
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import DaemonProcess, p2p_address, wait_until
+from support import DaemonProcess, swarm_with_odd_one
 
 from dedloc.daemon.averaging.matchmaking import _ranked
-from dedloc.rpc import RpcCallError
 
 CHUNK = 16 << 10  # elements (64 KiB chunks): several per part
 LENGTH = 4 * 4 * CHUNK + 1234
@@ -27,23 +27,8 @@ ARGS = ("--averaging.chunk_bytes", str(CHUNK * 4))
 
 
 async def swarm(daemon_factory: Any, claim: float) -> list[DaemonProcess]:
-    first = await daemon_factory(*ARGS)
-    address = await p2p_address(first)
-    honest = [daemon_factory(*ARGS, "--net.bootstrap", address) for _ in range(2)]
-    liar = daemon_factory(*ARGS, "--net.bootstrap", address, name="liar",
-                          env={"DEDLOC_TESTING": "1", "DEDLOC_TEST_CLAIMED_BANDWIDTH": repr(claim)})
-    daemons = [first, *await asyncio.gather(*honest, liar)]
-
-    async def ready() -> bool:
-        try:
-            for daemon in daemons:
-                await daemon.call("averaging.status")
-        except RpcCallError:  # still joining
-            return False
-        return True
-
-    await wait_until(ready, timeout=60)
-    return daemons
+    return await swarm_with_odd_one(daemon_factory, ARGS, "liar", {
+        "DEDLOC_TESTING": "1", "DEDLOC_TEST_CLAIMED_BANDWIDTH": repr(claim)})
 
 
 async def average(daemons: list[DaemonProcess], key: str, seed: int
