@@ -137,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
     start.add_argument("--average-state-every", type=int,
                        help="average parameters and optimizer state every K epochs (0: never)")
-    start.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8"),
-                       help="compression of the gradients in averaging rounds")
+    add_sync_options(start)
     start.add_argument("--closed", action="store_true",
                        help="a closed run this daemon owns: only peers with its tokens take part "
                             "(dedloc token issue)")
@@ -260,6 +259,27 @@ async def _run(args: argparse.Namespace, socket: Path) -> int:
     return EXIT_OK
 
 
+def add_sync_options(parser: argparse.ArgumentParser) -> None:
+    """How a run syncs (`dedloc start`, `dedloc run create`): compression and local updates."""
+    parser.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8", "topk"),
+                        help="compression of the gradients in averaging rounds (topk: --sync "
+                             "local only)")
+    parser.add_argument("--sync", choices=("gradients", "local"),
+                        help="how the run syncs: gradients (DeDLOC, the default) or local "
+                             "(DiLoCo: inner steps, then an outer step; needs --inner-steps)")
+    parser.add_argument("--inner-steps", type=int,
+                        help="a local run's target batches of inner steps per outer step (H)")
+    parser.add_argument("--outer-lr", type=float, help="a local run's outer learning rate (0.7)")
+    parser.add_argument("--outer-momentum", type=float,
+                        help="a local run's outer Nesterov momentum (0.9)")
+    parser.add_argument("--overlap", action="store_true", default=None,
+                        help="a local run trains on while its pseudo-gradient is averaged "
+                             "(a one-step-delayed outer step)")
+    parser.add_argument("--outer-clip", type=float,
+                        help="a local run's outer-step guard: at most this many times the "
+                             "recent steps' norm (4; 0: none)")
+
+
 def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] | None]:
     if args.command == "info":
         return "node.info", None
@@ -272,7 +292,8 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] 
     if args.command == "start":
         params: dict[str, Any] = {"workload": args.workload, "config": dict(args.config)}
         for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device", "min_peers",
-                       "average_state_every", "compression"):
+                       "average_state_every", "compression", "sync", "inner_steps", "outer_lr",
+                       "outer_momentum", "overlap", "outer_clip"):
             if getattr(args, option) is not None:
                 params[option] = getattr(args, option)
         if args.collaborative:

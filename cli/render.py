@@ -152,6 +152,10 @@ def _step_row(run: dict[str, Any], collaborative: bool) -> str | None:
     own = _number(run.get("accumulated"))
     shared = _number(run.get("run_samples_accumulated"))
     target = _number(run.get("target_batch_size"))
+    sync = run.get("sync") if isinstance(run.get("sync"), dict) else {}
+    inner = _number(sync.get("inner_steps"))
+    if sync.get("mode") == "local" and target is not None and inner is not None:
+        target *= inner  # a local-update run steps after H target batches
     done = shared if shared is not None else own
     if done is None and target is None:
         return None
@@ -163,7 +167,23 @@ def _step_row(run: dict[str, Any], collaborative: bool) -> str | None:
     eta = run.get("run_eta_seconds")
     if collaborative or _number(eta) is not None:
         text += f" · eta {format_duration(eta)}"
-    return _row("next step", text)
+    return _row("next outer step" if sync.get("mode") == "local" else "next step", text)
+
+
+def _sync_row(run: dict[str, Any]) -> str | None:
+    """A local-update run's inner and outer steps, and what each exchange costs."""
+    sync = run.get("sync")
+    if not isinstance(sync, dict) or sync.get("mode") != "local":
+        return None
+    parts = [f"local updates, H {_count(sync.get('inner_steps'))}",
+             f"outer step {_count(sync.get('outer_step'))}",
+             f"inner step {_count(sync.get('inner_step'))}"]
+    if sync.get("bytes_sent_per_step") is not None:
+        parts.append(f"↑{format_bytes(sync.get('bytes_sent_per_step'))}/outer step")
+    ratio = _number(sync.get("compression_ratio"))
+    if ratio is not None:
+        parts.append(f"compression ×{ratio:.1f}")
+    return _row("sync", " · ".join(parts))
 
 
 def _round_text(last: Any) -> str:
@@ -238,6 +258,9 @@ def render_status(run: dict[str, Any]) -> str:
     step = _step_row(run, collaborative)
     if step:
         lines.append(step)
+    sync_row = _sync_row(run)
+    if sync_row:
+        lines.append(sync_row)
     trainers, helpers = run.get("run_peers"), run.get("run_aux_peers")
     if collaborative and trainers is None and helpers is None:
         lines.append(_row("peers", "not known yet"))

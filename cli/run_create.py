@@ -22,7 +22,7 @@ import orjson
 from dedloc import __version__
 from dedloc.rpc import JsonRpcClient
 
-from .main import DEVICE_HELP, EXIT_OK, _request, parse_assignment
+from .main import DEVICE_HELP, EXIT_OK, _request, add_sync_options, parse_assignment
 
 # Address kinds, best first: what a volunteer elsewhere on the internet can most likely dial.
 PUBLIC, UNKNOWN, PRIVATE, RELAYED, LOOPBACK = range(5)
@@ -46,8 +46,7 @@ def add_run_commands(commands: Any) -> None:
     create.add_argument("--min-peers", type=int, help="no step before this many trainers take part")
     create.add_argument("--average-state-every", type=int,
                         help="average parameters and optimizer state every K epochs (0: never)")
-    create.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8"),
-                        help="compression of the gradients in averaging rounds")
+    add_sync_options(create)
     create.add_argument("--closed", action="store_true",
                         help="only peers holding a token this daemon issues take part")
     create.add_argument("--checkpoint-every", type=int, help="checkpoint every N epochs (here)")

@@ -175,17 +175,35 @@ class ControlApi:
                         "node.role."] = None,
         average_state_every: Annotated[int, "Average parameters and optimizer state every K epochs "
                                        "(0: never).", {"minimum": 0}] = 5,
-        compression: Annotated[Literal["none", "fp16", "uint8", "quantile8"],
-                               "Compression of the gradients in averaging rounds."] = "none",
+        compression: Annotated[Literal["none", "fp16", "uint8", "quantile8", "topk"],
+                               "Compression of the gradients in averaging rounds (topk: "
+                               "local-update runs only, with error feedback)."] = "none",
         closed: Annotated[bool, "Create a closed run owned by this daemon: only peers holding a "
                           "token it issued (token.issue) may take part."] = False,
         token: Annotated[str | None, "Join the closed run this token (issued by its owner to this "
                          "peer) is for; its name and manifest come from the token and the DHT."] = None,
+        sync: Annotated[Literal["gradients", "local"], "How the run syncs: gradients (DeDLOC: "
+                        "the gradients of every target batch are averaged) or local (DiLoCo: "
+                        "inner_steps target batches of local optimizer steps, then the "
+                        "pseudo-gradients are averaged and one outer step is taken)."] = "gradients",
+        inner_steps: Annotated[int | None, "A local run's H: target batches of inner steps per "
+                               "outer step (required with sync local).",
+                               {"minimum": 1, "maximum": 1_000_000}] = None,
+        outer_lr: Annotated[float | None, "A local run's outer learning rate (default 0.7).",
+                            {"minimum": 0, "maximum": 10}] = None,
+        outer_momentum: Annotated[float | None, "A local run's outer Nesterov momentum (default "
+                                  "0.9).", {"minimum": 0, "maximum": 0.999}] = None,
+        overlap: Annotated[bool | None, "A local run trains on while its pseudo-gradient is "
+                           "averaged (a one-step-delayed outer step; default false)."] = None,
+        outer_clip: Annotated[float | None, "A local run's outer-step guard: a step at most this "
+                              "many times the recent steps' norm (default 4; 0: none).",
+                              {"minimum": 0, "maximum": 1000}] = None,
     ) -> RunStatus:
         """Start a run, or join a collaborative one; answers once the worker has loaded it.
 
         The manifest (workload, config with its defaults filled in, target_batch_size, epochs,
-        min_peers, average_state_every, compression) identifies a collaborative run together with
+        min_peers, average_state_every, compression, and for a local-update run sync, inner_steps,
+        outer_lr and outer_momentum) identifies a collaborative run together with
         its name: peers with the same name and manifest train together, and a run started with
         only a name (no workload) joins the run its peers publish under that name. A run of the
         same name and manifest that stopped resumes from its last intact checkpoint.
@@ -196,9 +214,12 @@ class ControlApi:
         if workload is None and name is None and token is None:
             raise InvalidParams("workload", "give a workload to start a run, a run name to join "
                                             "one, or the token of a closed run")
+        local = {"sync": sync, "inner_steps": inner_steps, "outer_lr": outer_lr,
+                 "outer_momentum": outer_momentum, "overlap": overlap, "outer_clip": outer_clip}
         return await self._node.runs.start(workload, dict(config), name, target_batch_size, epochs,
                                            checkpoint_every, device, collaborative, min_peers,
-                                           role, average_state_every, compression, closed, token)
+                                           role, average_state_every, compression, closed, token,
+                                           sync={k: v for k, v in local.items() if v is not None})
 
     @rpc_method("run.status", errors=(ErrorCode.UNKNOWN_RUN,))
     async def run_status(

@@ -28,9 +28,10 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 
-#: Which vector an export or apply moves: the mean accumulated gradients, the parameters, or
-#: the full state (parameters, optimizer state, buffers).
-Vector = Literal["gradients", "parameters", "state"]
+#: Which vector an export or apply moves: the mean accumulated gradients, the parameters, the
+#: full state (parameters, optimizer state, buffers), or a local-update run's error-feedback
+#: residual (what a lossy codec did not convey yet; added to the next exported pseudo-gradient).
+Vector = Literal["gradients", "parameters", "state", "residual"]
 
 
 class WorkerMethod(StrEnum):
@@ -74,6 +75,9 @@ class DescribeResult(TypedDict):
     step: int
     samples_per_second: float | None
     running: str | None
+    # how the run syncs: {"mode": "gradients"} or the local-update settings (worker.load's sync)
+    sync: NotRequired[dict[str, Any]]
+    inner_step: NotRequired[int]  # a local-update run: inner steps since the last outer step
 
 
 class RankResult(TypedDict):
@@ -89,6 +93,7 @@ class TrainResult(TypedDict):
     samples_per_second: float | None
     accumulated_samples: int
     ranks: NotRequired[list[RankResult]]
+    inner_step: NotRequired[int]  # a local-update run: inner steps since the last outer step
 
 
 class ExportResult(TypedDict):

@@ -58,3 +58,51 @@ def replay(config: Mapping[str, Any], init_seed: int, peers: list[tuple[int, dic
         if scheduler is not None:
             scheduler.step()
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def replay_local(config: Mapping[str, Any], init_seed: int, peers: list[tuple[int, dict[int, int]]],
+                 epochs: int) -> list[dict[str, torch.Tensor]]:
+    """A local-update run (sync "local") with a stateless inner optimizer (SGD without momentum
+    or schedule), outer lr 1 and no outer momentum: each outer step is the mean of the peers'
+    local parameters weighted by their samples, each peer having taken one inner step per batch
+    of its own data from the outer parameters. The outer parameters after each of `epochs` outer
+    steps (index e: after e steps, e = 0..epochs)."""
+    config = full_config(config)
+    assert config["optimizer"] == "sgd" and config["momentum"] == 0 and config["warmup_steps"] == 0, \
+        "the replay assumes a stateless inner optimizer"
+    device = torch.device("cpu")
+    torch.manual_seed(init_seed)
+    model = TINY.build_model(config, device)
+    optimizer, _ = TINY.build_optimizer(model, config)
+    streams: list[Iterator[Any]] = [iter(TINY.build_data(config, seed, "train")) for seed, _ in peers]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    outers = [snapshot()]
+    for epoch in range(epochs):
+        outer = [p.detach().clone() for p in params]
+        weighted = [torch.zeros_like(p) for p in params]
+        total = 0
+        for stream, (_, by_epoch) in zip(streams, peers, strict=True):
+            wanted, done = by_epoch.get(epoch, 0), 0
+            with torch.no_grad():
+                for p, value in zip(params, outer, strict=True):
+                    p.copy_(value)
+            while done < wanted:
+                optimizer.zero_grad(set_to_none=True)
+                loss, batch_size = TINY.loss(model, next(stream), device)
+                loss.backward()  # an inner step: the batch's mean gradient
+                optimizer.step()
+                done += batch_size
+            assert done == wanted, f"epoch {epoch}: {wanted} samples is not whole batches"
+            for acc, p in zip(weighted, params, strict=True):
+                acc.add_(p.detach(), alpha=done)
+            total += done
+        assert total > 0, f"nobody contributed to outer step {epoch}"
+        with torch.no_grad():
+            for p, acc in zip(params, weighted, strict=True):
+                p.copy_(acc / total)
+        outers.append(snapshot())
+    return outers

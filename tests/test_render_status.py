@@ -171,3 +171,17 @@ def test_format_duration(seconds: Any, text: str) -> None:
 ])
 def test_format_bytes(count: Any, text: str) -> None:
     assert format_bytes(count) == text
+
+
+def test_a_local_update_run_shows_its_outer_and_inner_steps() -> None:
+    sync = {"mode": "local", "inner_steps": 25, "outer_step": 7, "inner_step": 12,
+            "bytes_sent_per_step": 2_500_000, "compression_ratio": 102.4}
+    text = render_status(full_status(sync=sync, run_samples_accumulated=25_000))
+    (step,) = [line for line in text.splitlines() if "next outer step" in line]
+    assert "25,000/50,000 samples" in step  # H target batches per outer step
+    (row,) = [line for line in text.splitlines() if line.lstrip().startswith("sync")]
+    assert "local updates, H 25 · outer step 7 · inner step 12 · ↑2.5 MB/outer step" in row
+    assert "compression ×102.4" in row
+    # a gradients run has no sync row
+    assert not [line for line in render_status(full_status(sync={"mode": "gradients"})).splitlines()
+                if line.lstrip().startswith("sync")]

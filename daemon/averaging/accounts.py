@@ -2,8 +2,9 @@
 
 A reducer answers chunk c of its part with one payload, the same bytes to every sender. With it
 (in the answer's header, key "v") it now sends its *account*: for every sender i whose
-contribution it averaged into that chunk, i's weight w_i, the projection p_i = <r, x_i> of the
-contribution x_i (as the reducer decoded it) onto a sign vector r, and the contribution's L2 norm.
+contribution it averaged into that chunk, i's weight w_i, the projections p_ik = <r_k, x_ik> of
+the contribution x_i (as the reducer decoded it) onto a sign vector r, one per segment k of the
+chunk (`segments`: up to SEGMENTS, each checked apart), and the contribution's L2 norm.
 r is derived from a SHA-256 of the answer itself (group, reducer, chunk, meta, payload): it is
 fixed only once the answer is, so a reducer cannot shape its answer around it.
 
@@ -12,23 +13,34 @@ A member that receives the answer checks, before it writes anything into its vec
    those of the chunk it sent (decoded as the reducer decodes it);
 2. every entry: a sender of the group, listed once, with its group weight, and a projection no
    larger than Cauchy-Schwarz allows for its norm;
-3. the answer against the account: the weighted mean is linear, so an honest answer y satisfies
-   <r, y> = sum_i w_i p_i / sum_i w_i, up to the answer codec's error and float32 rounding.
+3. the answer's norm: ||y|| <= sum_i q_i ||x_i|| (q_i = w_i / sum w, the triangle inequality),
+   up to the answer codec's error and float32 rounding (`norm_bound`): no false alarm at all;
+4. the answer against the account, segment by segment: the weighted mean is linear, so an
+   honest answer y satisfies <r_k, y_k> = sum_i w_i p_ik / sum_i w_i, up to the answer codec's
+   error over the segment (stated per segment) and float32 rounding.
 
-The tolerance of (3) comes from known bounds, not guesses. r's signs are independent of the
+The tolerance of (4) comes from known bounds, not guesses. r's signs are independent of the
 errors (a hash of the answer), so by Hoeffding's inequality |<r, e>| > Z * ||e||_2 has
-probability at most 2 exp(-Z^2 / 2) (Z = 8: below 3e-14 per chunk) for an error vector e. The
+probability at most 2 exp(-Z^2 / 2) (Z = 8: below 3e-14 per segment, 3e-13 per chunk) for an
+error vector e. The
 errors: the answer codec's, whose norm the reducer states in the account ("e", which must be
 within sqrt(n) times twice the codec's per-element bound, compression.py's `error_bound`
 evaluated on the decoded answer: a bound evaluated on values within the bound of the originals),
 and the float32 weighted mean's, at most (senders + 2) * 2^-24 * sqrt(sum_i q_i ||x_i||^2) with
 q_i = w_i / sum w; plus the float64 error of the sums themselves. What the check sees of a wrong
 answer y + d is <r, d>, about ||d||_2 times a standard normal: exact answers ("none") are caught
-for any d above float32 rounding; with a lossy codec, a chunk whose d is within a few times the
-codec's own error can pass (it is indistinguishable from that error), each chunk independently.
+for any d above float32 rounding; with a lossy codec, a chunk passes with probability about
+sqrt(2 / pi) * Z * ||e|| / ||d|| (a standard normal within +-Z ||e|| / ||d||), each chunk
+independently: not only a d within a few times the codec's error, also a large one now and then
+(uint8, an average scaled by 10 with the scaled answer's codec error: 6% of its chunks). (3)
+closes that for answers larger than any mean of the contributions (a scaled-up average, a vector
+of large norm), whatever the signs. The segments close most of the rest: each has its own signs,
+so a d spread over the chunk passes only if it passes in every segment (about the product of the
+segments' chances: 0.3 per segment gives 7e-5 per chunk of 8), and a d in one segment is checked
+against that segment's codec error alone, never more than the chunk's.
 
 A wrong answer (zeros, a scaled average, a vector of the reducer's choosing, another sender's
-contribution dropped or counted twice) with an honest account fails (3); an account that
+contribution dropped or counted twice) with an honest account fails (3) or (4); an account that
 misstates the member's own contribution fails (1). Not covered (docs/security.md): a reducer that
 also forges its account, the projection of its own contribution or of another sender's; closing
 that needs signed contribution hashes and a dispute step.
@@ -37,6 +49,7 @@ that needs signed contribution hashes and a dispute step.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,7 +59,9 @@ import numpy as np
 
 from .wire import PeerFault
 
-Z = 8.0  # Hoeffding: P(false alarm per chunk) <= 2 exp(-Z^2 / 2) < 3e-14
+Z = 8.0  # Hoeffding: P(false alarm per segment) <= 2 exp(-Z^2 / 2) < 3e-14
+SEGMENTS = 8  # the most segments of a chunk checked apart (`segments`)
+HEADER_FLOATS = 1400  # ... and the most projections an account holds (frames: 64 KiB headers)
 FLOAT32_UNIT = 2.0**-24
 FLOAT64_UNIT = 2.0**-53
 ACCOUNT_KEY = "v"
@@ -63,8 +78,18 @@ class WrongAverage(PeerFault):
 class Entry:
     sender: int
     weight: float
-    projection: float
+    projections: tuple[float, ...]  # one per segment of the chunk (`segments`)
     norm: float
+
+
+def segments(n: int, senders: int) -> list[tuple[int, int]]:
+    """The (start, end) of the segments of an n-element chunk that an account covers apart, each
+    with its own projection and codec error: SEGMENTS, fewer for a short chunk or for so many
+    senders that their projections would crowd the answer's header. Reducer and member agree on
+    it from what both know."""
+    count = max(1, min(SEGMENTS, n, HEADER_FLOATS // max(senders, 1)))
+    bounds = [n * k // count for k in range(count + 1)]
+    return list(itertools.pairwise(bounds))
 
 
 def signs(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any], payload: Any,
@@ -83,66 +108,100 @@ def signs(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any], payl
     return signs_
 
 
-def measure(r: np.ndarray, values: np.ndarray) -> tuple[float, float]:
-    """(<r, values>, ||values||_2), summed in float64. No BLAS: it runs in many threads at once,
-    and a threaded BLAS call from each of them oversubscribes the cores (measured: 130 ms instead
-    of 0.6 ms for 1M values on 2 cores). The products by +-1 are exact in float32; the squares
-    are off by at most 2^-24 each, relative."""
+def measure(r: np.ndarray, values: np.ndarray, parts: Sequence[tuple[int, int]]
+            ) -> tuple[tuple[float, ...], float]:
+    """(<r, values> over each segment of `parts`, ||values||_2), summed in float64. No BLAS: it
+    runs in many threads at once, and a threaded BLAS call from each of them oversubscribes the
+    cores (measured: 130 ms instead of 0.6 ms for 1M values on 2 cores). The products by +-1 are
+    exact in float32; the squares are off by at most 2^-24 each, relative."""
     product = np.multiply(values, r)
-    projection = float(product.sum(dtype=np.float64))
+    projections = tuple(float(product[a:b].sum(dtype=np.float64)) for a, b in parts)
     np.multiply(values, values, out=product)
-    return projection, math.sqrt(float(product.sum(dtype=np.float64)))
+    return projections, math.sqrt(float(product.sum(dtype=np.float64)))
 
 
-def account_header(entries: Sequence[Entry], codec_error: float) -> dict[str, Any]:
-    """The account as it goes in the answer's header: {"s": [[sender, weight, projection, norm],
-    ...], "e": ||answer - the float32 mean it encodes||_2}."""
-    return {"s": [[e.sender, e.weight, e.projection, e.norm] for e in entries], "e": codec_error}
+def codec_errors(decoded: np.ndarray, average: np.ndarray, parts: Sequence[tuple[int, int]]
+                 ) -> list[float]:
+    """||answer - the float32 mean it encodes||_2 over each segment (the account's "e")."""
+    error = decoded.astype(np.float64)
+    error -= average
+    return [float(np.linalg.norm(error[a:b])) for a, b in parts]
 
 
-def parse_account(raw: Any, senders: int) -> tuple[list[Entry], float]:
-    """The entries and the codec error of an answer header's account; WrongAverage for anything
-    malformed (at most `senders` entries, each a sender index and three finite numbers)."""
+def account_header(entries: Sequence[Entry], errors: Sequence[float]) -> dict[str, Any]:
+    """The account as it goes in the answer's header: {"s": [[sender, weight, [projection per
+    segment], norm], ...], "e": [||answer - the float32 mean it encodes||_2 per segment]}."""
+    return {"s": [[e.sender, e.weight, list(e.projections), e.norm] for e in entries],
+            "e": list(errors)}
+
+
+def _numbers(raw: Any, count: int) -> list[float] | None:
+    """`raw` as `count` finite floats, or None."""
+    if not isinstance(raw, list) or len(raw) != count or any(
+            isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) for x in raw):
+        return None
+    return [float(x) for x in raw]
+
+
+def parse_account(raw: Any, senders: int, parts: int) -> tuple[list[Entry], list[float]]:
+    """The entries and the per-segment codec errors of an answer header's account; WrongAverage
+    for anything malformed (at most `senders` entries, each a sender index, a weight, `parts`
+    projections and a norm, all finite; `parts` codec errors, finite and not negative)."""
     if not isinstance(raw, dict) or set(raw) != {"s", "e"}:
-        raise WrongAverage("the answer's account is not {\"s\": entries, \"e\": codec error}")
-    codec_error = raw["e"]
-    if isinstance(codec_error, bool) or not isinstance(codec_error, int | float) \
-            or not 0 <= codec_error < math.inf:
-        raise WrongAverage("the answer's account holds no finite codec error")
+        raise WrongAverage("the answer's account is not {\"s\": entries, \"e\": codec errors}")
+    errors = _numbers(raw["e"], parts)
+    if errors is None or any(e < 0 for e in errors):
+        raise WrongAverage(f"the answer's account holds no {parts} finite codec errors")
     raw = raw["s"]
     if not isinstance(raw, list) or len(raw) > senders:
         raise WrongAverage(f"the answer's account is not a list of at most {senders} entries")
     entries = []
     for item in raw:
         if not isinstance(item, list) or len(item) != 4:
-            raise WrongAverage("an account entry is not [sender, weight, projection, norm]")
-        sender, *numbers = item
+            raise WrongAverage("an account entry is not [sender, weight, projections, norm]")
+        sender, weight, projections, norm = item
         if isinstance(sender, bool) or not isinstance(sender, int):
             raise WrongAverage("an account entry's sender is not a member index")
-        if any(isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x)
-               for x in numbers):
-            raise WrongAverage("an account entry holds a non-finite or non-numeric value")
-        weight, projection, norm = (float(x) for x in numbers)
-        entries.append(Entry(sender, weight, projection, norm))
-    return entries, float(codec_error)
+        numbers = _numbers([weight, norm], 2)
+        projected = _numbers(projections, parts)
+        if numbers is None or projected is None:
+            raise WrongAverage(f"an account entry holds a non-finite or non-numeric value, or not "
+                               f"{parts} projections")
+        entries.append(Entry(sender, numbers[0], tuple(projected), numbers[1]))
+    return entries, errors
 
 
 def tolerance(entries: Sequence[Entry], n: int, codec_error: float, answer_norm: float) -> float:
-    """How far <r, answer> may honestly be from the account's weighted mean (module docstring)."""
+    """How far <r, answer> over a segment of n elements may honestly be from the account's
+    weighted mean (module docstring); the norms are the whole chunk's (at least the segment's)."""
     total = sum(e.weight for e in entries)
     mean_square = sum(e.weight / total * e.norm**2 for e in entries)
-    codec = codec_error
     rounding = (len(entries) + 2) * FLOAT32_UNIT * math.sqrt(mean_square)
     sums = n * FLOAT64_UNIT * math.sqrt(n) * (math.sqrt(mean_square) + answer_norm)
-    return Z * (codec + rounding) + sums
+    return Z * (codec_error + rounding) + sums
 
 
-def check_answer(entries: Sequence[Entry], codec_error: float, *, weights: Sequence[float],
-                 sends: Sequence[bool], me: int, mine: tuple[float, float] | None, answer_projection: float,
-                 answer_norm: float, answer_bound: float, n: int) -> None:
-    """WrongAverage unless the answer (its projection onto r, its norm, its codec's per-element
-    bound) agrees with the account. `weights`/`sends`: the group's members; `mine`: this member's
-    own (projection, norm) of the chunk it sent, or None if it sent none."""
+def norm_bound(entries: Sequence[Entry], n: int, codec_error: float) -> float:
+    """The largest norm an honest answer can have: ||sum_i q_i x_i|| <= sum_i q_i ||x_i|| (the
+    triangle inequality), plus the float32 mean's rounding and the codec's error, plus the float32
+    squares and float64 sums that measured the norms (`measure`)."""
+    total = sum(e.weight for e in entries)
+    mean_square = sum(e.weight / total * e.norm**2 for e in entries)
+    rounding = (len(entries) + 2) * FLOAT32_UNIT * math.sqrt(mean_square)
+    mean = sum(e.weight / total * e.norm for e in entries)
+    return (mean + rounding + codec_error) * (1 + 8 * FLOAT32_UNIT + 2 * n * FLOAT64_UNIT) + 1e-30
+
+
+def check_answer(entries: Sequence[Entry], errors: Sequence[float], *, weights: Sequence[float],
+                 sends: Sequence[bool], me: int, mine: tuple[Sequence[float], float] | None,
+                 answer_projections: Sequence[float], answer_norm: float, answer_bound: float,
+                 parts: Sequence[tuple[int, int]]) -> None:
+    """WrongAverage unless the answer (its projections onto r per segment of `parts`, its norm,
+    its codec's per-element bound) agrees with the account. `weights`/`sends`: the group's
+    members; `mine`: this member's own (projections, norm) of the chunk it sent, or None if it
+    sent none."""
+    n = parts[-1][1]
+    sizes = [b - a for a, b in parts]
     seen: set[int] = set()
     for e in entries:
         if not 0 <= e.sender < len(weights) or not sends[e.sender] or e.sender in seen:
@@ -152,24 +211,32 @@ def check_answer(entries: Sequence[Entry], codec_error: float, *, weights: Seque
         if e.weight != weights[e.sender]:
             raise WrongAverage(f"the account gives member {e.sender} weight {e.weight:g}, the "
                                f"group {weights[e.sender]:g}")
-        if e.norm < 0 or abs(e.projection) > math.sqrt(n) * e.norm * (1 + 1e-6) + 1e-30:
+        if e.norm < 0 or any(abs(p) > math.sqrt(size) * e.norm * (1 + 1e-6) + 1e-30
+                             for p, size in zip(e.projections, sizes, strict=True)):
             raise WrongAverage(f"the account's projection for member {e.sender} exceeds what its "
                                "norm allows")
     if not entries:
         raise WrongAverage("an averaged chunk with an empty account")
-    if codec_error > 2.0 * answer_bound * math.sqrt(n):
-        raise WrongAverage(f"the account claims a codec error of {codec_error:.3g}, more than the "
-                           f"codec allows ({2.0 * answer_bound * math.sqrt(n):.3g})")
+    for error, size in zip(errors, sizes, strict=True):
+        if error > 2.0 * answer_bound * math.sqrt(size):
+            raise WrongAverage(f"the account claims a codec error of {error:.3g}, more than the "
+                               f"codec allows ({2.0 * answer_bound * math.sqrt(size):.3g})")
     if mine is not None and me in seen:
         own = next(e for e in entries if e.sender == me)
-        projection, norm = mine
+        projections, norm = mine
         slack = n * FLOAT64_UNIT * math.sqrt(n) * norm * 4 + 1e-30
-        if abs(own.projection - projection) > slack \
+        if any(abs(stated - p) > slack for stated, p in zip(own.projections, projections, strict=True)) \
                 or abs(own.norm - norm) > 4 * FLOAT32_UNIT * norm + slack:
             raise WrongAverage("the account misstates this member's own contribution")
     total = sum(e.weight for e in entries)
-    expected = sum(e.weight * e.projection for e in entries) / total
-    allowed = tolerance(entries, n, codec_error, answer_norm)
-    if not abs(answer_projection - expected) <= allowed:
-        raise WrongAverage(f"the answer's projection {answer_projection:.6g} differs from the "
-                           f"account's weighted mean {expected:.6g} by more than {allowed:.3g}")
+    largest = norm_bound(entries, n, math.sqrt(sum(e * e for e in errors)))
+    if not answer_norm <= largest:
+        raise WrongAverage(f"the answer's norm {answer_norm:.6g} exceeds what a weighted mean of "
+                           f"the account's contributions can have ({largest:.6g})")
+    for k, (error, size) in enumerate(zip(errors, sizes, strict=True)):
+        expected = sum(e.weight * e.projections[k] for e in entries) / total
+        allowed = tolerance(entries, size, error, answer_norm)
+        if not abs(answer_projections[k] - expected) <= allowed:
+            raise WrongAverage(f"the answer's projection {answer_projections[k]:.6g} (segment {k}) "
+                               f"differs from the account's weighted mean {expected:.6g} by more "
+                               f"than {allowed:.3g}")

@@ -233,6 +233,9 @@ class Averager:
             senders_rejected=dict(report.senders_rejected) if report else {},
             finished_at=finished,
             weight=weight, represented=represented,
+            part_bounds=tuple(group.part_bounds),
+            chunk_elements=group.chunk_elements if report is not None else 0,
+            compression=group.compression,
         )
 
     def status(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import structlog
 
 from .. import timebase
 from ..net import Message, PeerTransport, Stream
-from .accounts import ACCOUNT_KEY, CLIPPED, Entry, account_header, measure, signs
+from .accounts import ACCOUNT_KEY, CLIPPED, Entry, account_header, codec_errors, measure, segments, signs
 from .bans import BanList
 from .claims import stall_allowance
 from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
@@ -82,6 +82,7 @@ class Round:
         # reducer role
         self.own = own = self.plans.get(index)
         senders = [i for i, m in enumerate(members) if m.sends]
+        self.senders = len(senders)
         self.reducer = PartReducer(own, senders, policy=policy,
                                    own=index if self.sends else None) if own else None
         count = own.count if own else 0
@@ -317,10 +318,11 @@ class Round:
         account: Any = None
         if self.policy.check_answers:  # what went into the answer, for the senders to check
             r = signs(self.group.group_id, self.index, c, meta, payload, b - a)
-            error = 0.0 if self.reply.name == "none" else float(
-                np.linalg.norm((self.vector[a:b] - average).astype(np.float64)))
+            parts = segments(b - a, self.senders)
+            errors = [0.0] * len(parts) if self.reply.name == "none" else codec_errors(
+                self.vector[a:b], average, parts)
             account = CLIPPED if self.policy.robust == "centered_clip" else account_header(
-                [Entry(i, w, *measure(r, values)) for i, w, values in used], error)
+                [Entry(i, w, *measure(r, values, parts)) for i, w, values in used], errors)
         self.results[c] = (payload, meta, account)
         return rejected
 

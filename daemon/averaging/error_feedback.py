@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import structlog
 
-from .compression import Codec
+from .compression import Codec, sparsifies
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +48,22 @@ def conveyed(codec: Codec, vector: np.ndarray, part_bounds: Sequence[tuple[int, 
     out = np.array(vector, dtype=np.float32, copy=True)
     for a, b in chunk_ranges(part_bounds, chunk_elements):
         codec.decode(*codec.encode(out[a:b]), b - a, out=out[a:b])
+    return out
+
+
+def unconveyed(codec: Codec, prepared: np.ndarray, part_bounds: Sequence[tuple[int, int]],
+               chunk_elements: int, own_part: tuple[int, int]) -> np.ndarray:
+    """What a round did not convey of this member's `prepared` vector (a new array): prepared
+    minus what `codec` conveys of each chunk, cut as the all-reduce cut it; zero in `own_part`
+    unless the codec sparsifies (a reducer keeps its own contribution exact then: butterfly.py),
+    and everywhere when `chunk_elements` is 0 (the vector was sent to nobody)."""
+    if chunk_elements <= 0:
+        return np.zeros_like(prepared)
+    out = np.subtract(prepared, conveyed(codec, prepared, part_bounds, chunk_elements),
+                      dtype=np.float32)
+    if not sparsifies(codec):
+        start, end = own_part
+        out[start:end] = 0.0
     return out
 
 

@@ -98,6 +98,11 @@ class AveragingReport:
     weight: float = 0.0
     represented: int = 0
     stages: int = 1
+    # how this peer's own vector went out (error feedback recomputes what the codec conveyed):
+    # the parts and the chunk size of its all-reduce; chunk_elements 0: it was sent to nobody
+    part_bounds: tuple[tuple[int, int], ...] = ()
+    chunk_elements: int = 0
+    compression: str = "none"  # ... and the codec it went out in
 
     @property
     def group_size(self) -> int:

@@ -17,7 +17,16 @@ from typing import Any
 import numpy as np
 
 from ..net import Message, PeerTransport, PeerUnreachableError, Stream, TransportClosed, TransportError
-from .accounts import ACCOUNT_KEY, CLIPPED, WrongAverage, check_answer, measure, parse_account, signs
+from .accounts import (
+    ACCOUNT_KEY,
+    CLIPPED,
+    WrongAverage,
+    check_answer,
+    measure,
+    parse_account,
+    segments,
+    signs,
+)
 from .compression import Buffer, Codec, CompressionError, Meta
 from .corruption import SenderCorruption
 from .group import Group
@@ -164,16 +173,18 @@ class PartSender:
         if account is None:
             raise WrongAverage("the reducer's answer comes without an account")
         members = self.group.members
-        entries, codec_error = parse_account(account, sum(1 for m in members if m.sends))
+        senders = sum(1 for m in members if m.sends)
         a, b = self.plans[j].absolute(c)
+        parts = segments(b - a, senders)
+        entries, errors = parse_account(account, senders, len(parts))
         r = signs(self.group.group_id, j, c, meta, payload, b - a)
-        projection, norm = measure(r, answer)
+        projections, norm = measure(r, answer, parts)
         mine = None
         if members[self.index].sends:
             sent = self.sent.pop((j, c), None)
             values = self.vector[a:b] if sent is None else self.codec.decode(*sent, b - a)
-            mine = measure(r, values)
-        check_answer(entries, codec_error, weights=[m.weight for m in members],
+            mine = measure(r, values, parts)
+        check_answer(entries, errors, weights=[m.weight for m in members],
                      sends=[m.sends for m in members], me=self.index, mine=mine,
-                     answer_projection=projection, answer_norm=norm,
-                     answer_bound=self.reply.error_bound(answer), n=b - a)
+                     answer_projections=projections, answer_norm=norm,
+                     answer_bound=self.reply.error_bound(answer), parts=parts)

@@ -47,7 +47,7 @@ class AuxRun:
         self.board = DhtProgressBoard(network.dht, network.identity, network.membership, name,
                                       self.manifest, "aux", self.parameters,
                                       published.owner_signature)
-        self.rounds = NetworkRounds(network.averager, self.board.key)
+        self.rounds = NetworkRounds(network.averager, self.board.key, network.dht)
         self.engine = self._engine()
         self.state: RunState = "starting"
         self.error: dict[str, Any] | None = None

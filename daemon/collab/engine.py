@@ -25,12 +25,15 @@ import numpy as np
 import structlog
 
 from .. import timebase
+from ..averaging.compression import get_codec
+from ..averaging.error_feedback import unconveyed
 from ..averaging.report import AveragingReport
 from .donors import DonorChoice
 from .errors import DonorBusy, StateSyncError
 from .estimate import GlobalProgress, Head, estimate_global
 from .lineage import next_lineage
 from .policy import (
+    WEIGHT_SLACK,
     Action,
     Average,
     CatchUp,
@@ -61,7 +64,6 @@ Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averagi
 IN_ROUND: tuple[Phase, ...] = ("averaging", "stepping", "averaging_state")
 STALE_AFTER = 30.0  # seconds a progress report stays believable
 HISTORY = 200
-WEIGHT_SLACK = 8  # a gradient round's weights: at most this many target batches (_max_weight)
 
 
 @dataclass
@@ -123,7 +125,8 @@ class RunEngine:
                  checkpoint: Callable[[], Awaitable[None]] | None = None,
                  checkpoint_every: int = 0, collaborative: bool = True, name: str = "",
                  on_finished: Callable[[], None] | None = None,
-                 donors: DonorChoice | None = None) -> None:
+                 donors: DonorChoice | None = None, error_feedback: bool = False,
+                 overlap: bool = False, max_weight: float | None = None) -> None:
         if role == "trainer" and trainer is None:
             raise ValueError("a trainer run needs a trainer")
         self.peer_id = peer_id
@@ -136,6 +139,13 @@ class RunEngine:
         self.progress = progress or RunProgress()
         self.parameters = parameters
         self.compression = compression
+        # a local-update run with a lossy codec: what a round did not convey of this peer's
+        # vector goes back to the trainer, which adds it to the next one (_settle_residual)
+        self.error_feedback = error_feedback and compression != "none"
+        # a local-update run that trains on while its pseudo-gradient is averaged (the worker
+        # carries those inner steps over onto the new outer parameters: plugins/worker/outer.py)
+        self.overlap = overlap
+        self._weight_cap = max_weight  # (default: _max_weight's)
         self.timing = timing or Timing()
         self.collaborative = collaborative
         self._blocked = blocked or (lambda: None)
@@ -159,6 +169,7 @@ class RunEngine:
         # the trainers seen at the run's head so far, and when that set last grew (policy: a
         # first grid round waits for it to settle)
         self._head_seen: tuple[Head, frozenset[str], float] | None = None
+        self._head_since: dict[str, float] = {}  # each trainer seen at that head: first seen at
         self._finished_at: float | None = None
         self._averaged: Head | None = None  # aux: the head of its last good round
         self._head_group: tuple[str, ...] = ()  # the members of the round that made our head
@@ -284,6 +295,11 @@ class RunEngine:
         if self.schedule.epochs is not None and self.role == "trainer" \
                 and p.epoch >= self.schedule.epochs and self._finished_at is None:
             self._finished_at = now
+            if p.accumulated and self.trainer is not None:
+                # what was trained past the last step counts for nothing now: the final state
+                # (checkpoint, donations) is the run's (a local-update run's outer parameters)
+                await self.trainer.zero_grad()
+                p.accumulated = 0
             if self._on_finished is not None:
                 self._on_finished()
             await self._save_checkpoint()
@@ -298,9 +314,18 @@ class RunEngine:
         seen = self._head_seen
         if seen is None or seen[0] != run.head:
             self._head_seen = (run.head, at_head, now)
+            self._head_since = {}
         elif not at_head <= seen[1]:
             self._head_seen = (run.head, seen[1] | at_head, now)
+        self._head_since = {peer: self._head_since.get(peer, now) for peer in at_head}
         return self._head_seen[2]
+
+    def _settled(self) -> tuple[str, ...]:
+        """The trainers at the run's head that we have seen there for `Timing.settle` seconds or
+        more (ourselves included): a first grid round's roster is drawn from them (rounds.py),
+        since a trainer that came a moment ago begins its round late (policy: it settles)."""
+        until = timebase.now() - self.timing.settle
+        return tuple(sorted(peer for peer, since in self._head_since.items() if since <= until))
 
     def _estimate_reached(self, run: GlobalProgress, now: float) -> float:
         """When the run reached its target, from the overshoot (for the epoch's overhead)."""
@@ -367,7 +392,10 @@ class RunEngine:
     def _max_weight(self) -> float:
         """The most samples a member of this run's gradient rounds may claim: an honest trainer
         stops at the target, overshooting by at most one of its batches (WEIGHT_SLACK covers a
-        batch of up to 7 targets); a claim of 1e15 is refused, not averaged."""
+        batch of up to 7 targets); a claim of 1e15 is refused, not averaged. The run may say
+        (RunManifest.max_weight: a local-update run's epoch is H target batches)."""
+        if self._weight_cap is not None:
+            return float(self._weight_cap)
         return float(WEIGHT_SLACK * self.schedule.target_batch_size)
 
     async def _average(self, action: Average) -> None:
@@ -387,14 +415,19 @@ class RunEngine:
             p.accumulated = 0
             vector = await self.trainer.export_gradients()
             weight = 0.0
-        report = await self.averaging.average(vector, round_key("grad", head), weight=weight,
+        # what we send, before the round overwrites it with the average (error feedback)
+        prepared = vector.copy() if self.error_feedback and weight > 0 else None
+        exported = p.accumulated
+        averaged = self.averaging.average(vector, round_key("grad", head), weight=weight,
                                               expected=action.expected, role="trainer",
                                               compression=self.compression,
                                               min_trainers=needed_trainers(action, self.schedule),
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),
                                               aux=self._aux_peers(),
-                                              max_weight=self._max_weight())
+                                              max_weight=self._max_weight(),
+                                              settled=self._settled())
+        report = await (self._train_while(averaged) if self.overlap and weight > 0 else averaged)
         if report is not None:
             self.last_round = report
         result = None if report is None else RoundResult(report.trainers, report.senders,
@@ -409,13 +442,44 @@ class RunEngine:
             return
         self.phase.set("stepping")
         p.lr = await self.trainer.step(p.epoch)
+        if prepared is not None:
+            await self._settle_residual(prepared, report)
+        carried = p.accumulated - exported  # trained during the round (overlap): the next epoch's
+        p.accumulated = exported
         self._stepped(report)
+        p.accumulated = carried
         if state_round_due(self.schedule, p.epoch, report.trainers):
             await self._average_state(report)
         every = self._checkpoint_every
         if every > 0 and p.epoch % every == 0:
             await self._save_checkpoint()
         self._schedule_look(0.0)  # the others are stepping too: look again now
+
+    async def _train_while(self, averaged: Awaitable[AveragingReport | None]
+                           ) -> AveragingReport | None:
+        """Overlap: train (in chunks of `Timing.max_chunk`) until the round is over; the phase
+        stays "averaging" (a donor serves its state after the step)."""
+        assert self.trainer is not None
+        round_ = asyncio.ensure_future(averaged)
+        try:
+            while not round_.done() and not self._stop.is_set():
+                done = await self.trainer.train(self.schedule.target_batch_size, self.timing.max_chunk)
+                self._count(done.samples, done.loss, done.samples_per_second)
+            return await round_
+        finally:
+            if not round_.done():  # the trainer failed: the round is not ours to finish
+                round_.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await round_
+
+    async def _settle_residual(self, prepared: np.ndarray, report: AveragingReport) -> None:
+        """The new residual: what the codec did not convey of `prepared`, recomputed chunk by
+        chunk as the round cut it (the codecs are deterministic). Only a stepped round settles:
+        a failed one changed nothing, and the next export adds the same residual again."""
+        assert self.trainer is not None
+        residual = await asyncio.to_thread(unconveyed, get_codec(report.compression), prepared,
+                                           report.part_bounds, report.chunk_elements, report.part)
+        await self.trainer.settle_residual(residual)
 
     def _leaders(self) -> tuple[str, ...]:
         """Who leads a round at our head first: the members of the round that made it, as we
@@ -505,6 +569,7 @@ class RunEngine:
                                group_size=report and report.group_size)
                 return
             await self.trainer.load_state(state)
+            p.accumulated = 0  # (what an overlapping run trained meanwhile went with the old state)
             p.state_rounds += 1
             p.lineage = next_lineage(p.lineage or "", f"state/{report.group_id}")
             self._head_group = report.members
@@ -524,7 +589,8 @@ class RunEngine:
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),
                                               aux=self._aux_peers(),
-                                              max_weight=self._max_weight())
+                                              max_weight=self._max_weight(),
+                                              settled=self._settled())
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))
         if report is not None and report.group_size > 1:

@@ -240,7 +240,10 @@ def grid_report(key: str, stages: Sequence[AveragingReport], everyone: Sequence[
         bytes_sent=sum(r.bytes_sent for r in stages),
         bytes_received=sum(r.bytes_received for r in stages), failed_parts=failed,
         senders_excluded=excluded, senders_rejected=rejected, finished_at=last.finished_at,
-        weight=last.weight, represented=represented, stages=len(stages))
+        weight=last.weight, represented=represented, stages=len(stages),
+        # our own vector went out in the first stage we were not alone in
+        part_bounds=stages[0].part_bounds, chunk_elements=stages[0].chunk_elements,
+        compression=stages[0].compression)
 
 
 # One stage: (vector, key suffix, weight, represents, max_represents, peers, min_trainers,

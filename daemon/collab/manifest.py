@@ -1,8 +1,13 @@
 """A run's manifest: what every peer of a collaborative run must agree on, and how peers find it.
 
 The manifest names the workload and its full config, the target batch size, the optimizer-step
-schedule (`epochs`), when parameters and optimizer state are averaged, the gradient compression
-and the initialisation seed. Its hash (the fingerprint) is part of the run's key in the DHT: peers
+schedule (`epochs`), when parameters and optimizer state are averaged, the gradient compression,
+the initialisation seed, and how the run syncs: `sync = "gradients"` (DeDLOC: every global batch's
+gradients are averaged) or `sync = "local"` (the DiLoCo family: `inner_steps` global batches of
+local optimizer steps, then the pseudo-gradients are averaged and one outer step of Nesterov SGD
+with `outer_lr` and `outer_momentum` is taken, optionally `overlap`ped with the next inner steps;
+an epoch is then one outer step).
+Its hash (the fingerprint) is part of the run's key in the DHT: peers
 whose manifests differ in anything never meet, even under the same run name.
 
 Every trainer of a run publishes the manifest under `collab/<name>/manifests`, its own peer id as
@@ -14,6 +19,7 @@ this peer's data seed) are not part of the manifest.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,18 +32,25 @@ from ..identity import verify
 from ..net import TransportError
 from .errors import ManifestError
 from .membership import namespace
+from .policy import WEIGHT_SLACK
 
 if TYPE_CHECKING:
     from ..dht import DHTNode
 
 log = structlog.get_logger(__name__)
 
-# (not "topk": without error feedback it drops most of every gradient; it is for the
-# local-update runs of issue 16, which keep the residual, and for averaging.average)
 COMPRESSIONS = ("none", "fp16", "uint8", "quantile8")
+# "topk" only where error feedback keeps what it drops (local-update runs: the trainer keeps the
+# residual); in a gradients run it would drop most of every gradient for good
+LOCAL_COMPRESSIONS = (*COMPRESSIONS, "topk")
+SYNC_MODES = ("gradients", "local")
+MAX_INNER_STEPS = 1_000_000
 MANIFEST_TTL = 600.0  # seconds a published manifest stays in the DHT without a refresh
 REFRESH_EVERY = 120.0
 MAX_MANIFEST_BYTES = 16 << 10
+
+
+_GRADIENTS_SYNC = (0, 0.7, 0.9, True, False, 4.0)  # what a gradients run's manifest holds for them
 
 
 def run_key(name: str, manifest: RunManifest) -> str:
@@ -74,6 +87,17 @@ class RunManifest:
     # The owner's peer id (it signs the manifest); a closed run admits only peers with its tokens.
     owner: str | None = None
     closed: bool = False
+    # How the run syncs (module docstring); the outer optimizer's settings are for "local" only.
+    sync: str = "gradients"
+    inner_steps: int = 0  # local: H, the global batches of inner steps between outer steps
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    # local: train on while the pseudo-gradient is averaged (a one-step-delayed outer step)
+    overlap: bool = False
+    # local: the outer step's guard, kappa: a step at most kappa times the recent steps' norm
+    # (plugins/worker/outer.py; 0: none)
+    outer_clip: float = 4.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.workload, str) or not self.workload:
@@ -95,14 +119,80 @@ class RunManifest:
             raise ManifestError(f"owner must be a peer id, got {self.owner!r:.80}")
         if not isinstance(self.closed, bool) or (self.closed and self.owner is None):
             raise ManifestError("closed must be a boolean, and a closed run needs an owner")
-        if self.compression not in COMPRESSIONS:
-            raise ManifestError(f"compression must be one of {', '.join(COMPRESSIONS)}, "
-                                f"got {self.compression!r}")
+        self._check_sync()
+        if self.compression == "topk" and self.sync != "local":
+            raise ManifestError("compression topk is for local-update runs (sync \"local\"), "
+                                "whose error feedback keeps what it drops; a gradients run "
+                                "would lose most of every gradient")
+        if self.compression not in LOCAL_COMPRESSIONS:
+            raise ManifestError(f"compression must be one of {', '.join(COMPRESSIONS)}, or "
+                                f"topk in a local-update run, got {self.compression!r:.40}")
+
+    def _check_sync(self) -> None:
+        if self.sync not in SYNC_MODES:
+            raise ManifestError(f"sync must be one of {', '.join(SYNC_MODES)}, got {self.sync!r:.40}")
+        for name, high in (("outer_lr", 10.0), ("outer_momentum", 0.999), ("outer_clip", 1000.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value) or not 0.0 <= value <= high:
+                raise ManifestError(f"{name} must be a number from 0 to {high}, got {value!r:.40}")
+            object.__setattr__(self, name, float(value))  # 1 and 1.0: one fingerprint
+        for flag in ("outer_nesterov", "overlap"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ManifestError(f"{flag} must be a boolean, got {getattr(self, flag)!r:.40}")
+        steps = self.inner_steps
+        if isinstance(steps, bool) or not isinstance(steps, int):
+            raise ManifestError(f"inner_steps must be an integer, got {steps!r:.40}")
+        if self.sync == "local" and not 1 <= steps <= MAX_INNER_STEPS:
+            raise ManifestError(f"a local-update run (sync \"local\") needs inner_steps from 1 to "
+                                f"{MAX_INNER_STEPS}, got {steps}")
+        if self.sync == "gradients" and (steps, self.outer_lr, self.outer_momentum,
+                                         self.outer_nesterov, self.overlap,
+                                         self.outer_clip) != _GRADIENTS_SYNC:
+            raise ManifestError("inner_steps and the outer optimizer's settings are for "
+                                "local-update runs: give sync \"local\" too, or leave them out")
+
+    @property
+    def local_updates(self) -> bool:
+        return self.sync == "local"
+
+    @property
+    def max_weight(self) -> int:
+        """The most samples one member of a gradient (or pseudo-gradient) round may claim: an
+        honest trainer stops at the epoch's samples, overshooting by at most one of its batches
+        (7 target batches of slack: WEIGHT_SLACK); a claim of 1e15 is refused, not averaged."""
+        return self.epoch_samples + (WEIGHT_SLACK - 1) * self.target_batch_size
+
+    @property
+    def epoch_samples(self) -> int:
+        """The run's samples between two optimizer steps of the run: the target batch, or in a
+        local-update run `inner_steps` target batches."""
+        return self.target_batch_size * (self.inner_steps if self.local_updates else 1)
+
+    def sync_fields(self) -> dict[str, Any]:
+        """The sync fields as RunManifest takes them (none for a gradients run)."""
+        if not self.local_updates:
+            return {}
+        return {"sync": self.sync, "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov,
+                "overlap": self.overlap, "outer_clip": self.outer_clip}
+
+    def worker_sync(self) -> dict[str, Any] | None:
+        """`worker.load`'s sync settings (None: a gradients run)."""
+        if not self.local_updates:
+            return None
+        return {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum, "nesterov": self.outer_nesterov,
+                "overlap": self.overlap, "clip": self.outer_clip}
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         for key, unset in (("task", None), ("owner", None), ("closed", False)):
             if data[key] == unset:  # so that a run without them keeps its fingerprint
+                del data[key]
+        if self.sync == "gradients":  # the same: gradients runs keep their fingerprints
+            for key in ("sync", "inner_steps", "outer_lr", "outer_momentum", "outer_nesterov",
+                        "overlap", "outer_clip"):
                 del data[key]
         return data
 

@@ -34,7 +34,9 @@ The rules, one each:
   first after a restart) lays the grid out from its own view, and views that differ by a few
   newcomers put everyone in other slices. Such a peer averages only once the trainers it sees at
   the head have not grown for `Timing.settle` seconds (newcomers still arriving: wait), and at
-  most `Timing.max_settle` seconds after the run reached its target there.
+  most `Timing.max_settle` seconds after the run reached its target there; its cells then go
+  to the round's roster (roster.py), one list drawn from the trainers settled at the head, so
+  that views still growing (a trickle of newcomers outlasting `max_settle`) agree on the grid.
 
 An aux peer follows the head like a trainer and averages (weight 0: it only reduces) each head
 once, when its trainers average.
@@ -49,6 +51,7 @@ from typing import Literal
 from .estimate import GlobalProgress, Head, next_report_delay
 
 __all__ = [
+    "WEIGHT_SLACK",
     "Action",
     "Average",
     "CatchUp",
@@ -69,6 +72,9 @@ __all__ = [
 ]
 
 Role = Literal["trainer", "aux"]
+# a member of a gradient round claims at most this many target batches: an honest trainer stops
+# at the target, overshooting by one of its batches (one of up to 7 targets)
+WEIGHT_SLACK = 8
 
 
 @dataclass(frozen=True)

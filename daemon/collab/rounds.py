@@ -17,13 +17,16 @@ import structlog
 
 from .. import timebase
 from ..averaging.averager import RoundOptions
+from ..averaging.compression import get_codec, sparsifies
 from ..averaging.errors import AveragingError
 from ..averaging.report import AveragingReport
 from .grid import GridRounds
 from .progress import Role
+from .roster import Rosters
 
 if TYPE_CHECKING:
     from ..averaging.averager import Averager
+    from ..dht import DHTNode
 
 log = structlog.get_logger(__name__)
 
@@ -32,14 +35,26 @@ __all__ = ["ROUND_TIMEOUT", "NetworkRounds", "SoloRounds"]
 ROUND_TIMEOUT = 60.0
 
 
+def stage_compression(compression: str, label: str) -> str:
+    """What a grid stage sends in: the run's codec in the first stage; after it, a sparsifying
+    codec (topk) would drop most of each block's mean for good (only what a trainer sends of its
+    own vector is kept for later by error feedback), so the later stages go in fp16."""
+    if label.startswith("m0/") or not sparsifies(get_codec(compression)):
+        return compression
+    return "fp16"
+
+
 class NetworkRounds:
     """Rounds with the run's peers, through the node's averager: one group, or a grid round
-    (grid.py) when the peers expected are more than a group holds."""
+    (grid.py) when the peers expected are more than a group holds. With the node's `dht`, a
+    grid round that knows no members of the round that made the head (its first) lays its
+    cells out on the round's roster (roster.py)."""
 
-    def __init__(self, averager: Averager, run_key: str) -> None:
+    def __init__(self, averager: Averager, run_key: str, dht: DHTNode | None = None) -> None:
         self.averager = averager
         self.run_key = run_key
         self.grid = GridRounds(averager.peer_id, averager.config.max_group_size)
+        self.rosters = None if dht is None else Rosters(dht, averager.peer_id, run_key)
 
     @property
     def max_group_size(self) -> int:
@@ -53,9 +68,22 @@ class NetworkRounds:
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
                       aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
-                      max_weight: float | None = None) -> AveragingReport | None:
-        layout = self.grid.layout(key, [p for p in peers if p not in aux], aux, role,
-                                  cells or leaders) if peers else None
+                      max_weight: float | None = None,
+                      settled: tuple[str, ...] = ()) -> AveragingReport | None:
+        trainers = [p for p in peers if p not in aux]
+        layout = self.grid.layout(key, trainers, aux, role, cells or leaders) if peers else None
+        if layout is not None and not (cells or leaders) and self.rosters is not None:
+            # a first grid round: the cells go to the round's roster, the same on every peer,
+            # drawn from the trainers seen at the head for a while (newcomers that are still
+            # settling begin their round late: they help, see policy.py); only such a peer
+            # writes one
+            me = self.averager.peer_id
+            view = set(settled) - set(aux) if len(set(settled) - set(aux) - {me}) >= 2 \
+                else {*trainers, *({me} if role == "trainer" else set())}
+            roster = await self.rosters.agree(key, view, wait=self.averager.config.window,
+                                              write=role == "trainer" and me in settled)
+            layout = self.grid.layout(key, sorted({*trainers, *roster} - {self.averager.peer_id}),
+                                      aux, role, roster)
         if layout is None:
             return await self._round(vector, key, weight=weight, expected=expected, role=role,
                                      compression=compression, min_trainers=min_trainers,
@@ -68,7 +96,8 @@ class NetworkRounds:
             # them; which helpers a peer expects may differ with its view)
             return await self._round(part, f"{key}/{label}", weight=stage_weight,
                                      expected=len(stage_peers) + 1, role=role,
-                                     compression=compression, min_trainers=stage_min,
+                                     compression=stage_compression(compression, label),
+                                     min_trainers=stage_min,
                                      peers=stage_peers, leaders=stage_leaders,
                                      represents=represents,
                                      max_represents=max_represents,
@@ -108,7 +137,8 @@ class SoloRounds:
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
                       aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
-                      max_weight: float | None = None) -> AveragingReport | None:
+                      max_weight: float | None = None,
+                      settled: tuple[str, ...] = ()) -> AveragingReport | None:
         now = timebase.now()
         return AveragingReport(key=key, group_id=f"local/{key}", members=(self.peer_id,),
                                trainers=1 if role == "trainer" else 0,

@@ -1,6 +1,7 @@
 """A trainer's run on this daemon: one workload trained by one worker, epoch by epoch.
 
-An epoch is one optimizer step over `target_batch_size` accumulated samples. `Run` owns the run's
+An epoch is one optimizer step over `target_batch_size` accumulated samples (in a local-update
+run, one outer step after `inner_steps` target batches of inner steps: manifest.py). `Run` owns the run's
 lifecycle: it spawns and loads the worker, checks the run's manifest against it, resumes from the
 newest intact checkpoint (`CheckpointStore`), then hands the run to its engine (engine.py), which
 trains, averages with the run's other trainers (collaborative runs) or alone (local runs), steps
@@ -80,8 +81,12 @@ class RunSpec:
 
 
 def schedule_of(manifest: RunManifest) -> Schedule:
-    return Schedule(manifest.target_batch_size, manifest.min_peers, manifest.epochs,
-                    manifest.average_state_every)
+    """What the engine's policy follows: an epoch is one step of the run, over the target batch
+    (a gradients run) or over `inner_steps` target batches (a local-update run's outer step). A
+    local-update run averages no state: its trainers hold the same outer parameters after every
+    outer step by construction (and a state round would drop their residuals)."""
+    return Schedule(manifest.epoch_samples, manifest.min_peers, manifest.epochs,
+                    0 if manifest.local_updates else manifest.average_state_every)
 
 
 class Run:
@@ -130,6 +135,15 @@ class Run:
         return "idle" if self.engine is None else self.engine.phase.value
 
     @property
+    def inner_step(self) -> int | None:
+        """A local-update run: the worker's inner steps since the last outer step."""
+        return None if self._trainer is None else self._trainer.inner_step
+
+    @property
+    def clipped_steps(self) -> int:
+        return 0 if self._trainer is None else self._trainer.clipped_steps
+
+    @property
     def key(self) -> str | None:
         """The run's peer-to-peer key (collaborative runs)."""
         return None if self.board is None else self.board.key
@@ -161,7 +175,8 @@ class Run:
         manifest = self.spec.manifest
         self.description = await worker.call(WorkerMethod.LOAD, {
             "workload": manifest.workload, "config": manifest.config, "seed": self.spec.seed,
-            "init_seed": manifest.init_seed, "device": self.spec.device})
+            "init_seed": manifest.init_seed, "device": self.spec.device,
+            "sync": manifest.worker_sync()})
         # The worker fills in the config's defaults: peers that leave out a default and peers that
         # spell it out run the same manifest.
         full = self.description.get("config")
@@ -195,7 +210,7 @@ class Run:
                 raise RunNotActiveError("the peer network is not started")
             self.board = DhtProgressBoard(dht, network.identity, network.membership, spec.name,
                                           spec.manifest, "trainer", parameters, spec.owner_signature)
-            rounds: NetworkRounds | SoloRounds = NetworkRounds(averager, self.board.key)
+            rounds: NetworkRounds | SoloRounds = NetworkRounds(averager, self.board.key, dht)
             states = NetworkStates(transport, network.membership, self.board.key,
                                    parameters=parameters)
             board: DhtProgressBoard | LocalBoard = self.board
@@ -209,7 +224,9 @@ class Run:
             parameters=parameters, compression=spec.manifest.compression,
             blocked=None if availability is None else availability.blocked,
             checkpoint=self._periodic_checkpoint, checkpoint_every=spec.checkpoint_every,
-            collaborative=network is not None, name=spec.name, on_finished=self._finished)
+            collaborative=network is not None, name=spec.name, on_finished=self._finished,
+            error_feedback=spec.manifest.local_updates, overlap=spec.manifest.overlap,
+            max_weight=spec.manifest.max_weight)
 
     def _finished(self) -> None:
         """The manifest's last epoch is reached (the engine may linger, serving its state)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +77,10 @@ class RunRegistry:
                     device: str | None, collaborative: bool = False, min_peers: int = 1,
                     role: str | None = None, average_state_every: int = 5,
                     compression: str = "none", closed: bool = False,
-                    token: str | None = None) -> dict[str, Any]:
+                    token: str | None = None,
+                    sync: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Start (or join) a run; `sync`: the manifest's sync fields (RunManifest.sync_fields)
+        when the run is created here."""
         role = role or self.default_role
         held = self._hold(token, name) if token is not None else None
         if held is not None:  # a closed run of another owner: its manifest comes from the DHT
@@ -116,7 +120,8 @@ class RunRegistry:
             else:
                 manifest = RunManifest(workload, config, target_batch_size, epochs, min_peers,
                                        average_state_every, compression,
-                                       owner=self.peer_id if closed else None, closed=closed)
+                                       owner=self.peer_id if closed else None, closed=closed,
+                                       **dict(sync or {}))
             spec = RunSpec(name=name, manifest=manifest, checkpoint_every=checkpoint_every,
                            seed=self.data_seed(name), device=device or self.workers.device,
                            owner_signature=owner_signature)

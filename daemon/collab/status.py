@@ -4,12 +4,46 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..averaging.compression import get_codec
+
 if TYPE_CHECKING:
     from .aux import AuxRun
     from .engine import RunEngine
+    from .manifest import RunManifest
     from .run import Run
 
 RECENT_EPOCHS = 20
+_RATIO_CHUNK = 1 << 20  # elements: a codec's nominal compression ratio on a chunk this size
+
+
+def sync_status(manifest: RunManifest, engine: RunEngine | None,
+                inner_step: int | None, clipped_steps: int = 0) -> dict[str, Any]:
+    """How the run syncs and what its last exchange cost: `mode`; for a local-update run also
+    `inner_steps` (H), `outer_step` (the run's epoch: outer steps taken), `inner_step` (inner
+    steps since the last one) and `clipped_steps` (outer steps its guard scaled down: a large
+    count means a peer pushes, or `outer_clip` is too tight); for both, `bytes_sent_per_step`
+    and `bytes_received_per_step` (this peer's traffic in the last round), `bytes_per_sample`
+    (sent, per sample of that step) and `compression_ratio` (float32 bytes per byte on the
+    wire, nominal for the codec)."""
+    codec = get_codec(manifest.compression)
+    ratio = 4 * _RATIO_CHUNK / codec.max_payload_bytes(_RATIO_CHUNK)
+    last = None if engine is None else engine.last_round
+    history = [] if engine is None else list(engine.epoch_history)
+    samples = history[-1]["samples"] if history else None
+    status: dict[str, Any] = {
+        "mode": manifest.sync,
+        "bytes_sent_per_step": None if last is None else last.bytes_sent,
+        "bytes_received_per_step": None if last is None else last.bytes_received,
+        "bytes_per_sample": None if last is None or not samples else last.bytes_sent / samples,
+        "compression_ratio": round(ratio, 3),
+    }
+    if manifest.local_updates:
+        status.update({"inner_steps": manifest.inner_steps, "outer_lr": manifest.outer_lr,
+                       "outer_momentum": manifest.outer_momentum,
+                       "outer_step": None if engine is None else engine.progress.epoch,
+                       "inner_step": inner_step, "outer_clip": manifest.outer_clip,
+                       "clipped_steps": clipped_steps})
+    return status
 
 
 def _run_level(engine: RunEngine | None, key: str | None, peer_id: str | None) -> dict[str, Any]:
@@ -58,6 +92,7 @@ def run_status(run: Run) -> dict[str, Any]:
         "samples": p.samples,
         "accumulated": p.accumulated,
         "target_batch_size": run.spec.target_batch_size,
+        "sync": sync_status(run.spec.manifest, engine, run.inner_step, run.clipped_steps),
         "loss_first": p.loss_first,
         "loss": p.loss_last,
         "epoch_losses": list(p.epoch_losses),
@@ -109,6 +144,7 @@ def aux_status(run: AuxRun) -> dict[str, Any]:
         "samples": 0,
         "accumulated": 0,
         "target_batch_size": run.manifest.target_batch_size,
+        "sync": sync_status(run.manifest, engine, None),
         "loss_first": None,
         "loss": None,
         "epoch_losses": [],

@@ -29,6 +29,8 @@ class WorkerTrainer:
         self.worker = worker
         self.model_lock = asyncio.Lock()
         self._buffer = SharedBuffer(gradient_numel)
+        self.inner_step: int | None = None  # a local-update run's, as the worker last said
+        self.clipped_steps = 0  # a local-update run's outer steps that its guard scaled down
 
     async def call(self, method: WorkerMethod, params: dict[str, Any] | None = None) -> Any:
         async with self.model_lock:
@@ -36,6 +38,8 @@ class WorkerTrainer:
 
     async def train(self, samples: int, seconds: float) -> Trained:
         result = await self.call(WorkerMethod.TRAIN, {"samples": samples, "max_seconds": seconds})
+        inner = result.get("inner_step")
+        self.inner_step = inner if isinstance(inner, int) else None
         return Trained(int(result["samples"]), float(result["loss"]),
                        result.get("samples_per_second"))
 
@@ -50,10 +54,23 @@ class WorkerTrainer:
         applied = await self.call(WorkerMethod.APPLY, {
             "what": "gradients", "buffer": buffer.name, "numel": buffer.numel,
             "meta": {"step": epoch}})  # the learning-rate schedule follows the run's epoch
+        factor = applied.get("clip_factor")
+        if isinstance(factor, int | float) and factor < 1.0:
+            self.clipped_steps += 1
+        inner = applied.get("inner_step")  # a local-update run: what it carried over
+        if self.inner_step is not None or isinstance(inner, int):
+            self.inner_step = inner if isinstance(inner, int) else 0
         return applied.get("lr")
 
     async def zero_grad(self) -> None:
         await self.call(WorkerMethod.ZERO_GRAD)
+
+    async def settle_residual(self, residual: np.ndarray) -> None:
+        buffer = self._buffer
+        async with self.model_lock:
+            np.copyto(buffer.array, residual)
+            await self.worker.call(WorkerMethod.APPLY, {
+                "what": "residual", "buffer": buffer.name, "numel": buffer.numel})
 
     async def export_state(self) -> DownloadedState:
         async with self.model_lock:

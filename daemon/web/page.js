@@ -178,11 +178,14 @@ function renderRun(section, run, snapshot, ownId) {
   setText(section, "run-epoch", String(runEpoch));
   setText(section, "epoch-detail", (run.epochs ? `of ${run.epochs}` : "")
     + (collaborative ? ` · this peer at ${run.epoch}` : ""));
-  const target = number(run.target_batch_size) || 0;
+  const sync = run.sync || {};
+  const local = sync.mode === "local";
+  // a local-update run steps (an outer step) after inner_steps target batches
+  const target = (number(run.target_batch_size) || 0) * (local ? (number(sync.inner_steps) || 1) : 1);
   const done = number(run.run_samples_accumulated) ?? number(run.accumulated) ?? 0;
   const share = target > 0 ? Math.min(1, done / target) : 0;
   section.querySelector('[data-field="progress-bar"] .fill').style.width = `${(share * 100).toFixed(1)}%`;
-  setText(section, "progress-text", `${count(done)} / ${count(target)} samples toward the next step `
+  setText(section, "progress-text", `${count(done)} / ${count(target)} samples toward the next ${local ? "outer " : ""}step `
     + `(${(share * 100).toFixed(0)}%) · ETA ${duration(run.run_eta_seconds)}`);
   setText(section, "loss", `${fixed(run.loss, 4)} (first ${fixed(run.loss_first, 4)})`);
   setText(section, "throughput", `run ${fixed(run.run_samples_per_second, 1)} · this peer ${fixed(run.samples_per_second, 1)}`);
@@ -191,6 +194,10 @@ function renderRun(section, run, snapshot, ownId) {
   setText(section, "last-round", last ? `group ${last.group_size} · ${duration(last.seconds)} · `
     + `↑${bytes(last.bytes_sent)} ↓${bytes(last.bytes_received)}${(last.failed_parts || []).length ? " · failed" : ""}` : "none yet");
   setText(section, "overhead", duration(run.epoch_overhead_seconds));
+  setText(section, "sync", local
+    ? `local updates, H ${count(sync.inner_steps)} · outer step ${count(sync.outer_step)} · inner step `
+      + `${count(sync.inner_step)} · ↑${bytes(sync.bytes_sent_per_step)}/outer step · compression ×${fixed(sync.compression_ratio, 1)}`
+    : `gradients · ↑${bytes(sync.bytes_sent_per_step)}/step · compression ×${fixed(sync.compression_ratio, 1)}`);
   const worker = run.worker || {};
   setText(section, "worker", `${worker.state || "—"}${worker.pid ? ` (pid ${worker.pid})` : ""} · restarts ${count(run.restarts ?? 0)}`);
 

@@ -168,7 +168,7 @@ class SimPeer:
         progress = RunProgress(lineage=initial_lineage(manifest.fingerprint()))
         self.engine = RunEngine(
             peer_id=self.peer_id, role=self.spec.role, schedule=run.schedule(), board=published,
-            averaging=NetworkRounds(self.averager, board.key),
+            averaging=NetworkRounds(self.averager, board.key, self.dht),
             states=NetworkStates(self.transport, self.membership, board.key, allocate=ArrayBuffer,
                                 parameters=run.size),
             trainer=self.trainer, progress=progress, parameters=run.size, timing=swarm.timing,

@@ -46,6 +46,7 @@ from ..errors import (
     WorkloadConfigError,
     WorkloadError,
 )
+from .outer import LocalUpdates
 from .replicas import ReplicatedSession, parse_devices
 from .session import Session
 
@@ -65,7 +66,8 @@ ERROR_MAP: dict[type[BaseException], ErrorCode] = {
 
 T = TypeVar("T")
 What = Annotated[Vector, "Which vector: the mean accumulated "
-                 "gradients, the parameters, or the full state (parameters, optimizer state, buffers)."]
+                 "gradients, the parameters, the full state (parameters, optimizer state, buffers), "
+                 "or a local-update run's error-feedback residual."]
 BufferName = Annotated[str, "Name of a POSIX shared-memory object the caller created (no leading slash)."]
 Numel = Annotated[int, "Size of the buffer in float32 elements.", {"minimum": 1}]
 
@@ -140,6 +142,12 @@ class WorkerService:
         device: Annotated[str, "auto (cuda if available, else cpu), cpu, cuda or cuda:N; several, "
                           "comma-separated (cuda:0,cuda:1), or cuda:all: one process per device, "
                           "data-parallel, still one worker."] = "auto",
+        sync: Annotated[dict[str, Any] | None, "How the run syncs: null or {\"mode\": "
+                        "\"gradients\"} (gradients accumulate until exported), or {\"mode\": "
+                        "\"local\", \"inner_steps\": H, \"outer_lr\": 0.7, \"outer_momentum\": "
+                        "0.9, \"nesterov\": true} (a local-update run: the optimizer steps on "
+                        "every batch; export gradients gives outer minus local parameters, apply "
+                        "gradients takes one outer step)."] = None,
     ) -> DescribeResult:
         """Build a workload's model, optimizer and data; replaces any loaded one.
 
@@ -154,6 +162,11 @@ class WorkerService:
         except ValueError as exc:
             raise InvalidParams("device", str(exc)) from None
         devices = [_pick_device(name) for name in names]
+        local = LocalUpdates.from_json(sync)
+        if local is not None and len(devices) > 1:
+            raise InvalidParams("sync", "a local-update run trains on one device per worker (the "
+                                "inner steps of several replicas are not kept in step yet); give "
+                                "one device")
         previous = self._session
 
         def build() -> Session:
@@ -161,7 +174,7 @@ class WorkerService:
                 previous.close()  # a replicated session leaves its process group first
             if len(devices) > 1:
                 return ReplicatedSession(entry, resolved, seed, init_seed, devices)
-            return Session(entry, resolved, seed, init_seed, devices[0])
+            return Session(entry, resolved, seed, init_seed, devices[0], local)
 
         session = await self._exclusive("worker.load", build)
         self._session = session
@@ -191,7 +204,9 @@ class WorkerService:
 
         Accumulated gradients add up across calls until `worker.apply` of gradients or
         `worker.zero_grad`. A NaN/Inf loss or gradient fails the call (WORKLOAD_ERROR); that
-        batch's gradients are discarded, earlier batches stay accumulated.
+        batch's gradients are discarded, earlier batches stay accumulated. In a local-update run
+        (`worker.load` sync mode "local") the optimizer steps on every batch instead (an inner
+        step; `inner_step` in the answer counts them since the last outer step).
         """
         session = self._loaded()
         return await self._exclusive(  # type: ignore[return-value]
@@ -205,7 +220,10 @@ class WorkerService:
         `numel` is the buffer's capacity; a buffer too small fails with BUFFER_ERROR naming the
         size needed. gradients: mean gradient per accumulated sample (zeros if none). state: the
         parameters, the optimizer's per-parameter tensors and the model's floating buffers; `meta`
-        holds the layout and everything else needed by `worker.apply` of state.
+        holds the layout and everything else needed by `worker.apply` of state. In a local-update
+        run, gradients is the pseudo-gradient (outer minus local parameters) plus the residual,
+        state carries the outer parameters and momentum (never the residual: it is this peer's
+        own), and residual is the error-feedback residual.
         """
         session = self._loaded()
         return await self._exclusive(  # type: ignore[return-value]
@@ -227,7 +245,9 @@ class WorkerService:
         is the schedule's at meta.step. parameters: copy them in (and the step from meta.step if
         given). state: restore parameters, optimizer and scheduler state and step, checked against
         meta's layout. A wrong numel, a bad meta.step or a NaN/Inf value fails with BUFFER_ERROR
-        and changes nothing.
+        and changes nothing. In a local-update run, gradients is the averaged pseudo-gradient: one
+        outer step; residual replaces the error-feedback residual (what the codec did not convey
+        of the last exported vector).
         """
         session = self._loaded()
         return await self._exclusive(  # type: ignore[return-value]

@@ -3,6 +3,11 @@
 Every method here blocks; the JSON-RPC service runs them in a thread, one at a time. Gradients
 accumulate in a flat float32 vector as the sum over samples (each batch adds its mean gradient
 times its batch size), so that `export("gradients")` can hand out the mean gradient per sample.
+
+In a local-update run (`sync` mode "local", outer.py) the workload's optimizer steps on every
+batch instead; `export("gradients")` hands out the pseudo-gradient (outer minus local
+parameters), `apply("gradients")` takes one outer step with the averaged one and puts the model
+back on the new outer parameters, and `zero_grad` drops the inner steps taken since the last one.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from .layout import (
     slots_from_meta,
     to_json,
 )
+from .outer import LocalUpdates, OuterState, cpu_norm
 
 log = structlog.get_logger(__name__)
 
-Kind = Literal["gradients", "parameters", "state"]
+Kind = Literal["gradients", "parameters", "state", "residual"]
+OUTER_MOMENTUM = "outer.momentum"  # the slot of a local-update run's state after everything else
 MAX_TASK_FINGERPRINT = 128
 
 
@@ -45,7 +52,7 @@ class Session:
     """A workload built and ready to train on one device."""
 
     def __init__(self, entry: CatalogEntry, config: dict[str, Any], seed: int, init_seed: int,
-                 device: torch.device) -> None:
+                 device: torch.device, local: LocalUpdates | None = None) -> None:
         self.workload = entry.workload
         self.plugin = entry.plugin
         self.config = config
@@ -79,10 +86,17 @@ class Session:
         self.params = [p for _, p in named]
         self.slots = pack((name, p.shape) for name, p in named)
         self.total_numel = self.slots[-1].end
-        self._grad_sum = torch.zeros(self.total_numel, dtype=torch.float32, device=device)
+        # (a local-update run steps on every batch: it accumulates no gradients)
+        self._grad_sum = torch.zeros(self.total_numel if local is None else 0, dtype=torch.float32,
+                                     device=device)
         self.accumulated_samples = 0
         self.step = 0
         self.samples_per_second: float | None = None
+        # a local-update run: the outer parameters and momentum, and the inner steps taken since
+        # the last outer step
+        self.local = local
+        self.outer = None if local is None else OuterState(local, self.slots, self.params, device)
+        self.inner_step = 0
         # Counted when the optimizer state changes, so that describe never reads it mid-step.
         self.state_numel = self._count_state_numel()
 
@@ -105,7 +119,8 @@ class Session:
     def _count_state_numel(self) -> int:
         _, tensors, _ = optimizer_state(self.optimizer)
         return (self.total_numel + sum(t.numel() for t in tensors)
-                + sum(b.numel() for _, b in self._float_buffers()))
+                + sum(b.numel() for _, b in self._float_buffers())
+                + (0 if self.outer is None else self.outer.numel))  # the outer momentum
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -120,6 +135,8 @@ class Session:
             "accumulated_samples": self.accumulated_samples,
             "step": self.step,
             "samples_per_second": self.samples_per_second,
+            "sync": {"mode": "gradients"} if self.local is None else self.local.to_json(),
+            "inner_step": self.inner_step,
         }
 
     # --- training -------------------------------------------------------------------------------
@@ -148,8 +165,8 @@ class Session:
             if not isinstance(batch_size, int) or batch_size < 1:
                 raise WorkloadError(f"workload {self.workload.name!r}: loss() returned batch size "
                                     f"{batch_size!r}, not a positive int")
-            with self._guard("backward"):
-                (loss * batch_size).backward()
+            with self._guard("backward"):  # an inner step takes the batch's mean gradient
+                (loss * batch_size if self.outer is None else loss).backward()
             grads = torch.cat([torch.zeros(p.numel(), device=self.device) if p.grad is None
                                else p.grad.reshape(-1).float() for p in self.params])
             if not bool(torch.isfinite(grads).all()):
@@ -158,7 +175,10 @@ class Session:
                     "gradients; that batch's gradients were discarded",
                     {"workload": self.workload.name, "samples": done,
                      "accumulated_samples": self.accumulated_samples})
-            self._grad_sum.add_(grads)
+            if self.outer is None:
+                self._grad_sum.add_(grads)
+            else:  # a local-update run: an inner step on every batch
+                self._inner_step()
             self.accumulated_samples += batch_size
             done += batch_size
             loss_sum += value * batch_size
@@ -172,12 +192,32 @@ class Session:
         seconds = time.perf_counter() - start
         rate = done / seconds if seconds > 0 else None
         self.samples_per_second = rate
-        return {"samples": done, "loss": loss_sum / done, "seconds": seconds,
-                "samples_per_second": rate, "accumulated_samples": self.accumulated_samples}
+        result = {"samples": done, "loss": loss_sum / done, "seconds": seconds,
+                  "samples_per_second": rate, "accumulated_samples": self.accumulated_samples}
+        if self.outer is not None:
+            result["inner_step"] = self.inner_step
+        return result
+
+    def _local_only(self, what: str) -> None:
+        if self.outer is None:
+            raise SharedBufferError(f"{what!r} is a vector of local-update runs (worker.load sync "
+                                    "mode \"local\"); this worker trains a gradients run")
+
+    def _inner_step(self) -> None:
+        """The workload's optimizer steps; its schedule does not (`_position_inner_schedule`)."""
+        with self._guard("optimizer.step"):
+            self.optimizer.step()
+        self.inner_step += 1
 
     def zero_grad(self) -> None:
+        """Drop what was accumulated: the gradients, or in a local-update run the inner steps
+        since the last outer step (the model goes back to the outer parameters)."""
         self._grad_sum.zero_()
         self.accumulated_samples = 0
+        if self.outer is not None:
+            self.outer.restore(self.params)
+            self.outer.forget()
+            self.inner_step = 0
 
     def close(self) -> None:
         """Release what the session holds beyond memory (nothing here; replicas in a subclass)."""
@@ -210,6 +250,8 @@ class Session:
 
     def export(self, what: Kind, buffer: str, capacity: int) -> dict[str, Any]:
         """Write gradients, parameters or full state into shared-memory `buffer`."""
+        if what == "residual":
+            self._local_only(what)
         if what == "state":
             slots, tensors, meta = self._state_pieces()
         else:
@@ -221,7 +263,16 @@ class Session:
                                     f"{buffer!r} was given with numel={capacity}",
                                     {"buffer": buffer, "needed": numel, "given": capacity})
         with buffers.attach(buffer, numel) as view:
-            if what == "gradients":
+            if what == "gradients" and self.outer is not None:
+                self.outer.pseudo_gradient(self.params, view)
+                self.outer.remember(self.params, self.accumulated_samples, self.inner_step)
+                meta = {"accumulated_samples": self.accumulated_samples, "step": self.step,
+                        "inner_step": self.inner_step}
+            elif what == "residual":
+                assert self.outer is not None
+                view.copy_(self.outer.residual)
+                meta = {"step": self.step}
+            elif what == "gradients":
                 view.copy_(self._grad_sum)
                 if self.accumulated_samples:
                     view.div_(self.accumulated_samples)
@@ -246,6 +297,12 @@ class Session:
         buffer_slots = pack(((name, b.shape) for name, b in model_buffers),
                             (opt_slots or param_slots)[-1].end)
         slots = [*param_slots, *opt_slots, *buffer_slots]
+        # a local-update run's state is its outer parameters (never the drifted local ones) and
+        # the outer momentum, after everything else
+        outer = self.outer
+        outer_slots = [] if outer is None else pack([(OUTER_MOMENTUM, (outer.numel,))],
+                                                    slots[-1].end)
+        slots += outer_slots
         groups = self.optimizer.state_dict()["param_groups"]
         meta = {
             "workload": self.workload.name,
@@ -256,13 +313,18 @@ class Session:
                 "optimizer": [{**s.to_json(), "param": index, "key": key}
                               for s, (index, key) in zip(opt_slots, keys, strict=True)],
                 "buffers": [s.to_json() for s in buffer_slots],
+                **({} if outer is None else {"outer": [s.to_json() for s in outer_slots]}),
             },
+            **({} if outer is None else {"outer": {"step_norm": outer.step_norm}}),
             "optimizer": {"param_groups": to_json(groups, "optimizer param_groups"),
                           "scalars": scalars},
             "scheduler": (None if self.scheduler is None
                           else to_json(self.scheduler.state_dict(), "scheduler state")),
         }
-        return slots, [*(p.detach() for p in self.params), *opt_tensors, *(b for _, b in model_buffers)], meta
+        params = [p.detach() for p in self.params] if outer is None \
+            else scatter_views(param_slots, outer.params)
+        extra = [] if outer is None else [outer.momentum]
+        return slots, [*params, *opt_tensors, *(b for _, b in model_buffers), *extra], meta
 
     # --- apply ----------------------------------------------------------------------------------
 
@@ -272,6 +334,8 @@ class Session:
         meta = dict(meta or {})
         if what == "state":
             return self._apply_state(buffer, numel, meta)
+        if what == "residual":
+            self._local_only(what)
         if numel != self.total_numel:
             raise SharedBufferError(f"applying {what} needs exactly {self.total_numel} float32 "
                                     f"elements (worker.describe total_numel), got numel={numel}",
@@ -285,15 +349,31 @@ class Session:
                                     {"key": "meta.step", "value": repr(new_step)})
         with buffers.attach(buffer, numel) as view:
             _check_finite(view, buffer, what)
-            incoming = [v.to(self.device, dtype=p.dtype, copy=True)
-                        for v, p in zip(scatter_views(self.slots, view), self.params, strict=True)]
+            if self.outer is not None and what in ("gradients", "residual"):
+                # a local-update run's vectors stay float32 whatever the model's dtype, and the
+                # outer step's guard reads them here, on the CPU (outer.py: the same on every peer)
+                flat = view.clone()
+                incoming = []
+            else:
+                incoming = [v.to(self.device, dtype=p.dtype, copy=True)
+                            for v, p in zip(scatter_views(self.slots, view), self.params, strict=True)]
             del view
+        if what == "residual":
+            assert self.outer is not None
+            with torch.no_grad():
+                self.outer.residual.copy_(flat)
+            return {"step": self.step}
         if what == "parameters":
             with torch.no_grad():
                 for param, value in zip(self.params, incoming, strict=True):
                     param.copy_(value)
+            if self.outer is not None:
+                self.outer.take(self.params)
+                self.inner_step = 0
             self.step = new_step
             return {"step": self.step}
+        if self.outer is not None:
+            return self._outer_step(flat, new_step)
         if global_step and self.scheduler is not None:
             with self._guard("scheduler"):
                 position_scheduler(self.scheduler, new_step, self._scheduler_start)
@@ -312,6 +392,41 @@ class Session:
         self.state_numel = self._count_state_numel()
         return {"step": self.step, "lr": lr}
 
+    def _outer_step(self, delta: torch.Tensor, new_step: int) -> dict[str, Any]:
+        """A local-update run: one outer step with the averaged pseudo-gradient `delta` (flat
+        float32, on the CPU), through the guard; the model goes to the new outer parameters, and
+        the learning-rate schedule of the next inner steps is put where the run's outer step is."""
+        assert self.outer is not None and self.local is not None
+        outer = self.outer
+        factor = outer.step(delta, cpu_norm(delta))
+        self.step = new_step + 1
+        # overlap: what was trained since the export carries over onto the new outer parameters
+        carried = outer.carry_over(self.params)
+        samples = self.accumulated_samples - outer.anchor_samples if carried else 0
+        inner = self.inner_step - outer.anchor_inner_steps if carried else 0
+        if not carried:
+            self.zero_grad()  # back on the (new) outer parameters
+        outer.forget()
+        self._grad_sum.zero_()
+        self.accumulated_samples, self.inner_step = max(0, samples), max(0, inner)
+        self._position_inner_schedule()
+        self.state_numel = self._count_state_numel()
+        if factor < 1.0:
+            log.warning("outer_step_clipped", step=new_step, factor=factor,
+                        step_norm=outer.step_norm, clipped_steps=outer.clipped_steps)
+        return {"step": self.step, "lr": float(self.optimizer.param_groups[0]["lr"]),
+                "outer_lr": self.local.outer_lr, "accumulated_samples": self.accumulated_samples,
+                "inner_step": self.inner_step, "clip_factor": factor}
+
+    def _position_inner_schedule(self) -> None:
+        """A local-update run's learning rate is the schedule's at (outer step x H), held for
+        the whole outer step: the schedule counts the run's target batches, as in a gradients
+        run, and every peer then takes its inner steps at the same rate, whatever its batch."""
+        if self.scheduler is not None and self.local is not None:
+            with self._guard("scheduler"):
+                position_scheduler(self.scheduler, self.step * self.local.inner_steps,
+                                   self._scheduler_start)
+
     def _apply_state(self, buffer: str, numel: int, meta: dict[str, Any]) -> dict[str, Any]:
         layout = meta.get("layout")
         if not isinstance(layout, dict):
@@ -328,6 +443,20 @@ class Session:
         if [(s.name, s.shape) for s in buffer_slots] != [(n, tuple(b.shape)) for n, b in model_buffers]:
             raise SharedBufferError("meta.layout.buffers does not match this model's buffers")
         total = (buffer_slots or opt_slots or param_slots)[-1].end
+        outer_slots: list[Slot] = []
+        if self.outer is not None or "outer" in layout:
+            if self.outer is None:
+                raise SharedBufferError("this state is of a local-update run (meta.layout.outer); "
+                                        "this worker trains a gradients run")
+            outer_slots = slots_from_meta(layout.get("outer"), "outer", total)
+            if [(s.name, s.shape) for s in outer_slots] != [(OUTER_MOMENTUM, (self.total_numel,))]:
+                raise SharedBufferError("a local-update run's state needs meta.layout.outer: one "
+                                        f"{OUTER_MOMENTUM!r} slot of {self.total_numel} elements")
+            total = outer_slots[-1].end
+            outer_meta = meta.get("outer")
+            if outer_meta is not None and not isinstance(outer_meta, dict):
+                raise SharedBufferError("meta.outer must be an object")
+            step_norm = _step_norm(None if outer_meta is None else outer_meta.get("step_norm"))
         if numel != total or meta.get("numel", total) != total:
             raise SharedBufferError(f"the state layout in meta holds {total} float32 elements, got "
                                     f"numel={numel}", {"buffer": buffer, "needed": total, "given": numel})
@@ -363,6 +492,10 @@ class Session:
             for (_, model_buffer), value in zip(model_buffers, scatter_views(buffer_slots, copied),
                                                 strict=True):
                 model_buffer.copy_(value)
+        if self.outer is not None:  # the state's parameters are the outer ones
+            self.outer.take(self.params)
+            self.outer.load(self.outer.params, scatter_views(outer_slots, copied)[0])
+            self.outer.step_norm = step_norm
         self.step = step
         self.zero_grad()
         self.state_numel = self._count_state_numel()
@@ -380,6 +513,11 @@ class Session:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
+        if self.outer is not None:  # the model's parameters may have drifted: the outer ones count
+            payload["outer"] = {"parameters": self.outer.params.detach().cpu(),
+                                "momentum": self.outer.momentum.detach().cpu(),
+                                "residual": self.outer.residual.detach().cpu(),
+                                "step_norm": self.outer.step_norm}
         size = checkpoint.save(path, payload)
         return {"path": str(Path(path).absolute()), "bytes": size, "step": self.step}
 
@@ -400,6 +538,15 @@ class Session:
         if (not isinstance(model_state, dict) or set(model_state) != set(current)
                 or any(tuple(model_state[k].shape) != tuple(v.shape) for k, v in current.items())):
             raise CheckpointError(f"{path}: the model tensors do not match this model", where)
+        outer = document.get("outer")
+        if self.outer is not None and not (
+                isinstance(outer, dict)
+                and all(isinstance(outer.get(k), torch.Tensor)
+                        and tuple(outer[k].shape) == (self.total_numel,)
+                        for k in ("parameters", "momentum"))):
+            raise CheckpointError(f"{path} holds no outer parameters and momentum of "
+                                  f"{self.total_numel} elements; it is not a checkpoint of this "
+                                  "local-update run", where)
         try:
             self.optimizer.load_state_dict(document["optimizer"])
             if self.scheduler is not None and document.get("scheduler") is not None:
@@ -407,10 +554,30 @@ class Session:
             self.model.load_state_dict(model_state)
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise CheckpointError(f"{path} does not fit the loaded workload: {exc}", where) from exc
+        if self.outer is not None:
+            residual = outer.get("residual")
+            self.outer.load(outer["parameters"], outer["momentum"],
+                            residual if isinstance(residual, torch.Tensor)
+                            and tuple(residual.shape) == (self.total_numel,) else None)
+            try:
+                self.outer.step_norm = _step_norm(outer.get("step_norm"))
+            except SharedBufferError:
+                self.outer.step_norm = None  # the guard starts over (from the parameters' norm)
         self.step = int(document.get("step", 0))
-        self.zero_grad()
+        self.zero_grad()  # (a local-update run: back on the outer parameters)
         self.state_numel = self._count_state_numel()
         return {"step": self.step}
+
+
+def _step_norm(value: Any) -> float | None:
+    """A state's or checkpoint's outer-step norm (outer.py's guard): null or a finite number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value < 0:
+        raise SharedBufferError(f"meta.outer.step_norm must be null or a finite number >= 0, not "
+                                f"{value!r:.40}")
+    return float(value)
 
 
 def _check_finite(view: torch.Tensor, buffer: str, what: str) -> None:

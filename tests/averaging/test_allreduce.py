@@ -20,6 +20,7 @@ from net.netutil import wait_until
 
 from dedloc.daemon.averaging.allreduce import AllReduceError, AllReduceReport, AllReduceService
 from dedloc.daemon.averaging.compression import get_codec, reply_codec
+from dedloc.daemon.averaging.error_feedback import unconveyed
 from dedloc.daemon.averaging.group import Group, Member, Role
 from dedloc.daemon.averaging.wire import METHOD, StreamOpen
 from dedloc.daemon.identity import Identity
@@ -532,3 +533,30 @@ async def test_misuse_raises(clusters: Any) -> None:
         await service.run(group, 0, bad, 1.0)
     with pytest.raises(AllReduceError, match="unknown compression"):
         await service.run(make_group(cluster.ids, size=100, compression="zip"), 0, good, 1.0)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "uint8", "topk"])
+async def test_what_a_round_did_not_convey_is_what_error_feedback_keeps(
+        clusters: Any, compression: str) -> None:
+    """`unconveyed` (error feedback: a local-update run's residual) cut as the round cut: every
+    member's vector minus it is what the reducers averaged, so the average is the weighted mean
+    of those, within the reply codec's bound."""
+    cluster = await clusters(3, inline_elements=0)
+    weights = [1.0, 3.0, 0.5]
+    group = make_group(cluster.ids, weights=weights, compression=compression, size=30_011,
+                       chunk=4096)
+    vecs = vectors(3, group.size, seed=13)
+    originals = [v.copy() for v in vecs]
+    codec = get_codec(compression)
+    reports = await run_all(cluster, group, vecs, weights)
+    assert all(r.ok for r in reports)
+    sent = [x - unconveyed(codec, x, group.part_bounds, group.chunk_elements, group.part_bounds[i])
+            for i, x in enumerate(originals)]
+    assert any(np.abs(x - s).max() > 0 for x, s in zip(originals, sent, strict=True))  # lossy
+    average = weighted(sent, weights, range(3))
+    reply = reply_codec(codec)
+    for _, (a, b) in chunk_ranges(group):
+        slack = 1e-5 * float(np.abs(average[a:b]).max())
+        assert np.abs(vecs[0][a:b] - average[a:b]).max() <= reply.error_bound(average[a:b]) * 1.001 + slack
+    # a vector sent to nobody was conveyed exactly
+    assert not unconveyed(codec, originals[0], group.part_bounds, 0, (0, 0)).any()

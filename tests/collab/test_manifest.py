@@ -71,6 +71,12 @@ def test_every_known_compression_is_accepted(compression: str) -> None:
     assert RunManifest("tiny", compression=compression).compression == compression
 
 
+def test_topk_is_for_local_update_runs_only() -> None:
+    assert RunManifest("tiny", compression="topk", sync="local", inner_steps=10).compression == "topk"
+    with pytest.raises(ManifestError, match="local-update runs"):
+        RunManifest("tiny", compression="topk")
+
+
 @pytest.mark.parametrize("compression", ["", "FP16", "int4", None, 16])
 def test_bad_compression(compression: object) -> None:
     with pytest.raises(ManifestError, match="compression") as info:
@@ -168,6 +174,61 @@ def test_fingerprint_ignores_key_order_of_the_config() -> None:
 def test_fingerprint_changes_with_every_field(name: str, value: Any) -> None:
     changed = dataclasses.replace(BASE, **{name: value})
     assert changed.fingerprint() != BASE.fingerprint()
+
+
+LOCAL = dataclasses.replace(BASE, sync="local", inner_steps=25)
+
+
+def test_a_gradients_run_keeps_the_fingerprint_it_had_before_sync_existed() -> None:
+    # the fields of local-update runs are left out of a gradients run's JSON
+    assert set(BASE.to_json()) == {"workload", "config", "target_batch_size", "epochs", "min_peers",
+                                   "average_state_every", "compression", "init_seed"}
+    assert BASE.fingerprint() == RunManifest.from_json(BASE.to_json()).fingerprint()
+
+
+def test_a_local_update_run_names_its_outer_optimizer() -> None:
+    data = LOCAL.to_json()
+    assert (data["sync"], data["inner_steps"], data["outer_lr"], data["outer_momentum"],
+            data["outer_nesterov"]) == ("local", 25, 0.7, 0.9, True)
+    assert RunManifest.from_json(data) == LOCAL
+    assert LOCAL.fingerprint() != BASE.fingerprint()
+    assert LOCAL.epoch_samples == 25 * 64 and BASE.epoch_samples == 64
+    assert LOCAL.worker_sync() == {"mode": "local", "inner_steps": 25, "outer_lr": 0.7,
+                                   "outer_momentum": 0.9, "nesterov": True, "overlap": False,
+                                   "clip": 4.0}
+    assert LOCAL.max_weight == 25 * 64 + 7 * 64 and BASE.max_weight == 8 * 64
+    assert BASE.worker_sync() is None and BASE.sync_fields() == {}
+    assert dataclasses.replace(BASE, **LOCAL.sync_fields()) == LOCAL
+    # 1 and 1.0 are one outer learning rate, one fingerprint
+    assert dataclasses.replace(LOCAL, outer_lr=1).fingerprint() \
+        == dataclasses.replace(LOCAL, outer_lr=1.0).fingerprint()
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("inner_steps", 26), ("outer_lr", 0.5), ("outer_momentum", 0.0), ("outer_nesterov", False),
+    ("overlap", True), ("outer_clip", 0.0),
+])
+def test_a_local_update_runs_fingerprint_changes_with_its_outer_optimizer(name: str, value: Any) -> None:
+    assert dataclasses.replace(LOCAL, **{name: value}).fingerprint() != LOCAL.fingerprint()
+
+
+@pytest.mark.parametrize("changes", [
+    {"sync": "diloco"}, {"sync": None},
+    {"sync": "local"},  # no inner_steps
+    {"sync": "local", "inner_steps": 0}, {"sync": "local", "inner_steps": 10**7},
+    {"sync": "local", "inner_steps": True}, {"sync": "local", "inner_steps": 2.0},
+    {"sync": "local", "inner_steps": 4, "outer_lr": -0.1},
+    {"sync": "local", "inner_steps": 4, "outer_lr": float("inf")},
+    {"sync": "local", "inner_steps": 4, "outer_lr": "1"},
+    {"sync": "local", "inner_steps": 4, "outer_momentum": 1.0},
+    {"sync": "local", "inner_steps": 4, "outer_nesterov": "yes"},
+    {"inner_steps": 4},  # outer settings without sync "local": a mistake, said so
+    {"outer_lr": 1.0}, {"overlap": True}, {"outer_clip": 2.0},
+    {"sync": "local", "inner_steps": 4, "outer_clip": -1}, {"sync": "local", "inner_steps": 4, "overlap": 1},
+])
+def test_malformed_sync_settings_are_refused(changes: dict[str, Any]) -> None:
+    with pytest.raises(ManifestError):
+        dataclasses.replace(BASE, **changes)
 
 
 def test_fingerprint_distinguishes_list_order_and_types() -> None:
@@ -455,3 +516,19 @@ def test_task_is_part_of_the_identity_and_absent_when_none() -> None:
 def test_bad_task_is_refused(task: Any) -> None:
     with pytest.raises(ManifestError, match="task"):
         RunManifest.from_json({**BASE.to_json(), "task": task})
+
+
+def test_a_local_update_run_averages_no_state() -> None:
+    from dedloc.daemon.collab.run import schedule_of
+
+    assert schedule_of(BASE).average_state_every == 3 and schedule_of(BASE).target_batch_size == 64
+    local = schedule_of(dataclasses.replace(LOCAL, average_state_every=5))
+    assert local.average_state_every == 0 and local.target_batch_size == 25 * 64
+
+
+def test_a_grid_round_sends_its_later_stages_densely_when_the_codec_sparsifies() -> None:
+    from dedloc.daemon.collab.rounds import stage_compression
+
+    assert stage_compression("topk", "m0/3") == "topk"
+    assert stage_compression("topk", "m1/0") == "fp16" and stage_compression("topk", "m2/1") == "fp16"
+    assert stage_compression("uint8", "m1/0") == "uint8" and stage_compression("none", "m1/0") == "none"

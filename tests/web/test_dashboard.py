@@ -131,6 +131,8 @@ async def test_the_dashboard_of_a_two_peer_run(daemon_factory: Any, tmp_path: Pa
     shown = int(re.search(r'data-run-epoch="(\d+)"', run_tag.group(0)).group(1))  # type: ignore[union-attr]
     assert low["run_epoch"] <= shown <= high["run_epoch"]
     assert re.search(rf'data-field="run-epoch">{shown}<', dom)
+    assert re.search(r'data-field="sync">gradients · ↑[^<]*/step · compression ×1\.0<', dom), \
+        section(dom, 'data-field="sync"')
     alive = section(dom, 'data-table="alive-peers"')
     leaderboard = section(dom, 'data-table="leaderboard"')
     links = section(dom, 'id="links"')

@@ -1,0 +1,121 @@
+"""Rosters of first grid rounds (collab/roster.py): pure rules, and peers whose views of the head
+differ by newcomers agreeing on one grid through an in-memory DHT (no waits: the writer writes
+first, or nobody waits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from dedloc.daemon.collab.grid import grid_layout
+from dedloc.daemon.collab.roster import Rosters, agrees, decode, encode, pick, writers
+
+
+def _ids(n: int, start: int = 0) -> list[str]:
+    return [f"{i:04x}" + "cd" * 20 for i in range(start, start + n)]
+
+
+def test_writers_depend_on_the_key_and_the_set_not_on_the_order() -> None:
+    peers = _ids(50)
+    assert writers("grad/0/x", peers) == writers("grad/0/x", list(reversed(peers)))
+    assert writers("grad/0/x", peers) != writers("grad/1/x", peers)
+    assert len(writers("grad/0/x", peers)) == 3 and len(writers("k", peers[:2])) == 2
+
+
+def test_views_that_differ_by_newcomers_mostly_name_the_same_first_writer() -> None:
+    base, newcomers = _ids(50), _ids(3, start=50)
+    same = sum(writers(f"grad/{k}/x", base)[0] == writers(f"grad/{k}/x", [*base, *newcomers])[0]
+               for k in range(200))
+    assert same >= 180  # only where a newcomer ranks first (3 in 53: about 6%)
+
+
+@pytest.mark.parametrize(("roster", "view", "expected"), [
+    (range(10), range(10), True),
+    (range(10), range(12), True),  # two the roster's writer had not seen yet: helpers
+    (range(12), range(10), True),  # two we do not know yet: at most a quarter is unknown
+    (range(5), range(10), False),  # half of our view is not a majority
+    (range(6), range(10), True),
+    (range(10, 20), range(10), False),  # strangers
+    ([*range(6), *range(100, 103)], range(10), False),  # a third unknown to us: friends of the writer
+])
+def test_a_roster_is_taken_only_when_it_agrees_with_the_view(roster: range, view: range,
+                                                              expected: bool) -> None:
+    assert agrees([str(p) for p in roster], [str(p) for p in view]) is expected
+
+
+def test_pick_takes_the_best_ranked_writer_whose_roster_agrees() -> None:
+    view = _ids(20)
+    ranked = writers("k", view, count=20)
+    honest = tuple(view)
+    friends = tuple([ranked[0], *_ids(30, start=100)])
+    assert pick("k", view, {ranked[0]: friends, ranked[1]: honest, ranked[2]: honest}) == (ranked[1], honest)
+    assert pick("k", view, {ranked[2]: honest, ranked[1]: honest[:15]}) == (ranked[1], honest[:15])
+    assert pick("k", view, {ranked[0]: friends}) is None
+
+
+@pytest.mark.parametrize("value", [b"", b"{}", b"[]", b"[1, 2]", b'["a", "a"]', b'["' + b"x" * 200 + b'"]',
+                                   b"not json"])
+def test_junk_is_no_roster(value: bytes) -> None:
+    assert decode(value) is None
+
+
+def test_a_roster_round_trips() -> None:
+    assert decode(encode(["b", "a", "b"])) == ("a", "b")
+
+
+@dataclass
+class _Entry:
+    value: bytes
+
+
+@dataclass
+class _Record:
+    own_sub_keys: dict[str, _Entry]
+
+
+class _Dht:
+    """One shared store: what a writer stores, every reader gets (signatures aside)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, _Entry]] = {}
+
+    async def store(self, key: str, value: bytes, expiration: float, sub_key: str | None = None,
+                    *, timeout: float | None = None) -> int:
+        assert sub_key is not None
+        self.values.setdefault(key, {})[sub_key] = _Entry(value)
+        return 1
+
+    async def get(self, key: str, *, timeout: float | None = None) -> _Record | None:
+        held = self.values.get(key)
+        return None if held is None else _Record(dict(held))
+
+
+async def test_views_differing_by_newcomers_lay_out_one_grid() -> None:
+    key = "grad/0/init"
+    base, newcomers = _ids(60), _ids(4, start=60)
+    first = writers(key, base)[0]
+    assert first not in newcomers
+    dht = _Dht()
+
+    def rosters(peer: str) -> Rosters:
+        return Rosters(dht, peer, "run")  # type: ignore[arg-type]
+
+    # the first writer goes first (it does not wait for anyone); the others find its roster
+    views = {first: base, **{p: [*base, *newcomers[: i % 5]] for i, p in enumerate(base) if p != first}}
+    chosen = {peer: await rosters(peer).agree(key, view, wait=0.0) for peer, view in views.items()}
+    assert set(chosen.values()) == {tuple(sorted(base))}
+    layouts = {peer: grid_layout(key, roster, 16) for peer, roster in chosen.items()}
+    assert len({tuple(sorted(layout.cells.items())) for layout in layouts.values() if layout}) == 1
+    # without rosters, those views lay out different grids
+    own = {tuple(sorted(grid_layout(key, view, 16).cells.items()))  # type: ignore[union-attr]
+           for view in views.values()}
+    assert len(own) > 1
+
+
+async def test_a_peer_that_may_not_write_and_finds_no_roster_keeps_its_view() -> None:
+    dht = _Dht()
+    view = _ids(40)
+    peer = writers("k", view)[0]
+    assert await Rosters(dht, peer, "run").agree("k", view, wait=0.0, write=False) == tuple(sorted(view))  # type: ignore[arg-type]
+    assert dht.values == {}
