@@ -25,8 +25,9 @@ from ..dht import DHTNode
 from ..net import PeerTransport
 from . import corruption
 from .allreduce import AllReduceError, AllReduceReport, AllReduceService, check_finite
-from .bandwidth import BandwidthEstimator
+from .bandwidth import BandwidthEstimator, PeerRates, measured_rates
 from .bans import BanList
+from .claims import OVERCLAIM_FACTOR, leader_plan, narrower_link
 from .errors import AveragingError
 from .group import Group, Member, Role
 from .matchmaking import Matchmaker, RoundRequest
@@ -72,6 +73,9 @@ class Averager:
         self.reachable = reachable
         self._caps = caps  # the volunteer's (upload, download) caps in bytes/s, 0: none
         self.bandwidth = BandwidthEstimator(config.upload_mbps * MBIT, config.download_mbps * MBIT)
+        self.peer_rates = PeerRates()  # what our transfers measured of the others (claims.py)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the planner counts through it
+        self._claim = corruption.claimed_bandwidth_from_environment()  # tests only
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.history)
         self.counters: collections.Counter[str] = collections.Counter()
         self.policy = ScreeningPolicy(
@@ -99,18 +103,32 @@ class Averager:
         await asyncio.to_thread(importlib.import_module, f"{__package__}.balancing")
 
     def _plan(self, members: tuple[Member, ...], size: int, chunk: int) -> tuple[tuple[int, int], ...]:
+        """The part ranges of a group we lead (in the matchmaker's thread): the LP over the
+        members' claims bounded by the public rule and by what we measured (claims.py)."""
         from .balancing import solve_shares, to_part_bounds, uniform_shares  # scipy: loaded on first use
 
-        mode = self.config.balancing
-        if mode == "uniform":
+        rates = self.peer_rates.snapshot(m.peer_id for m in members)
+        plan = leader_plan(members, self.peer_id, rates)
+        if self._loop is not None and (plan.claims_bounded or plan.claims_cut):
+            self._loop.call_soon_threadsafe(self.counters.update, {
+                "bandwidth_claims_bounded": plan.claims_bounded,
+                "bandwidth_claims_cut": plan.claims_cut})
+        if self.config.balancing == "uniform":
             fractions = uniform_shares(members)
         else:
-            fractions = solve_shares(members, size * 4).fractions
+            fractions = solve_shares(plan.members, size * 4, plan.caps).fractions
+        log.debug("averaging_plan", members=[m.peer_id[:12] for m in members],
+                  claims=[round(narrower_link(m)) for m in members],
+                  measured=[round(rates[m.peer_id]) if m.peer_id in rates else None for m in members],
+                  figures=[round(m.upload) for m in plan.members],
+                  caps=[round(c, 4) for c in plan.caps], fractions=[round(f, 4) for f in fractions])
         return to_part_bounds(fractions, size, chunk)
 
     def advertised_bandwidth(self) -> tuple[float, float]:
         """(upload, download) in bytes/s for the load balancer: the estimates, at most the caps."""
         upload, download = self.bandwidth.upload, self.bandwidth.download
+        if self._claim is not None:  # a test's hostile peer (corruption.py)
+            return self._claim, self._claim
         if self._caps is not None:
             cap_up, cap_down = self._caps()
             upload = min(upload, cap_up) if cap_up > 0 else upload
@@ -122,6 +140,7 @@ class Averager:
         key; return the round's report. Peer failures are reported, not raised."""
         if vector.dtype != np.float32 or vector.ndim != 1:
             raise AveragingError("the vector must be one-dimensional float32")
+        self._loop = asyncio.get_running_loop()
         started = timebase.now()
         if options.deadline <= started:
             raise AveragingError("the round's deadline has already passed")
@@ -159,6 +178,7 @@ class Averager:
             report = await self.allreduce.run(group, group.index_of(self.peer_id), vector, weight,
                                               finite_checked=True)
             self._learn_bandwidth(report)
+            self._learn_peer_rates(group, report)
         finished = timebase.now()
         summary = self._summarise(options, group, report, started, matched, finished)
         self.history.append(summary.to_json())
@@ -176,6 +196,19 @@ class Averager:
         if report.seconds > 0:
             self.bandwidth.observe_upload(report.bytes_sent, report.seconds)
             self.bandwidth.observe_download(report.bytes_received, report.seconds)
+
+    def _learn_peer_rates(self, group: Group, report: AllReduceReport) -> None:
+        """Keep what this round measured of the others; count the members whose claim was far
+        over it (`bandwidth_overclaims`). Counted, not an offence: an honest peer's claim is its
+        own moving average and lags a link that just got slower."""
+        index = group.index_of(self.peer_id)
+        for peer_id, rate in measured_rates(group, index, report).items():
+            self.peer_rates.observe(peer_id, rate)
+            claim = narrower_link(group.members[group.index_of(peer_id)])
+            if claim > OVERCLAIM_FACTOR * rate:
+                self.counters["bandwidth_overclaims"] += 1
+                log.info("averaging_bandwidth_overclaim", peer=peer_id, claimed=claim,
+                         measured=round(rate, 1))
 
     def _summarise(self, options: RoundOptions, group: Group, report: AllReduceReport | None,
                    started: float, matched: float, finished: float) -> AveragingReport:
@@ -207,7 +240,8 @@ class Averager:
 
     def status(self) -> dict[str, Any]:
         bans = self.bans.status()  # first: it expires bans (and counts them)
-        return {"rounds": list(self.history), "counters": dict(self.counters), "bans": bans,
+        counters = {**self.counters, "refused_groups": self.matchmaker.refused_groups}
+        return {"rounds": list(self.history), "counters": counters, "bans": bans,
                 "screening": {"max_value": self.policy.max_value,
                               "max_norm_ratio": self.policy.max_norm_ratio,
                               "robust_aggregation": self.policy.robust,
@@ -215,6 +249,7 @@ class Averager:
                 "bandwidth": {"upload_bytes_per_second": self.bandwidth.upload,
                               "download_bytes_per_second": self.bandwidth.download,
                               "samples": self.bandwidth.samples,
+                              "peers_measured": len(self.peer_rates),
                               # what the load balancer is told: the estimates, at most the caps
                               "advertised": dict(zip(("upload_bytes_per_second",
                                                       "download_bytes_per_second"),

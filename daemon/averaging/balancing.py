@@ -12,7 +12,10 @@ as long as its slowest member, so `solve_shares` solves the linear program (as i
 Diskin et al. 2021)
 
     minimise T   subject to   load_i(w) ≤ T·up_i,  load_i(w) ≤ T·down_i   for every member i,
-                              Σ w_i = 1,  w_i ≥ 0,  w_i = 0 where the member cannot reduce.
+                              Σ w_i = 1,  0 ≤ w_i ≤ cap_i,  w_i = 0 where the member cannot reduce,
+
+with caps on the shares (1 when none are given). The averager passes the caps and bounded figures
+in place of the members' claimed bandwidths (claims.py: a claim alone must not win the vector).
 
 Because upload and download amounts are equal, both constraints of a member collapse into one with
 its narrower link c_i = min(up_i, down_i). Rearranged, member i's constraint reads
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import linprog  # type: ignore[import-untyped]
 
+from .claims import MAX_BANDWIDTH, MIN_BANDWIDTH, narrower_link
 from .errors import AveragingError
 from .group import Member
 
@@ -57,8 +61,6 @@ __all__ = [
     "uniform_shares",
 ]
 
-MIN_BANDWIDTH = 1e3  # bytes/s; what a zero, negative or unknown bandwidth counts as
-MAX_BANDWIDTH = 1e12  # bytes/s; what an infinite or absurd bandwidth counts as
 _TIE_SLACK = 1e-9  # stage two may exceed the optimal time by this relative amount
 
 
@@ -82,21 +84,11 @@ class Shares:
     member_seconds: tuple[float, ...]
 
 
-def _capacity(member: Member) -> float:
-    """The member's narrower link in bytes/s, clamped to [MIN_BANDWIDTH, MAX_BANDWIDTH]."""
-    links = []
-    for value in (member.upload, member.download):
-        if math.isnan(value) or value <= 0:
-            value = MIN_BANDWIDTH
-        links.append(min(max(value, MIN_BANDWIDTH), MAX_BANDWIDTH))
-    return min(links)
-
-
 def _model(members: Sequence[Member]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(s, a, c, reducer mask): sends flags, coefficient a_i = R_i − s_i, capacities."""
     sends = np.array([1.0 if m.sends else 0.0 for m in members])
     others = sends.sum() - sends  # R_i
-    capacity = np.array([_capacity(m) for m in members])
+    capacity = np.array([narrower_link(m) for m in members])
     reducers = np.array([m.can_reduce for m in members], dtype=bool)
     return sends, others - sends, capacity, reducers
 
@@ -133,14 +125,25 @@ def uniform_shares(members: Sequence[Member]) -> tuple[float, ...]:
     return tuple(1.0 / reducers if m.can_reduce else 0.0 for m in members)
 
 
-def solve_shares(members: Sequence[Member], vector_bytes: float) -> Shares:
+def solve_shares(members: Sequence[Member], vector_bytes: float,
+                 caps: Sequence[float] | None = None) -> Shares:
     """The fractions that minimise the round's duration, tie-broken towards bandwidth-proportional
-    shares (see the module docstring). Raises BalancingError when nobody can reduce."""
+    shares (see the module docstring). `caps`: the most each member may reduce (w_i ≤ caps[i],
+    claims.py), an extra bound of the LP and of stage two; they must leave room for the whole
+    vector (Σ caps over the members that can reduce ≥ 1). Raises BalancingError when nobody can
+    reduce or the caps leave no room."""
     _check_vector_bytes(vector_bytes)
     if not any(m.can_reduce for m in members):
         raise BalancingError("no member of the group can reduce (all are clients or unreachable)")
     sends, coefficient, capacity, reducers = _model(members)
     n = len(members)
+    cap = np.ones(n) if caps is None else np.clip(np.asarray(caps, dtype=float), 0.0, 1.0)
+    if cap.shape != (n,) or not np.all(np.isfinite(cap)):
+        raise ValueError(f"one finite cap per member is required, not {caps!r}")
+    cap = np.where(reducers, cap, 0.0)
+    if cap.sum() < 1.0 - 1e-12:
+        raise BalancingError(f"the members' caps on their shares add up to {cap.sum():.6g}, less "
+                             "than the whole vector")
 
     # Stage one: the LP in x = (w_0 … w_{n−1}, t), with time in units of B / min(c):
     # a_i·w_i − (c_i / min c)·t ≤ −s_i. Dividing by the slowest link keeps every coefficient ≥ 1 in
@@ -151,14 +154,14 @@ def solve_shares(members: Sequence[Member], vector_bytes: float) -> Shares:
     a_ub[:, n] = -capacity / scale
     a_eq = np.ones((1, n + 1))
     a_eq[0, n] = 0.0
-    bounds = [(0.0, 1.0 if ok else 0.0) for ok in reducers] + [(0.0, None)]
+    bounds = [(0.0, float(c)) for c in cap] + [(0.0, None)]
     objective = np.zeros(n + 1)
     objective[n] = 1.0
     result = linprog(objective, A_ub=a_ub, b_ub=-sends, A_eq=a_eq, b_eq=[1.0], bounds=bounds,
                      method="highs")
     if result.status != 0:  # the LP is always feasible and bounded; this is a solver failure
         raise BalancingError(f"load-balancing LP failed: {result.message}")
-    lp_w = np.clip(result.x[:n], 0.0, None) * reducers
+    lp_w = np.clip(result.x[:n], 0.0, cap)
     lp_w = lp_w / lp_w.sum()
     # Stage two works per byte of vector (the shares do not depend on B). The optimum is an exact
     # evaluation of the LP's point rather than the solver's toleranced t, so the box below is
@@ -173,6 +176,8 @@ def solve_shares(members: Sequence[Member], vector_bytes: float) -> Shares:
     hi[upper] = np.clip(bound[upper], 0.0, 1.0)
     lower = reducers & (coefficient < 0)
     lo[lower] = np.clip(bound[lower], 0.0, 1.0)
+    hi = np.minimum(hi, cap)
+    lo = np.minimum(lo, hi)
     reference = np.where(reducers, capacity / scale, 0.0)
     fractions = tuple(float(x) for x in _water_fill(reference / reference.sum(), lo, hi))
     times = member_seconds(members, fractions, vector_bytes)

@@ -40,6 +40,7 @@ from .. import timebase
 from ..net import Message, PeerTransport, Stream
 from .accounts import ACCOUNT_KEY, CLIPPED, Entry, account_header, codec_errors, measure, segments, signs
 from .bans import BanList
+from .claims import stall_allowance
 from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
 from .corruption import wrong_answer
 from .group import Group
@@ -51,8 +52,6 @@ from .sending import FAULTS, PartSender, describe, leaf, receive_buffer
 from .wire import ChunkPlan, PeerFault, StreamOpen, chunk_header, parse_chunk
 
 log = structlog.get_logger(__name__)
-
-SOCKET_QUEUE_BYTES = 4 << 20  # what kernel socket buffers may hold ahead of a chunk
 
 
 class Round:
@@ -346,13 +345,9 @@ class Round:
 
     def _stall_for(self, i: int) -> float:
         """How long sender i may go without delivering a chunk: the stall timeout, or more for a
-        slow link: a sender feeds every reducer through one upload, and the chunks queued in its
-        socket buffers drain at its upload rate."""
-        member = self.group.members[i]
-        reducers = sum(1 for start, end in self.group.part_bounds if end > start)
-        chunk_bytes = self.group.chunk_elements * 4
-        expected = (chunk_bytes * reducers + SOCKET_QUEUE_BYTES) / max(member.upload, 1e3)
-        return max(self.stall_timeout, 4 * expected)
+        slow link, from its bounded bandwidth figure (claims.py: a claimed 1 B/s buys no more
+        than a link SPREAD times slower than the group's median, and never below 32 KiB/s)."""
+        return stall_allowance(self.group, i, self.stall_timeout)
 
     async def _watch_arrivals(self) -> None:
         """Drop the senders whose stream has not come within the stall timeout."""

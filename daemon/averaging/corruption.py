@@ -15,6 +15,9 @@ NaN is the caller's error (averaging.average refuses it), so a bad sender is sim
 DEDLOC_TEST_WRONG_ANSWERS=zeros (or scale=F) makes this daemon a reducer that answers every
 chunk wrong while its account (accounts.py) stays honest.
 
+DEDLOC_TEST_CLAIMED_BANDWIDTH=F makes this daemon claim F bytes/s of upload and download in every
+round, whatever it measured (claims.py bounds what others believe of it).
+
 Each switch is refused unless DEDLOC_TESTING=1 is set as well (logged as an error, and ignored):
 a production daemon never corrupts anything because of a stray variable.
 """
@@ -123,3 +126,23 @@ def from_environment(env: Mapping[str, str] = os.environ) -> SenderCorruption | 
     corruption = SenderCorruption([m.strip() for m in wanted.split(",") if m.strip()])
     log.warning("test_corruption_enabled", switch=SWITCH, modes=corruption.modes)
     return corruption
+
+
+CLAIM_SWITCH = "DEDLOC_TEST_CLAIMED_BANDWIDTH"
+
+
+def claimed_bandwidth_from_environment(env: Mapping[str, str] = os.environ) -> float | None:
+    """DEDLOC_TEST_CLAIMED_BANDWIDTH=F (with DEDLOC_TESTING=1): the bytes/s this daemon claims
+    for both directions in every round, in place of its measurements; else None."""
+    wanted = env.get(CLAIM_SWITCH, "").strip()
+    if not wanted:
+        return None
+    if env.get(TESTING) != "1":
+        log.error("test_switch_refused", switch=CLAIM_SWITCH,
+                  reason=f"it is for tests only and {TESTING}=1 is not set: ignored")
+        return None
+    claim = float(wanted)
+    if not (math.isfinite(claim) and claim > 0):
+        raise ValueError(f"{CLAIM_SWITCH} must be a positive number of bytes/s, not {wanted!r}")
+    log.warning("test_claimed_bandwidth_enabled", switch=CLAIM_SWITCH, claim=claim)
+    return claim

@@ -54,6 +54,7 @@ from ..net import (
     TransportError,
 )
 from .bans import BanList
+from .claims import share_refusal
 from .errors import MatchmakingError, NotGathering
 from .group import Group, Member
 
@@ -491,7 +492,10 @@ def group_refusal(group: Group, request: RoundRequest, now: float) -> str | None
     compression), hold the follower as it joined (its weight, role and links unchanged: a
     leader that rewrote them would get honest members banned for a stream that does not match),
     name each member once, fit the size asked for, and end no later than twice the time the
-    follower was prepared to give the round (a deadline of 1e308 would freeze it)."""
+    follower was prepared to give the round (a deadline of 1e308 would freeze it), and give
+    no member more of the vector than the public rule on bandwidth claims allows (claims.py: at
+    most SHARE_MULTIPLE equal shares, one chunk more for rounding), which every honest leader's
+    split keeps by construction."""
     if (group.size, group.chunk_elements, group.compression) != (
             request.size, request.chunk_elements, request.compression):
         return (f"it averages {group.size} elements in chunks of {group.chunk_elements} with "
@@ -509,7 +513,7 @@ def group_refusal(group: Group, request: RoundRequest, now: float) -> str | None
         return "it changed this peer's own entry (weight, role or bandwidth)"
     if not now < group.deadline <= request.deadline + max(0.0, request.deadline - now):
         return f"its deadline is {group.deadline - now:.3g} s away, out of bounds"
-    return None
+    return share_refusal(group)
 
 
 def _grace(request: RoundRequest) -> float:

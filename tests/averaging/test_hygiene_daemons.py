@@ -55,6 +55,10 @@ async def average(daemons: list[DaemonProcess], key: str, seed: int) -> tuple[li
 def check_honest(reports: list[Any], results: list[np.ndarray], honest: np.ndarray) -> None:
     for report, result in zip(reports[:3], results, strict=True):
         assert not report["failed_parts"], report
+        # each honest trainer reduces a part (a reducer judges only what it receives): honest
+        # members with like claims are not cut below their peers by a leader's measurements
+        start, end = report["part"]
+        assert end > start, report
         np.testing.assert_allclose(result, honest, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(result, results[0])
 
