@@ -19,21 +19,27 @@ PARAMS = {"workload": "tiny", "name": "full", "target_batch_size": 64, "checkpoi
 
 
 
-def _mount_full_tmpfs(directory: Path) -> None:
-    """A 1 MiB tmpfs over `directory`, filled to its last byte (until the kernel says ENOSPC)."""
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)], check=True)
-    with open(directory / "filler", "wb", buffering=0) as handle:
+def _mount_full_tmpfs(directory: Path, staging: Path) -> None:
+    """A 1 MiB tmpfs over `directory`, filled to its last byte (until the kernel says ENOSPC)
+    before it goes there: filled at `staging`, then bound over `directory` (a checkpoint saved
+    between the mount and the filling would have had room, and stayed there)."""
+    staging.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(staging)], check=True)
+    with open(staging / "filler", "wb", buffering=0) as handle:
         for _ in range(10_000):  # 1 MiB in 4 KiB writes is 256 of them
             try:
                 handle.write(b"\0" * 4096)
             except OSError as exc:
                 assert exc.errno == errno.ENOSPC, exc
-                return
-    raise AssertionError("the 1 MiB tmpfs never filled up")
+                break
+        else:
+            raise AssertionError("the 1 MiB tmpfs never filled up")
+    subprocess.run(["mount", "--bind", str(staging), str(directory)], check=True)
 
 
-def _unmount(directory: Path) -> None:
-    subprocess.run(["umount", "-l", str(directory)], check=False)
+def _unmount(*directories: Path) -> None:
+    for directory in directories:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
 
 
 async def _status(daemon: Any) -> dict[str, Any]:
@@ -56,9 +62,10 @@ async def test_a_full_disk_skips_the_checkpoint_and_training_goes_on(daemon_fact
 
     status = await wait_until(checkpointed, timeout=120)
     run_dir = Path(daemon.root) / "state" / "runs" / "full" / status["fingerprint"]
-    await asyncio.to_thread(_mount_full_tmpfs, run_dir)
+    staging = Path(daemon.root) / "full-tmpfs"
+    await asyncio.to_thread(_mount_full_tmpfs, run_dir, staging)
     try:
-        full_at = status["epoch"]
+        full_at = (await _status(daemon))["epoch"]  # the disk is full from here on
 
         async def went_on() -> dict[str, Any] | None:
             status = await _status(daemon)
@@ -69,13 +76,14 @@ async def test_a_full_disk_skips_the_checkpoint_and_training_goes_on(daemon_fact
         status = await wait_until(went_on, timeout=120)
         error = status["last_checkpoint_error"]
         assert error is not None and "No space left" in error["message"], error
-        assert sorted(p.name for p in run_dir.iterdir()) == ["filler"]  # nothing half-written left
 
         worker_pid = status["worker"]["pid"]
         stopped = await daemon.call("run.stop", {"name": "full"})
         assert stopped["state"] == "stopped", stopped
+        # nothing half-written left (looked at once stopped: a save under way has files open)
+        assert sorted(p.name for p in run_dir.iterdir()) == ["filler"]
         assert (await _status(daemon))["worker"]["state"] == "exited"
         assert not Path(f"/proc/{worker_pid}").exists() or \
             Path(f"/proc/{worker_pid}/status").read_text().find("State:\tZ") >= 0
     finally:
-        await asyncio.to_thread(_unmount, run_dir)
+        await asyncio.to_thread(_unmount, run_dir, staging)
