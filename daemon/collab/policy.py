@@ -37,6 +37,8 @@ The rules, one each:
   most `Timing.max_settle` seconds after the run reached its target there; its cells then go
   to the round's roster (roster.py), one list drawn from the trainers settled at the head, so
   that views still growing (a trickle of newcomers outlasting `max_settle`) agree on the grid.
+  Later rounds take their roster from the trainers that stepped into the head, as read off
+  the board (peers read it apart).
 
 An aux peer follows the head like a trainer and averages (weight 0: it only reduces) each head
 once, when its trainers average.

@@ -1,15 +1,17 @@
-"""The roster of a first grid round: who holds the cells when no round made the run's head.
+"""The roster of a grid round: one list of who holds the cells, the same on every peer.
 
-A grid round (grid.py) gives its cells to the members of the round that made the head, a list
-every peer that came out of that round knows alike. A peer that knows no such list (the run's
-first round, or the first after a restart) could only lay the grid out on the trainers it sees
-at the head, and while trainers are still arriving (a run that starts, a flash crowd) views
-differ by the last few newcomers; the cells go by rank, so one trainer more in one view moves
-most of the others to other slices, and the round fails for nearly everyone. Measured in the
-simulator (64 trainers joining one every ~2 s, groups of 16): 18 different layouts in the first
-round, 172 failed rounds over 80 simulated seconds.
+A grid round (grid.py) gives its cells by rank among the trainers it is laid out on, so one
+trainer more in one peer's list moves most of the others to other slices, and the round fails
+for nearly everyone. Views differ in two ways. A peer that knows no round that made the head
+(the run's first round, or the first after a restart) sees the trainers at the head, and while
+trainers are still arriving (a run that starts, a flash crowd) views differ by the last few
+newcomers. Measured in the simulator (64 trainers joining one every ~2 s, groups of 16): 18
+different layouts in the first round, 172 failed rounds over 80 simulated seconds. A later round
+gives its cells to the trainers that stepped in the round that made the head, as the board says,
+and peers read the board at different moments, a report or two apart (128 trainers, groups of
+32: 5 different lists in one epoch, most of its rounds failed).
 
-So such a peer asks the round's *roster*: the first `WRITERS` trainers of its view, in an order
+So every grid round has a *roster*: the first `WRITERS` trainers of its view, in an order
 by a hash of the round's key (`writers`), publish the trainers they see under the round's key
 in the DHT (one sub-key each, signed); every peer then lays the grid out on the roster of the
 best-ranked writer it finds (`pick`), waiting for it at most `wait` seconds. Views that differ
@@ -92,7 +94,7 @@ def decode(value: bytes) -> tuple[str, ...] | None:
 
 
 class Rosters:
-    """Rosters of one run's first grid rounds, through the DHT (see the module docstring)."""
+    """Rosters of one run's grid rounds, through the DHT (see the module docstring)."""
 
     def __init__(self, dht: DHTNode, peer_id: str, run_key: str) -> None:
         self.dht = dht
@@ -101,7 +103,7 @@ class Rosters:
 
     async def agree(self, key: str, trainers: Collection[str], *, wait: float,
                     write: bool = True) -> tuple[str, ...]:
-        """The trainers a first grid round of `key` gives its cells to: the roster of the
+        """The trainers a grid round of `key` gives its cells to: the roster of the
         best-ranked writer that agrees with `trainers` (this peer's view, itself included if
         it trains), waited for at most `wait` seconds; else the view itself. This peer writes
         its view as a roster if it is one of the writers and `write` allows."""

@@ -72,18 +72,28 @@ class NetworkRounds:
                       settled: tuple[str, ...] = ()) -> AveragingReport | None:
         trainers = [p for p in peers if p not in aux]
         layout = self.grid.layout(key, trainers, aux, role, cells or leaders) if peers else None
-        if layout is not None and not (cells or leaders) and self.rosters is not None:
-            # a first grid round: the cells go to the round's roster, the same on every peer,
-            # drawn from the trainers seen at the head for a while (newcomers that are still
-            # settling begin their round late: they help, see policy.py); only such a peer
-            # writes one
+        if layout is not None and self.rosters is not None:
+            # the cells go to the round's roster, the same on every peer. A first grid round
+            # draws it from the trainers seen at the head for a while (newcomers that are still
+            # settling begin their round late: they help, see policy.py); a later one from the
+            # trainers that stepped in the round that made the head, which peers read off the
+            # board at different moments (a report or two apart lays out another grid). Only a
+            # peer of that list writes one
             me = self.averager.peer_id
-            view = set(settled) - set(aux) if len(set(settled) - set(aux) - {me}) >= 2 \
-                else {*trainers, *({me} if role == "trainer" else set())}
+            mine = {me} if role == "trainer" else set()
+            known = set(cells or leaders)
+            if known:
+                view = (known & {*trainers, *mine}) - set(aux)
+                may_write = me in view
+            else:
+                view = set(settled) - set(aux)
+                may_write = me in view
+            if len(view - {me}) < 2:
+                view = {*trainers, *mine}
             roster = await self.rosters.agree(key, view, wait=self.averager.config.window,
-                                              write=role == "trainer" and me in settled)
-            layout = self.grid.layout(key, sorted({*trainers, *roster} - {self.averager.peer_id}),
-                                      aux, role, roster)
+                                              write=role == "trainer" and may_write)
+            layout = self.grid.layout(key, sorted({*trainers, *roster} - {me}), aux, role,
+                                      roster)
         if layout is None:
             return await self._round(vector, key, weight=weight, expected=expected, role=role,
                                      compression=compression, min_trainers=min_trainers,

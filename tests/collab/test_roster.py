@@ -1,15 +1,19 @@
-"""Rosters of first grid rounds (collab/roster.py): pure rules, and peers whose views of the head
-differ by newcomers agreeing on one grid through an in-memory DHT (no waits: the writer writes
+"""Rosters of grid rounds (collab/roster.py): pure rules, and peers whose views of the head (or
+readings of the board) differ agreeing on one grid through an in-memory DHT (no waits: the writer writes
 first, or nobody waits)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
+from dedloc.daemon.averaging.averager import RoundOptions
+from dedloc.daemon.averaging.settings import AveragingSettings
 from dedloc.daemon.collab.grid import grid_layout
 from dedloc.daemon.collab.roster import Rosters, agrees, decode, encode, pick, writers
+from dedloc.daemon.collab.rounds import NetworkRounds
 
 
 def _ids(n: int, start: int = 0) -> list[str]:
@@ -119,3 +123,43 @@ async def test_a_peer_that_may_not_write_and_finds_no_roster_keeps_its_view() ->
     peer = writers("k", view)[0]
     assert await Rosters(dht, peer, "run").agree("k", view, wait=0.0, write=False) == tuple(sorted(view))  # type: ignore[arg-type]
     assert dht.values == {}
+
+
+class _Averager:
+    """Records the stage rounds a peer's grid round asks for (and runs none of them)."""
+
+    def __init__(self, peer_id: str, max_group_size: int) -> None:
+        self.peer_id = peer_id
+        self.config = AveragingSettings(max_group_size=max_group_size, window=0.0)
+        self.stages: dict[str, tuple[str, ...]] = {}
+
+    async def average(self, vector: np.ndarray, options: RoundOptions) -> None:
+        self.stages[options.key] = tuple(sorted({*options.peers, self.peer_id}))
+
+
+async def test_a_later_grid_round_lays_out_one_grid_though_the_board_was_read_apart() -> None:
+    # 64 trainers at the head; 60 of them reported they stepped there before every peer read
+    # the board, and each of the last 4 made it into some peers' readings only
+    key = "grad/7/abc"
+    trainers, late = _ids(60), _ids(4, start=60)
+    everyone = [*trainers, *late]
+    first = writers(key, trainers)[0]
+    dht = _Dht()
+    peers = [first, *(p for p in everyone if p != first)]  # its writer reads first
+    averagers = {p: _Averager(p, 16) for p in peers}
+    for i, peer in enumerate(peers):
+        rounds = NetworkRounds(averagers[peer], "run", dht)  # type: ignore[arg-type]
+        stepped = tuple(sorted({*trainers, *late[: i % 5]}))
+        await rounds.average(np.zeros(8, np.float32), key, weight=1.0, expected=64, role="trainer",
+                             peers=tuple(p for p in everyone if p != peer), cells=stepped)
+    # every slice of stage 0 is the same list for every peer in it
+    slices: dict[str, set[tuple[str, ...]]] = {}
+    for averager in averagers.values():
+        for stage_key, members in averager.stages.items():
+            if "/m0/" in stage_key:
+                slices.setdefault(stage_key, set()).add(members)
+    assert slices and all(len(seen) == 1 for seen in slices.values()), slices
+    # without the roster (each peer on its own reading) they differ
+    layouts = {tuple(sorted(grid_layout(key, sorted({*trainers, *late[: i % 5]}), 16)  # type: ignore[union-attr]
+                            .cells.items())) for i in range(5)}
+    assert len(layouts) > 1
