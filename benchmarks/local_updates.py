@@ -47,7 +47,11 @@ For every configuration:
 `shaped` (with --shaped; root, iproute2 and tc) is the same list with every daemon in a network
 namespace of benchmarks/netlab.py, shaped by the --profile of netlab_profiles.toml (default
 uplink20x4: every peer uploads at 20 Mbit/s and downloads at 100 Mbit/s); `alone` has no network
-and is not repeated there. Without --shaped, `shaped` says why it was not run.
+and is not repeated there. There the local runs train --shaped-local-budget (3) times the sample
+budget (`sample_budget` in each entry; their `heldout_loss_at_budget` is still at the common
+budget): what counts there is the wall time to the loss `gradients` ends with, and a local run
+needs more samples than gradient rounds for one loss. Without --shaped, `shaped` says why it was
+not run.
 
 `goals` compares each local configuration with `gradients`: bytes per sample at least 100x fewer,
 held-out loss within 3 % (relative; also given at equal samples, not judged), and on the shaped
@@ -703,6 +707,7 @@ class Plan:
     alone_threads: int = 1
     outer: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    shaped_local_budget: int = 1  # local runs of the shaped part train this many budgets
 
 
 def evaluate_curve(evaluator: Evaluator, checkpoints: list[tuple[int, float, int, Path]]
@@ -711,14 +716,18 @@ def evaluate_curve(evaluator: Evaluator, checkpoints: list[tuple[int, float, int
             for epoch, seconds, samples, path in checkpoints]
 
 
-async def collaborative_part(plan: Plan, workdir: Path, evaluator: Evaluator, lab: Any | None
-                             ) -> list[dict[str, Any]]:
+async def collaborative_part(plan: Plan, workdir: Path, evaluator: Evaluator, lab: Any | None,
+                             local_budget: int = 1) -> list[dict[str, Any]]:
+    """The collaborative configurations on one swarm; local runs train `local_budget` times the
+    sample budget (the shaped part: how long until they reach gradients' loss)."""
     entries: list[dict[str, Any]] = []
     collaborative = [s for s in plan.specs if s.sync != "alone"]
     wanted = []
     for spec in collaborative:
-        params = run_params(spec, plan.workload, plan.config, plan.peers, plan.target, plan.samples,
-                            plan.curve_points, plan.outer)
+        budget = plan.samples * (local_budget if spec.sync == "local" else 1)
+        params = run_params(spec, plan.workload, plan.config, plan.peers, plan.target, budget,
+                            plan.curve_points * (local_budget if spec.sync == "local" else 1),
+                            plan.outer)
         problem = manifest_problem(params)
         if problem is not None:
             entries.append({"name": spec.name, "skipped": f"this dedloc's manifests refuse it: {problem}"})
@@ -731,7 +740,8 @@ async def collaborative_part(plan: Plan, workdir: Path, evaluator: Evaluator, la
         await swarm.start()
         for spec, params in wanted:
             result = await run_config(swarm, spec, params, workdir, plan.max_seconds, plan.stop_timeout)
-            entries.append({"name": spec.name, **result})
+            entries.append({"name": spec.name, **result,
+                            "sample_budget": params["epochs"] * plan.target * spec.epoch_batches})
     finally:
         await asyncio.shield(swarm.stop(plan.stop_timeout))
     for entry in entries:
@@ -793,11 +803,12 @@ async def benchmark(plan: Plan, workdir: Path, shaped: bool, profile: str) -> di
                 raise BenchmarkError(f"profile {profile!r} has {len(links)} peers, not {plan.peers}")
             lab = NetLab(links[:plan.peers])
             with lab:
-                entries = await collaborative_part(plan, workdir / "shaped", evaluator, lab)
+                entries = await collaborative_part(plan, workdir / "shaped", evaluator, lab,
+                                                   plan.shaped_local_budget)
             entries += [{"name": s.name, "skipped": "trains without a network: see configs"}
                         for s in plan.specs if s.sync == "alone"]
             finish_entries(entries, plan.samples)
-            shaped_result = {"profile": profile,
+            shaped_result = {"profile": profile, "local_budget": plan.shaped_local_budget,
                              "links_mbit": [[p.upload_mbit, p.download_mbit] for p in links[:plan.peers]],
                              "configs": entries}
     return {"configs": configs, "shaped": shaped_result,
@@ -855,6 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="albert's corpus and tokenizer cache (default: albert's own)")
     parser.add_argument("--shaped", action="store_true",
                         help="also run the list in the NAT lab (root, network namespaces, tc)")
+    parser.add_argument("--shaped-local-budget", type=int, default=3,
+                        help="on the shaped profile, local runs train this many sample budgets "
+                             "(gradients one): the time to gradients' loss is what counts there")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="the lab's netlab_profiles.toml profile")
     parser.add_argument("--max-seconds", type=float, default=1800.0,
                         help="give up on one run after this long")
@@ -869,8 +883,10 @@ def build_parser() -> argparse.ArgumentParser:
 def make_plan(args: argparse.Namespace) -> Plan:
     """The checked plan of a run (ValueError says what is wrong with the arguments)."""
     specs = parse_configs(args.configs)
-    if args.peers < 1 or args.batch_size < 1 or args.outer_steps < 1 or args.eval_samples < 1:
-        raise ValueError("--peers, --batch-size, --outer-steps and --eval-samples must be at least 1")
+    if args.peers < 1 or args.batch_size < 1 or args.outer_steps < 1 or args.eval_samples < 1 \
+            or args.shaped_local_budget < 1:
+        raise ValueError("--peers, --batch-size, --outer-steps, --eval-samples and "
+                         "--shaped-local-budget must be at least 1")
     if args.samples is not None and args.samples < 1:
         raise ValueError("--samples must be at least 1")
     target = args.target_batch_size or args.peers * args.batch_size
@@ -882,7 +898,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 args.eval_seed, args.curve_points, args.max_seconds, args.stop_timeout, args.log_level,
                 max(1, args.eval_threads), max(1, args.alone_threads),
                 {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum))
-                 if v is not None})
+                 if v is not None}, shaped_local_budget=args.shaped_local_budget)
     if target % (args.peers * args.batch_size):
         plan.notes.append("target_batch_size is not peers x batch_size: a local run's inner steps per "
                           "outer step then differ from H, and so does its schedule's position")

@@ -32,6 +32,14 @@ def test_configuration_names() -> None:
             lu.parse_configs(bad)
 
 
+def test_the_shaped_part_gives_local_runs_more_samples_only_when_asked() -> None:
+    args = lu.build_parser().parse_args(["--configs", "gradients,local_h25", "--workload", "tiny"])
+    assert lu.make_plan(args).shaped_local_budget == 3
+    args = lu.build_parser().parse_args(["--shaped-local-budget", "0"])
+    with pytest.raises(ValueError, match="shaped-local-budget"):
+        lu.make_plan(args)
+
+
 def test_the_budget_is_whole_outer_steps_of_the_largest_h() -> None:
     specs = lu.parse_configs("gradients,local_h25,local_h100")
     assert lu.sample_budget(None, 64, specs, 3) == 3 * 100 * 64
