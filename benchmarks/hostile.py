@@ -354,7 +354,7 @@ def table(clean: dict[str, Any], attacks: list[dict[str, Any]]) -> str:
         lines.append(f"{a['attack']:<14} {a['identities']:>3} {a['rounds']!s:>6} "
                      f"{a['honest_rounds_failed']!s:>6} "
                      f"{a['param_distance']!s:>10} {a['attacker_excluded']!s:>8} "
-                     f"{a['victim_peak_rss_mb']['max']!s:>8} {a['wall_seconds']:>8}")
+                     f"{a['victim_peak_rss_mb']['max']!s:>8} {a['wall_seconds']!s:>8}")
     return "\n".join(lines) + "\n"
 
 
