@@ -36,6 +36,9 @@ misbehaves through a test-only switch of daemon/averaging/corruption.py (DEDLOC_
                  followers refuse a group it leads (refused_groups: that round they average
                  alone or in smaller groups), so it never averages with honest peers; the
                  parameters are unharmed.
+  control        no switch: the extra identities are honest trainers (DEDLOC_TESTING=1 only).
+                 The baseline for param_distance: extra trainers' gradients and samples change
+                 the trajectory by themselves (e.g. `bandwidth`, whose attacker is averaged in).
 
 For each (attack, identities) the JSON object's `attacks` has one entry:
   rounds                max over honest peers of the averaging rounds its run ran (run.status)
@@ -114,8 +117,9 @@ ATTACKS: dict[str, Attack] = {a.name: a for a in (
     Attack("wrong_zeros", {"DEDLOC_TEST_WRONG_ANSWERS": "zeros"}),
     Attack("bandwidth", {"DEDLOC_TEST_CLAIMED_BANDWIDTH": "1e12"}),
     Attack("weight", {"DEDLOC_TEST_CLAIMED_WEIGHT": "1e15"}),
+    Attack("control", {}),
 )}
-DEFAULT_ATTACKS = "sender_nan,sender_scale,wrong_answers,bandwidth,weight"
+DEFAULT_ATTACKS = "control,sender_nan,sender_scale,wrong_answers,bandwidth,weight"
 
 
 # --- pure parts -------------------------------------------------------------------------------------
