@@ -5,10 +5,11 @@ Prints one JSON object: seconds per round (best and median of --rounds), MBps pe
 bytes / seconds), the max error against numpy, whether every member ended with the same vector,
 the payload bytes sent by all peers in the last round, and (--codecs) the codecs' MB/s on
 1M-element chunks. --no-check turns the reducers' accounts and the members' checks off
-(accounts.py), to measure what they cost.
+(accounts.py), to measure what they cost. --robust aggregates by centered clipping
+(`averaging.robust_aggregation = "centered_clip"`) instead of the weighted mean.
 
     python benchmarks/allreduce_inproc.py --peers 4 --mib 64 [--plain] [--compression none]
-        [--no-check] [--codecs]
+        [--no-check] [--robust] [--codecs]
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     loopback = PeerAddress.parse("/ip4/127.0.0.1/tcp/0")
     transports = [await TlsTransport.start(Identity.generate(), [loopback], tls=not args.plain)
                   for _ in range(args.peers)]
-    policy = ScreeningPolicy(check_answers=not args.no_check)
+    policy = ScreeningPolicy(check_answers=not args.no_check,
+                             robust="centered_clip" if getattr(args, "robust", False) else "none")
     services = [AllReduceService(t, policy=policy) for t in transports]
     try:
         for a, b in itertools.combinations(transports, 2):
@@ -95,7 +97,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "chunk_mib": args.chunk_mib, "tls": not args.plain, "compression": args.compression,
                 "seconds_best": round(best, 4), "seconds_median": round(statistics.median(times), 4),
                 "MBps_per_peer": round(args.mib * MiB / 1e6 / best, 1), "max_error": error,
-                "identical": identical, "checked": not args.no_check, "payload_bytes_sent": sent,
+                "identical": identical, "checked": not args.no_check,
+                "robust": bool(getattr(args, "robust", False)), "payload_bytes_sent": sent,
                 "codecs": codec_speeds() if args.codecs else {}}
     finally:
         for service in services:
@@ -115,6 +118,8 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="plain TCP instead of TLS 1.3")
     parser.add_argument("--no-check", action="store_true",
                         help="reducers send no account and members check no answer")
+    parser.add_argument("--robust", action="store_true",
+                        help="centered clipping (averaging.robust_aggregation) instead of the mean")
     parser.add_argument("--codecs", action="store_true", help="measure the codecs' speeds too")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

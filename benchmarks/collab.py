@@ -84,6 +84,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -122,8 +123,11 @@ class Daemon:
 
     @classmethod
     async def start(cls, index: int, root: Path, bootstrap: str | None, log_level: str,
-                    profile_dir: Path | None, extra: tuple[str, ...] = ()) -> Daemon:
-        root.mkdir(parents=True)
+                    profile_dir: Path | None, extra: tuple[str, ...] = (),
+                    env: Mapping[str, str] | None = None) -> Daemon:
+        """`env`: variables added to this script's environment for the daemon (and its workers);
+        `root` may exist already (e.g. holding the identity.key to start with)."""
+        root.mkdir(parents=True, exist_ok=True)
         profile = profile_dir / f"d{index}.prof" if profile_dir else None
         argv = [sys.executable]
         if profile:
@@ -138,7 +142,8 @@ class Daemon:
             # A session of its own: a Ctrl-C in the terminal reaches only this script, which then
             # stops the daemons in order; a daemon that will not stop is killed with its workers.
             process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                env={**os.environ, **env} if env else None)
         except BaseException:
             log.close()
             raise

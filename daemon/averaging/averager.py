@@ -76,6 +76,7 @@ class Averager:
         self.peer_rates = PeerRates()  # what our transfers measured of the others (claims.py)
         self._loop: asyncio.AbstractEventLoop | None = None  # the planner counts through it
         self._claim = corruption.claimed_bandwidth_from_environment()  # tests only
+        self._claimed_weight = corruption.claimed_weight_from_environment()  # tests only
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.history)
         self.counters: collections.Counter[str] = collections.Counter()
         self.policy = ScreeningPolicy(
@@ -151,6 +152,9 @@ class Averager:
             raise NonFiniteVector(f"{exc}; nothing was averaged") from None
         role: Role = options.role
         weight = 0.0 if role == "aux" else options.weight
+        max_weight = options.max_weight
+        if self._claimed_weight is not None and weight > 0:  # a test's hostile peer (corruption.py)
+            weight, max_weight = self._claimed_weight, None
         if role != "client" and not self.reachable:
             role = "client"  # nobody can dial us: we send, we do not reduce
         upload, download = self.advertised_bandwidth()
@@ -164,7 +168,7 @@ class Averager:
                                window=window, deadline=options.deadline, expected=options.expected,
                                max_group_size=self.config.max_group_size,
                                min_trainers=options.min_trainers, peers=options.peers,
-                               leaders=options.leaders, max_weight=options.max_weight)
+                               leaders=options.leaders, max_weight=max_weight)
         try:
             group = await self.matchmaker.form_group(request)
         except AveragingError:

@@ -18,6 +18,11 @@ chunk wrong while its account (accounts.py) stays honest.
 DEDLOC_TEST_CLAIMED_BANDWIDTH=F makes this daemon claim F bytes/s of upload and download in every
 round, whatever it measured (claims.py bounds what others believe of it).
 
+DEDLOC_TEST_CLAIMED_WEIGHT=F makes this daemon claim an averaging weight of F in every round it
+sends in (weight > 0), whatever it accumulated, and weight its contribution by F (as if it had
+computed F samples), ignoring the bound its run sets on its own weight (the leaders and followers
+of honest peers enforce that bound on it: matchmaking.py).
+
 Each switch is refused unless DEDLOC_TESTING=1 is set as well (logged as an error, and ignored):
 a production daemon never corrupts anything because of a stray variable.
 """
@@ -145,4 +150,24 @@ def claimed_bandwidth_from_environment(env: Mapping[str, str] = os.environ) -> f
     if not (math.isfinite(claim) and claim > 0):
         raise ValueError(f"{CLAIM_SWITCH} must be a positive number of bytes/s, not {wanted!r}")
     log.warning("test_claimed_bandwidth_enabled", switch=CLAIM_SWITCH, claim=claim)
+    return claim
+
+
+WEIGHT_SWITCH = "DEDLOC_TEST_CLAIMED_WEIGHT"
+
+
+def claimed_weight_from_environment(env: Mapping[str, str] = os.environ) -> float | None:
+    """DEDLOC_TEST_CLAIMED_WEIGHT=F (with DEDLOC_TESTING=1): the averaging weight this daemon
+    claims, and weights its contribution by, in every round it sends in; else None."""
+    wanted = env.get(WEIGHT_SWITCH, "").strip()
+    if not wanted:
+        return None
+    if env.get(TESTING) != "1":
+        log.error("test_switch_refused", switch=WEIGHT_SWITCH,
+                  reason=f"it is for tests only and {TESTING}=1 is not set: ignored")
+        return None
+    claim = float(wanted)
+    if not (math.isfinite(claim) and claim > 0):
+        raise ValueError(f"{WEIGHT_SWITCH} must be a positive weight, not {wanted!r}")
+    log.warning("test_claimed_weight_enabled", switch=WEIGHT_SWITCH, claim=claim)
     return claim

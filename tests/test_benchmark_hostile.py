@@ -1,0 +1,151 @@
+"""benchmarks/hostile.py: its argument parsing, parameter distance, exclusion reading and JSON
+assembly (milliseconds), and one smoke run (--quick, one attack, one identity) with real daemons
+on 127.0.0.1. No timing and no defence outcome is asserted: the benchmark reports, it does not
+judge."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import orjson
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCHMARKS / "hostile.py"
+
+
+def _load_benchmark() -> ModuleType:
+    """benchmarks/hostile.py as a module, without leaving benchmarks/ on sys.path nor its
+    `collab` in sys.modules: there they would shadow the tests' own `dht` and `collab`."""
+    path, modules = list(sys.path), dict(sys.modules)
+    try:
+        spec = importlib.util.spec_from_file_location("benchmark_hostile", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (dataclasses look their module up there)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - set(modules):
+            if name != "benchmark_hostile" and str(BENCHMARKS) in str(
+                    getattr(sys.modules[name], "__file__", "") or ""):
+                del sys.modules[name]
+    return module
+
+
+hostile = _load_benchmark()
+
+
+def test_arguments_and_quick_defaults() -> None:
+    args = hostile.parse_args([])
+    assert [a.name for a in args.attack_list] == hostile.DEFAULT_ATTACKS.split(",")
+    assert (args.identity_counts, args.epochs, args.clean_repeats, args.robust_mib) == ([1, 3], 5, 2, 64)
+    quick = hostile.parse_args(["--quick", "--attacks", "weight", "--epochs", "3"])
+    assert [a.name for a in quick.attack_list] == ["weight"]
+    assert (quick.identity_counts, quick.epochs, quick.clean_repeats, quick.robust_mib) == ([1], 3, 1, 4)
+    assert quick.attack_list[0].env == {"DEDLOC_TEST_CLAIMED_WEIGHT": "1e15"}
+    for bad in (["--attacks", "nope"], ["--attacks", "weight,weight"], ["--attacks", ""],
+                ["--identities", "0"], ["--identities", "x"], ["--epochs", "0"]):
+        with pytest.raises(SystemExit):
+            hostile.parse_args(bad)
+
+
+def test_every_attack_uses_a_test_switch() -> None:
+    for attack in hostile.ATTACKS.values():
+        assert (attack.env or attack.name == "control") and all(k.startswith("DEDLOC_TEST_")
+                                                                 for k in attack.env)
+    assert hostile.HOSTILE_ENV == {"DEDLOC_TESTING": "1"}
+
+
+def test_distance_is_relative_and_the_max_over_peers() -> None:
+    clean = [np.array([3.0, 4.0]), np.array([0.0, 5.0])]
+    assert hostile.relative_distance(np.array([3.0, 4.0]), clean[0]) == 0.0
+    assert hostile.relative_distance(np.array([3.0, 9.0]), clean[0]) == 1.0
+    assert hostile.relative_distance(np.array([np.nan, 4.0]), clean[0]) == math.inf
+    assert hostile.param_distance([np.array([3.0, 4.5]), np.array([0.0, 10.0])], clean) == 1.0
+    assert hostile.param_distance([np.array([3.0, 4.0]), None], clean) is None
+    with pytest.raises(ValueError):
+        hostile.relative_distance(np.zeros(3), clean[0])
+    assert hostile.peer_spread([clean[0], np.array([3.0, 4.0]), np.array([6.0, 8.0])]) == 1.0
+
+
+def test_flatten_orders_by_name() -> None:
+    flat = hostile.flatten({"b": np.array([[3.0, 4.0]]), "a": np.array([1.0, 2.0])})
+    np.testing.assert_array_equal(flat, [1.0, 2.0, 3.0, 4.0])
+
+
+def _round(members: list[str], shares: list[int], excluded: tuple[str, ...] = ()) -> dict[str, object]:
+    return {"members": members, "shares": shares, "senders_excluded": {p: "nan" for p in excluded}}
+
+
+def test_exclusion_reads_bans_and_last_rounds() -> None:
+    banned = {"bans": {"active": [{"peer_id": "bad"}]},
+              "rounds": [_round(["h0", "bad"], [30, 70]), _round(["h0", "h1"], [50, 50])]}
+    left_out = {"bans": {"active": []}, "rounds": [_round(["h1", "bad"], [50, 50], excluded=("bad",))]}
+    absent = {"rounds": [_round(["h2", "bad"], [50, 50]), _round(["h2"], [100])]}
+    result = hostile.exclusion([banned, left_out, absent], ["bad"])
+    assert result == {"attacker_excluded": True, "attackers_banned_by": [1],
+                      "rounds_with_attacker": 3, "attacker_max_share": 0.7}
+    kept = {"rounds": [_round(["h3", "bad"], [50, 50])]}
+    assert hostile.exclusion([banned, kept], ["bad"])["attacker_excluded"] is False
+    assert hostile.exclusion([banned], [])["attacker_excluded"] is None
+
+
+def _run(finals: list[np.ndarray | None], completed: bool = True) -> hostile.RunResult:
+    statuses = [{"rounds": 5 + i, "failed_rounds": i % 2, "epoch": 5, "state": "finished"}
+                for i in range(len(finals))]
+    averaging = [{"counters": {"rounds": 5, "rounds_failed": 1, "bans": 1, "refused_groups": 0},
+                  "bans": {"active": [{"peer_id": "bad"}]}, "rounds": []} for _ in finals]
+    return hostile.RunResult(completed, None if completed else "why", 12.345, statuses, averaging,
+                             ["bad"], ["running"], finals, [100 * hostile.MIB, 0, 50 * hostile.MIB, 0])
+
+
+def test_entries_and_the_json_object() -> None:
+    clean_finals: list[np.ndarray | None] = [np.array([1.0, 0.0])] * 4
+    clean = hostile.clean_entry([_run(clean_finals), _run([np.array([1.0, 0.1])] * 4)])
+    assert clean["repeat_distance"] == 0.1 and clean["peer_spread"] == 0.0 and clean["rounds"] == 8
+    assert clean["wall_seconds"] == [12.35, 12.35]
+    reference = [np.array([1.0, 0.0])] * 4
+    entry = hostile.attack_entry("sender_nan", 3, _run([np.array([1.0, 0.5])] * 4), reference)
+    assert entry["param_distance"] == 0.5 and entry["params_finite"] is True
+    assert (entry["rounds"], entry["honest_rounds_failed"],
+            entry["honest_rounds_with_failed_parts"]) == (8, 2, 4)
+    assert entry["counters"] == {"bans": 4, "rounds": 20, "rounds_failed": 4}
+    assert entry["attacker_excluded"] is True and entry["victim_peak_rss_mb"] == {"max": 100.0, "mean": 75.0}
+    poisoned = hostile.attack_entry("weight", 1, _run([np.array([np.inf, 0.0])] * 4), reference)
+    assert poisoned["param_distance"] is None and poisoned["params_finite"] is False
+    unfinished = hostile.attack_entry("weight", 1, _run([None] * 4, completed=False), reference)
+    assert unfinished["param_distance"] is None and unfinished["completed"] is False
+    broken = hostile.failed_entry("bandwidth", 3, "BenchmarkError: daemon 5 exited")
+    robust = hostile.robust_entry({"seconds_best": 1.0, "max_error": 1e-7},
+                                  {"seconds_best": 1.5, "max_error": 2e-7}, 4, 64, 3)
+    assert robust["ratio"] == 1.5 and hostile.robust_entry(None, None, 4, 64, 3) == {"skipped": True}
+    args = hostile.parse_args(["--quick"])
+    document = hostile.assemble(args, clean, [entry, poisoned, unfinished, broken], robust, 61.0)
+    decoded = orjson.loads(orjson.dumps(document))
+    assert decoded["benchmark"] == "hostile" and decoded["honest_peers"] == 4
+    assert [a["attack"] for a in decoded["attacks"]] == ["sender_nan", "weight", "weight", "bandwidth"]
+    assert decoded["robust_aggregation"]["ratio"] == 1.5 and decoded["clean"]["repeat_distance"] == 0.1
+    for key in ("attack", "identities", "rounds", "honest_rounds_failed", "param_distance",
+                "victim_peak_rss_mb", "attacker_excluded"):
+        assert all(key in a for a in decoded["attacks"])
+    assert hostile.table(clean, [entry, broken]).count("\n") == 4
+
+
+def test_smoke_quick_run_of_one_attack() -> None:
+    """Real daemons (4 honest, 1 hostile claiming a weight of 1e15) on 127.0.0.1, 2 epochs."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--json", "--quick", "--attacks", "weight",
+                           "--no-robust"], capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = orjson.loads(done.stdout)
+    (entry,) = result["attacks"]
+    assert (entry["attack"], entry["identities"], entry["completed"]) == ("weight", 1, True), entry
+    assert entry["rounds"] >= 1 and entry["param_distance"] is not None
+    assert entry["victim_peak_rss_mb"]["max"] > 0
+    assert result["clean"]["rounds"] >= 1 and result["robust_aggregation"] == {"skipped": True}
