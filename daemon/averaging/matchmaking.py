@@ -129,6 +129,13 @@ class _Gathering:
     closed: bool = False
     redirect: asyncio.Future[str] | None = None  # while joining a leader: where it sends us instead
     accepted: bool = False  # the leader we follow has taken our join
+    # peers whose join we refused (banned, too heavy, another vector): not waited for as leader
+    refused: set[str] = field(default_factory=set)
+
+    def refuse(self, peer_id: str) -> None:
+        """Stop waiting for `peer_id` (its join was refused): the group may close without it."""
+        self.refused.add(peer_id)
+        self.joined.set()
 
 
 class Matchmaker:
@@ -347,7 +354,7 @@ class Matchmaker:
         request = gathering.request
         gathering.leader = self.peer_id
         others = set(candidates) - {self.peer_id} - set(gone)
-        while timebase.now() < give_up and not others <= set(gathering.joiners):
+        while timebase.now() < give_up and not others - gathering.refused <= set(gathering.joiners):
             if len(gathering.joiners) + 1 >= request.max_group_size:
                 break
             gathering.joined.clear()
@@ -425,13 +432,16 @@ class Matchmaker:
         banned = self._bans.banned(ctx.peer_id)
         if banned is not None:
             self._bans.refused(ctx.peer_id, "join")
+            gathering.refuse(ctx.peer_id)
             raise MatchmakingError(f"you are {banned}")
         limit = gathering.request.max_weight
         if limit is not None and member.weight > limit:
             self._bans.offence(ctx.peer_id, "weight", f"claimed {member.weight:g} > {limit:g}")
+            gathering.refuse(ctx.peer_id)
             raise MatchmakingError(f"a weight of {member.weight:g} is more than this round's "
                                    f"{limit:g}")
         if not gathering.request.compatible(header):
+            gathering.refuse(ctx.peer_id)
             raise MatchmakingError("this round averages a vector of another size, chunking or "
                                    "compression")
         if gathering.closed:

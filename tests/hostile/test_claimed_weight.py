@@ -13,7 +13,7 @@ import pytest
 from dht.swarm import Swarm
 
 from dedloc.daemon import timebase
-from dedloc.daemon.averaging.group import Member
+from dedloc.daemon.averaging.group import Group, Member
 from dedloc.daemon.averaging.matchmaking import Matchmaker, RoundRequest, _ranked, group_refusal
 
 from .test_hostile_leader import NOW, REQUEST, _group, _halves
@@ -53,9 +53,15 @@ async def test_a_member_claiming_1e15_samples_averages_with_nobody(attacker_lead
                                 compression="none", window=2.0, deadline=timebase.now() + 30,
                                 expected=4, max_weight=limit)
 
-        groups = await asyncio.gather(
-            *(m.form_group(request(m, 1000.0, TARGET)) for m in honest),
-            attacker.form_group(request(attacker, 1e15, None)))
+        began, formed_at = timebase.now(), []
+
+        async def form(maker: Matchmaker) -> Group:
+            group = await maker.form_group(request(maker, 1000.0, TARGET))
+            formed_at.append(timebase.now() - began)
+            return group
+
+        groups = await asyncio.gather(*(form(m) for m in honest),
+                                      attacker.form_group(request(attacker, 1e15, None)))
         *honest_groups, _ = groups
         for group in honest_groups:
             assert attacker.peer_id not in {m.peer_id for m in group.members}
@@ -65,5 +71,7 @@ async def test_a_member_claiming_1e15_samples_averages_with_nobody(attacker_lead
         else:  # the honest three found each other (one group, not three averaging alone)
             assert len({g.group_id for g in honest_groups}) == 1
             assert len(honest_groups[0].members) == 3
+            # and the leader did not wait the window out for the peer it refused (virtual time)
+            assert max(formed_at) < 2.0, formed_at
     finally:
         await swarm.close()
