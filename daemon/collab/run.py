@@ -144,6 +144,11 @@ class Run:
         return 0 if self._trainer is None else self._trainer.clipped_steps
 
     @property
+    def skipped_batches(self) -> int:
+        """Batches the worker skipped for a NaN or Inf loss or gradients (since it started)."""
+        return 0 if self._trainer is None else self._trainer.skipped_batches
+
+    @property
     def key(self) -> str | None:
         """The run's peer-to-peer key (collaborative runs)."""
         return None if self.board is None else self.board.key

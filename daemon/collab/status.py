@@ -100,6 +100,7 @@ def run_status(run: Run) -> dict[str, Any]:
         "lr": p.lr,
         "data_seed": run.spec.seed,
         "skipped_steps": p.skipped_steps,
+        "skipped_batches": run.skipped_batches,
         "rounds": p.rounds,
         "failed_rounds": p.failed_rounds,
         "state_rounds": p.state_rounds,

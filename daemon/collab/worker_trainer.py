@@ -31,6 +31,7 @@ class WorkerTrainer:
         self._buffer = SharedBuffer(gradient_numel)
         self.inner_step: int | None = None  # a local-update run's, as the worker last said
         self.clipped_steps = 0  # a local-update run's outer steps that its guard scaled down
+        self.skipped_batches = 0  # batches the worker skipped for a NaN or Inf loss or gradients
 
     async def call(self, method: WorkerMethod, params: dict[str, Any] | None = None) -> Any:
         async with self.model_lock:
@@ -40,6 +41,8 @@ class WorkerTrainer:
         result = await self.call(WorkerMethod.TRAIN, {"samples": samples, "max_seconds": seconds})
         inner = result.get("inner_step")
         self.inner_step = inner if isinstance(inner, int) else None
+        skipped = result.get("skipped_batches")
+        self.skipped_batches = skipped if isinstance(skipped, int) else self.skipped_batches
         return Trained(int(result["samples"]), float(result["loss"]),
                        result.get("samples_per_second"))
 

@@ -46,6 +46,9 @@ log = structlog.get_logger(__name__)
 Kind = Literal["gradients", "parameters", "state", "residual"]
 OUTER_MOMENTUM = "outer.momentum"  # the slot of a local-update run's state after everything else
 MAX_TASK_FINGERPRINT = 128
+# batches in a row whose loss or gradients are NaN or Inf before training fails: one such batch
+# (an fp16 overflow, a bad sample) is skipped; this many means the model itself has diverged
+MAX_NONFINITE_STREAK = 8
 
 
 class Session:
@@ -91,6 +94,8 @@ class Session:
                                      device=device)
         self.accumulated_samples = 0
         self.step = 0
+        self.skipped_batches = 0  # batches skipped for a NaN or Inf loss or gradients (all calls)
+        self._nonfinite_streak = 0
         self.samples_per_second: float | None = None
         # a local-update run: the outer parameters and momentum, and the inner steps taken since
         # the last outer step
@@ -141,6 +146,26 @@ class Session:
 
     # --- training -------------------------------------------------------------------------------
 
+    def _skip_nonfinite(self, what: str, done: int, **data: Any) -> None:
+        """Skip a batch whose loss or gradients are not finite (its gradients are discarded and
+        nothing steps); WorkloadError once MAX_NONFINITE_STREAK batches in a row were."""
+        for param in self.params:
+            param.grad = None
+        self.skipped_batches += 1
+        self._nonfinite_streak += 1
+        log.warning("nonfinite_batch_skipped", workload=self.workload.name, reason=what,
+                    in_a_row=self._nonfinite_streak)
+        if self._nonfinite_streak >= MAX_NONFINITE_STREAK:
+            self._nonfinite_streak = 0
+            raise WorkloadError(
+                f"workload {self.workload.name!r}: {MAX_NONFINITE_STREAK} batches in a row gave a "
+                f"NaN or Inf loss or gradients (the last: {what}); their gradients were discarded. "
+                "The model has diverged: lower the learning rate (or a local-update run's "
+                "outer_lr), or resume from an earlier checkpoint",
+                {"workload": self.workload.name, "samples": done,
+                 "skipped_batches": self.skipped_batches,
+                 "accumulated_samples": self.accumulated_samples, **data})
+
     def train(self, samples: int, max_seconds: float | None, cancel: threading.Event) -> dict[str, Any]:
         """Run whole batches until `samples` are done (or time is up, or cancelled; one at least)."""
         start = time.perf_counter()
@@ -157,11 +182,8 @@ class Session:
                 loss, batch_size = self.workload.loss(self.model, batch, self.device)
                 value = float(loss.detach())
             if not math.isfinite(value):
-                raise WorkloadError(
-                    f"workload {self.workload.name!r}: the loss of batch {batches + 1} of this call is "
-                    f"{value}; that batch's gradients were discarded",
-                    {"workload": self.workload.name, "loss": str(value), "samples": done,
-                     "accumulated_samples": self.accumulated_samples})
+                self._skip_nonfinite(f"the loss of a batch is {value}", done, loss=str(value))
+                continue
             if not isinstance(batch_size, int) or batch_size < 1:
                 raise WorkloadError(f"workload {self.workload.name!r}: loss() returned batch size "
                                     f"{batch_size!r}, not a positive int")
@@ -170,11 +192,9 @@ class Session:
             grads = torch.cat([torch.zeros(p.numel(), device=self.device) if p.grad is None
                                else p.grad.reshape(-1).float() for p in self.params])
             if not bool(torch.isfinite(grads).all()):
-                raise WorkloadError(
-                    f"workload {self.workload.name!r}: batch {batches + 1} of this call gave NaN or Inf "
-                    "gradients; that batch's gradients were discarded",
-                    {"workload": self.workload.name, "samples": done,
-                     "accumulated_samples": self.accumulated_samples})
+                self._skip_nonfinite("a batch gave NaN or Inf gradients", done)
+                continue
+            self._nonfinite_streak = 0
             if self.outer is None:
                 self._grad_sum.add_(grads)
             else:  # a local-update run: an inner step on every batch
@@ -193,7 +213,8 @@ class Session:
         rate = done / seconds if seconds > 0 else None
         self.samples_per_second = rate
         result = {"samples": done, "loss": loss_sum / done, "seconds": seconds,
-                  "samples_per_second": rate, "accumulated_samples": self.accumulated_samples}
+                  "samples_per_second": rate, "accumulated_samples": self.accumulated_samples,
+                  "skipped_batches": self.skipped_batches}
         if self.outer is not None:
             result["inner_step"] = self.inner_step
         return result

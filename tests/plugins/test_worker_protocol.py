@@ -265,3 +265,4 @@ async def test_checkpoint_round_trip(client: JsonRpcClient, buffers: Any,
     finally:
         await fresh.close()
     assert await fresh_worker.wait() == 0, fresh_worker.log()  # its connection closed: it exits 0
+
