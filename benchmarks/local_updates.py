@@ -38,6 +38,9 @@ For every configuration:
                        the swarm's at that time (run.status polled every 0.25 s, interpolated)
   seconds_to_gradients_loss  the first time on the curve whose held-out loss is at most the final
                        held-out loss of `gradients` (null if never; needs `gradients` in the list)
+  failed               only for a run that ended before its epochs (a run failed on a daemon, or
+                       --max-seconds passed): why; its numbers are what it did until then, its
+                       curve and held-out loss those of its checkpoints so far
   heldout_loss_at_budget  the curve's loss at the sample budget (linear between the checkpoints
                        around it): a run trains more than its epochs x target batch (each
                        trainer trains whole batches and what it promised its peers after the
@@ -528,28 +531,30 @@ async def run_config(swarm: Swarm, spec: ConfigSpec, params: dict[str, Any], wor
     collecting = asyncio.create_task(collector.run())
     epochs = params["epochs"]
     progress: list[tuple[float, int]] = [(0.0, 0)]  # (seconds, samples of every trainer)
+    failed: str | None = None  # why the run ended before its epochs (reported, not raised)
     try:
         deadline = time.monotonic() + max_seconds
-        while True:
+        while failed is None:
             statuses = []
             for daemon in daemons:
                 daemon.check_alive()
                 (status,) = await daemon.call("run.status", {"name": name}, timeout=30)
-                if status["state"] in ("crashed", "failed", "stopped"):
-                    raise BenchmarkError(f"{spec.name}: daemon {daemon.index}'s run is {status['state']}: "
-                                         f"{status.get('error')}\nlog:\n{daemon.log_tail()}")
+                if status["state"] in ("crashed", "failed", "stopped") and failed is None:
+                    failed = f"daemon {daemon.index}'s run is {status['state']}: {status.get('error')}"
+                    sys.stderr.write(f"{spec.name}: {failed}\nlog:\n{daemon.log_tail()}\n")
                 statuses.append(status)
             progress.append((time.time() - started, sum(int(s["samples"]) for s in statuses)))
             collector.scan()
             if all(s["state"] == "finished" for s in statuses) and epochs in collector.found:
                 break
-            if time.monotonic() > deadline:
-                raise BenchmarkError(f"{spec.name}: not finished within {max_seconds} s: (state, epoch) "
-                                     f"{[(s['state'], s['epoch']) for s in statuses]}")
-            await asyncio.sleep(0.25)
+            if time.monotonic() > deadline and failed is None:
+                failed = (f"not finished within {max_seconds} s: (state, epoch) "
+                          f"{[(s['state'], s['epoch']) for s in statuses]}")
+            if failed is None:
+                await asyncio.sleep(0.25)
         finished = time.time()
         # the other trainers' final checkpoints: the end of the run for everyone
-        for daemon, status in zip(daemons, statuses, strict=True):
+        for daemon, status in zip(daemons if failed is None else (), statuses, strict=False):
             path = daemon.root / "runs" / name / status["fingerprint"] / f"checkpoint-{epochs:09d}.pt"
             for _ in range(600):  # a minute at most
                 if path.exists():
@@ -569,6 +574,7 @@ async def run_config(swarm: Swarm, spec: ConfigSpec, params: dict[str, Any], wor
     links = [a - b for a, b in zip(links_after, links_before, strict=True)]
     sync = statuses[0].get("sync") or {}
     return {
+        **({"failed": failed} if failed is not None else {}),
         "samples": samples,
         "epochs": epochs,
         "epochs_done": [int(s["epoch"]) for s in statuses],
@@ -665,6 +671,11 @@ def goals(configs: list[dict[str, Any]], shaped: list[dict[str, Any]] | None) ->
             row["shaped_speedup"] = round(theirs / mine, 2) if mine and theirs else None
             speedup = row["shaped_speedup"]
             row["shaped_goal_met"] = speedup is not None and speedup >= GOAL_SHAPED_SPEEDUP
+            if "failed" in other:  # what it reached before it failed still counts for the time
+                row["shaped_failed"] = other["failed"]
+        if "failed" in entry:  # its loss is that of its last checkpoint: no loss goal
+            row["failed"] = entry["failed"]
+            row["loss_goal_met"] = False
         results.append(row)
     return {"bytes_per_sample_reduction_min": GOAL_BYTES_RATIO, "heldout_loss_within": GOAL_LOSS_WITHIN,
             "shaped_speedup_min": GOAL_SHAPED_SPEEDUP, "results": results}

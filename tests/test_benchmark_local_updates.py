@@ -119,6 +119,20 @@ def test_goals_compare_each_local_configuration_with_gradients() -> None:
     assert not h100["loss_goal_met"] and "shaped_speedup" not in h100
 
 
+def test_a_failed_run_is_reported_with_what_it_reached() -> None:
+    configs = [_entry("gradients", 2.0, 10000.0, [[10, 1, 64, 3.0], [20, 2, 128, 2.0]]),
+               {**_entry("local_h25", 1.9, 400.0, [[5, 1, 64, 2.5], [8, 2, 128, 1.9]]),
+                "failed": "daemon 2's run is failed: diverged"}]
+    shaped = [_entry("gradients", 2.0, 10000.0, [[50, 1, 64, 3.0], [100, 2, 128, 2.0]]),
+              {**_entry("local_h25", 1.9, 400.0, [[10, 1, 64, 2.4], [20, 2, 128, 1.9]]),
+               "failed": "not finished within 10 s"}]
+    lu.finish_entries(configs, 128)
+    lu.finish_entries(shaped, 128)
+    (row,) = lu.goals(configs, shaped)["results"]
+    assert row["failed"].endswith("diverged") and row["loss_goal_met"] is False
+    assert row["shaped_failed"] == "not finished within 10 s" and row["shaped_speedup"] == 5.0
+
+
 @pytest.mark.timeout(240)
 def test_smoke_run_with_the_tiny_workload(tmp_path: Path) -> None:
     completed = subprocess.run(
