@@ -56,6 +56,11 @@ budget): what counts there is the wall time to the loss `gradients` ends with, a
 needs more samples than gradient rounds for one loss. Without --shaped, `shaped` says why it was
 not run.
 
+--workload-config JSON adds fields to every run's workload config; --local-workload-config JSON
+to the local runs' only: their inner steps take each trainer's own batch, not the run's target,
+so the workload's learning rate wants scaling (albert-tiny: lr 0.03 x 16 / 64 = 0.0075 made
+local_h25 end below gradients' loss, where 0.03 diverged or stalled near 7.03).
+
 `goals` compares each local configuration with `gradients`: bytes per sample at least 100x fewer,
 held-out loss within 3 % (relative; also given at equal samples, not judged), and on the shaped
 profile at least 5x less wall time to the loss `gradients` ends with; each with what was measured.
@@ -719,6 +724,7 @@ class Plan:
     outer: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     shaped_local_budget: int = 1  # local runs of the shaped part train this many budgets
+    local_config: dict[str, Any] = field(default_factory=dict)  # added to local runs' config
 
 
 def evaluate_curve(evaluator: Evaluator, checkpoints: list[tuple[int, float, int, Path]]
@@ -736,7 +742,8 @@ async def collaborative_part(plan: Plan, workdir: Path, evaluator: Evaluator, la
     wanted = []
     for spec in collaborative:
         budget = plan.samples * (local_budget if spec.sync == "local" else 1)
-        params = run_params(spec, plan.workload, plan.config, plan.peers, plan.target, budget,
+        config = {**plan.config, **plan.local_config} if spec.sync == "local" else plan.config
+        params = run_params(spec, plan.workload, config, plan.peers, plan.target, budget,
                             plan.curve_points * (local_budget if spec.sync == "local" else 1),
                             plan.outer)
         problem = manifest_problem(params)
@@ -852,6 +859,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOAD_CONFIGS), default="albert",
                         help="albert (preset albert-tiny) or tiny (for a quick smoke run)")
+    parser.add_argument("--workload-config", type=orjson.loads, default={},
+                        help='fields added to the workload\'s config (JSON), e.g. \'{"lr": 0.015}\'')
+    parser.add_argument("--local-workload-config", type=orjson.loads, default={},
+                        help="fields added to the workload's config of local runs only (JSON), e.g. "
+                             "an inner learning rate for the trainer's own batch: "
+                             '\'{"lr": 0.0075}\' (albert-tiny: 0.03 x 16 / 64)')
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"comma-separated configurations (default {DEFAULT_CONFIGS})")
     parser.add_argument("--peers", type=int, default=4, help="trainers (one daemon each)")
@@ -901,7 +914,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.samples is not None and args.samples < 1:
         raise ValueError("--samples must be at least 1")
     target = args.target_batch_size or args.peers * args.batch_size
-    config: dict[str, Any] = {**WORKLOAD_CONFIGS[args.workload], "batch_size": args.batch_size}
+    if not isinstance(args.workload_config, dict) or not isinstance(args.local_workload_config, dict):
+        raise ValueError("--workload-config and --local-workload-config must be JSON objects")
+    config: dict[str, Any] = {**WORKLOAD_CONFIGS[args.workload], "batch_size": args.batch_size,
+                              **args.workload_config}
     if args.workload == "albert" and args.cache_dir is not None:
         config["cache_dir"] = str(args.cache_dir.expanduser().absolute())
     samples = sample_budget(args.samples, target, specs, args.outer_steps)
@@ -909,7 +925,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 args.eval_seed, args.curve_points, args.max_seconds, args.stop_timeout, args.log_level,
                 max(1, args.eval_threads), max(1, args.alone_threads),
                 {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum))
-                 if v is not None}, shaped_local_budget=args.shaped_local_budget)
+                 if v is not None}, shaped_local_budget=args.shaped_local_budget,
+                local_config=dict(args.local_workload_config))
     if target % (args.peers * args.batch_size):
         plan.notes.append("target_batch_size is not peers x batch_size: a local run's inner steps per "
                           "outer step then differ from H, and so does its schedule's position")
@@ -940,6 +957,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     summary = {"benchmark": "local_updates", "workload": plan.workload, "config": plan.config,
+               "local_config": plan.local_config,
                "peers": plan.peers, "target_batch_size": plan.target, "batch_size": args.batch_size,
                "samples_per_config": plan.samples, "eval_samples": plan.eval_samples,
                "cpus": os.cpu_count(), "notes": plan.notes, **result,

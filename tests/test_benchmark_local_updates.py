@@ -48,6 +48,10 @@ def test_configuration_names() -> None:
 def test_the_shaped_part_gives_local_runs_more_samples_only_when_asked() -> None:
     args = lu.build_parser().parse_args(["--configs", "gradients,local_h25", "--workload", "tiny"])
     assert lu.make_plan(args).shaped_local_budget == 3
+    args = lu.build_parser().parse_args(["--local-workload-config", '{"lr": 0.5}', "--workload",
+                                         "tiny", "--workload-config", '{"hidden": 8}'])
+    plan = lu.make_plan(args)
+    assert plan.local_config == {"lr": 0.5} and plan.config["hidden"] == 8 and "lr" not in plan.config
     args = lu.build_parser().parse_args(["--shaped-local-budget", "0"])
     with pytest.raises(ValueError, match="shaped-local-budget"):
         lu.make_plan(args)

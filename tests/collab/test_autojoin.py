@@ -83,7 +83,9 @@ async def test_it_joins_once_the_run_appears_and_a_stop_by_the_volunteer_sticks(
         status = await _run(second, "later")
         return status if status and status["state"] == "running" else None
 
-    await wait_until(running, timeout=120)
+    # (a safety net: both daemons start a worker, which on a loaded 2-core machine took longer
+    # than 120 s together)
+    await wait_until(running, timeout=360)
     await second.call("run.stop", {"name": "later"})
     await wait_until(lambda: _logged(second, "run_autojoin_remembers_stop"), timeout=30)
     assert (await _run(second, "later"))["state"] == "stopped"
