@@ -84,7 +84,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -106,25 +106,28 @@ HIVEMIND_VENV_HINT = ("python -m venv .venv-hivemind && .venv-hivemind/bin/pip i
 
 
 class BenchmarkError(RuntimeError):
-    pass
+    """The benchmark cannot go on (a daemon died, the swarm did not form, a bad argument)."""
 
 
 class Daemon:
-    """One dedlocd process on loopback with its own state directory."""
+    """One dedlocd process with its own state directory, listening on `host` (loopback, or a
+    network namespace's address: `prefix` then wraps its command line, e.g. `ip netns exec`)."""
 
     def __init__(self, index: int, root: Path, process: asyncio.subprocess.Process, log: IO[bytes],
-                 profile: Path | None) -> None:
+                 profile: Path | None, host: str = HOST) -> None:
         self.index = index
         self.root = root
         self.process = process
         self.log = log
         self.profile = profile
+        self.host = host
         self.socket = root / "dedlocd.sock"
 
     @classmethod
     async def start(cls, index: int, root: Path, bootstrap: str | None, log_level: str,
-                    profile_dir: Path | None, extra: tuple[str, ...] = (),
-                    env: Mapping[str, str] | None = None) -> Daemon:
+                    profile_dir: Path | None = None, extra: tuple[str, ...] = (),
+                    env: Mapping[str, str] | None = None, host: str = HOST,
+                    prefix: Callable[[list[str]], list[str]] | None = None) -> Daemon:
         """`env`: variables added to this script's environment for the daemon (and its workers);
         `root` may exist already (e.g. holding the identity.key to start with)."""
         root.mkdir(parents=True, exist_ok=True)
@@ -133,10 +136,12 @@ class Daemon:
         if profile:
             argv += ["-m", "cProfile", "-o", str(profile)]
         argv += ["-m", "dedloc.daemon", "--node.state_dir", str(root), "--log.format", "json",
-                 "--log.level", log_level, "--net.listen", f"/ip4/{HOST}/tcp/0"]
+                 "--log.level", log_level, "--net.listen", f"/ip4/{host}/tcp/0"]
         if bootstrap:
             argv += ["--net.bootstrap", bootstrap]
         argv += extra
+        if prefix is not None:
+            argv = prefix(argv)
         log = (root / "dedlocd.log").open("wb")
         try:
             # A session of its own: a Ctrl-C in the terminal reaches only this script, which then
@@ -147,7 +152,7 @@ class Daemon:
         except BaseException:
             log.close()
             raise
-        return cls(index, root, process, log, profile)
+        return cls(index, root, process, log, profile, host)
 
     async def call(self, method: str, params: Any = None, timeout: float = 300.0) -> Any:
         async with await JsonRpcClient.connect(self.socket, default_timeout=timeout) as client:
@@ -170,9 +175,10 @@ class Daemon:
                                  f"log:\n{self.log_tail()}")
 
     def p2p_address(self, info: dict[str, Any]) -> str:
-        addresses = [a for a in info["addresses"]["p2p"] if f"/ip4/{HOST}/" in a]
+        addresses = [a for a in info["addresses"]["p2p"] if f"/ip4/{self.host}/" in a]
         if not addresses:
-            raise BenchmarkError(f"daemon {self.index} has no {HOST} address: {info['addresses']['p2p']}")
+            raise BenchmarkError(f"daemon {self.index} has no {self.host} address: "
+                                 f"{info['addresses']['p2p']}")
         return addresses[0]
 
     def log_tail(self, lines: int = 15) -> str:
@@ -196,9 +202,10 @@ class Daemon:
                     await self.process.wait()
             except TimeoutError:
                 sys.stderr.write(f"daemon {self.index} did not stop within {timeout} s: killed\n")
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                await self.process.wait()
+        # Its own session: whatever is left of its group (a worker) goes with it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        await self.process.wait()
         self.log.close()
         assert self.process.returncode is not None
         return self.process.returncode

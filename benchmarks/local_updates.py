@@ -88,11 +88,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 
-from dedloc.rpc import JsonRpcClient, RpcConnectionError, RpcError
+from dedloc.rpc import RpcError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from collab import BenchmarkError, Daemon  # one copy of the daemon handling
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -107,10 +110,6 @@ WORKLOAD_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": {},
 }
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-class BenchmarkError(RuntimeError):
-    pass
 
 
 # --- configurations -------------------------------------------------------------------------------
@@ -335,92 +334,6 @@ def train_alone(workload: Any, config: dict[str, Any], target: int, samples: int
 
 # --- the daemons ------------------------------------------------------------------------------------
 
-class Daemon:
-    """One dedlocd process (in a network namespace of the lab, or on loopback)."""
-
-    def __init__(self, index: int, root: Path, host: str, process: asyncio.subprocess.Process,
-                 log: IO[bytes]) -> None:
-        self.index = index
-        self.root = root
-        self.host = host
-        self.process = process
-        self.log = log
-        self.socket = root / "dedlocd.sock"
-
-    @classmethod
-    async def start(cls, index: int, root: Path, host: str, bootstrap: str | None, log_level: str,
-                    prefix: Callable[[list[str]], list[str]] | None) -> Daemon:
-        root.mkdir(parents=True)
-        argv = [sys.executable, "-m", "dedloc.daemon", "--node.state_dir", str(root), "--log.format",
-                "json", "--log.level", log_level, "--net.listen", f"/ip4/{host}/tcp/0",
-                "--workers.threads", "1"]
-        if bootstrap:
-            argv += ["--net.bootstrap", bootstrap]
-        if prefix is not None:
-            argv = prefix(argv)
-        log = (root / "dedlocd.log").open("wb")
-        try:  # a session of its own: stopped in order by us, its group killed if it will not stop
-            process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True, env={**os.environ, **WORKER_ENV})
-        except BaseException:
-            log.close()
-            raise
-        return cls(index, root, host, process, log)
-
-    async def call(self, method: str, params: Any = None, timeout: float = 120.0) -> Any:
-        async with asyncio.timeout(timeout + 5):
-            async with await JsonRpcClient.connect(self.socket, default_timeout=timeout) as client:
-                return await client.call(method, params)
-
-    async def wait_serving(self, timeout: float = 90.0) -> dict[str, Any]:
-        async with asyncio.timeout(timeout):
-            while True:
-                self.check_alive()
-                with contextlib.suppress(RpcConnectionError, OSError):
-                    info = await self.call("node.info", timeout=10)
-                    if info["dht"]["mode"] != "starting":
-                        return info
-                await asyncio.sleep(0.2)
-
-    def check_alive(self) -> None:
-        if self.process.returncode is not None:
-            raise BenchmarkError(f"daemon {self.index} exited with code {self.process.returncode}; "
-                                 f"log:\n{self.log_tail()}")
-
-    def p2p_address(self, info: dict[str, Any]) -> str:
-        addresses = [a for a in info["addresses"]["p2p"] if f"/ip4/{self.host}/" in a]
-        if not addresses:
-            raise BenchmarkError(f"daemon {self.index} has no {self.host} address: "
-                                 f"{info['addresses']['p2p']}")
-        return addresses[0]
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = (self.root / "dedlocd.log").read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    async def stop(self, timeout: float) -> int:
-        """node.shutdown, wait; kill the daemon's process group after the timeout."""
-        if self.process.returncode is None:
-            with contextlib.suppress(RpcError, OSError, TimeoutError):
-                await self.call("node.shutdown", timeout=10)
-            try:
-                async with asyncio.timeout(timeout):
-                    await self.process.wait()
-            except TimeoutError:
-                sys.stderr.write(f"daemon {self.index} did not stop within {timeout} s: killed\n")
-        # Its own session: whatever is left of its group (a worker) is ours.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        await self.process.wait()
-        self.log.close()
-        assert self.process.returncode is not None
-        return self.process.returncode
-
-
 class Swarm:
     """N daemons bootstrapped from the first, every one joined to the DHT."""
 
@@ -438,15 +351,18 @@ class Swarm:
         lab = self.lab
         return None if lab is None else (lambda argv: lab.command(index, argv))
 
+    async def _start(self, index: int, bootstrap: str | None) -> Daemon:
+        return await Daemon.start(index, self.workdir / f"d{index}", bootstrap, self.log_level,
+                                  extra=("--workers.threads", "1"), env=WORKER_ENV,
+                                  host=self._host(index), prefix=self._prefix(index))
+
     async def start(self) -> None:
-        first = await Daemon.start(0, self.workdir / "d0", self._host(0), None, self.log_level,
-                                   self._prefix(0))
+        first = await self._start(0, None)
         self.daemons.append(first)
-        bootstrap = first.p2p_address(await first.wait_serving())
+        bootstrap = first.p2p_address(await first.wait_serving(timeout=90))
         for index in range(1, self.peers):
-            self.daemons.append(await Daemon.start(index, self.workdir / f"d{index}", self._host(index),
-                                                   bootstrap, self.log_level, self._prefix(index)))
-        await asyncio.gather(*(d.wait_serving() for d in self.daemons[1:]))
+            self.daemons.append(await self._start(index, bootstrap))
+        await asyncio.gather(*(d.wait_serving(timeout=90) for d in self.daemons[1:]))
         infos: list[dict[str, Any]] = []
         try:
             async with asyncio.timeout(90):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import orjson
@@ -208,3 +210,27 @@ async def dedloc_cli(socket: Path, *args: str) -> tuple[int, str, str]:
         out, err = await process.communicate()
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as the module `benchmark_<name>`, without leaving benchmarks/ on
+    sys.path nor the modules it imports from there (its `collab`, `dht`) in sys.modules: there
+    they would shadow the tests' own `dht` and `collab` packages."""
+    path, modules = list(sys.path), dict(sys.modules)
+    module_name = f"benchmark_{name}"
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # (dataclasses look their module up there)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+        for loaded in set(sys.modules) - set(modules):
+            if loaded != module_name and str(BENCHMARKS) in str(
+                    getattr(sys.modules[loaded], "__file__", "") or ""):
+                del sys.modules[loaded]
+    return module

@@ -5,41 +5,21 @@ judge."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import orjson
 import pytest
+from support import load_benchmark
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "hostile.py"
 
 
-def _load_benchmark() -> ModuleType:
-    """benchmarks/hostile.py as a module, without leaving benchmarks/ on sys.path nor its
-    `collab` in sys.modules: there they would shadow the tests' own `dht` and `collab`."""
-    path, modules = list(sys.path), dict(sys.modules)
-    try:
-        spec = importlib.util.spec_from_file_location("benchmark_hostile", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # (dataclasses look their module up there)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = path
-        for name in set(sys.modules) - set(modules):
-            if name != "benchmark_hostile" and str(BENCHMARKS) in str(
-                    getattr(sys.modules[name], "__file__", "") or ""):
-                del sys.modules[name]
-    return module
-
-
-hostile = _load_benchmark()
+hostile = load_benchmark("hostile")
 
 
 def test_arguments_and_quick_defaults() -> None:

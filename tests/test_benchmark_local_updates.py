@@ -4,33 +4,21 @@ the reference trainer alone). No timing is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import orjson
 import pytest
+from support import load_benchmark
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "local_updates.py"
 
 
-def _load() -> ModuleType:
-    """benchmarks/local_updates.py as a module, without putting benchmarks/ on sys.path (its
-    dht.py would stand in for the tests' dht package in this process)."""
-    spec = importlib.util.spec_from_file_location("benchmark_local_updates", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
-
-
-lu = _load()
+lu = load_benchmark("local_updates")
 
 
 def test_configuration_names() -> None:
