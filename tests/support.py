@@ -9,10 +9,12 @@ import os
 import signal
 import socket
 import sys
+from multiprocessing import shared_memory
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import orjson
 
 from dedloc.rpc import JsonRpcClient
@@ -234,3 +236,31 @@ def load_benchmark(name: str) -> ModuleType:
                     getattr(sys.modules[loaded], "__file__", "") or ""):
                 del sys.modules[loaded]
     return module
+
+
+async def average_in_shared_memory(daemons: list[DaemonProcess], key: str, vectors: list[Any],
+                                   weights: list[float], **params: Any) -> tuple[list[Any], list[Any]]:
+    """One averaging.average round of `daemons` (one vector and weight each, handed over in
+    shared memory, expecting them all, a 5 s window): their reports and their results. `params`
+    are added to every call; a callable one is called with the daemon's index."""
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    length = int(vectors[0].size)
+    shms = [shared_memory.SharedMemory(create=True, size=length * 4) for _ in vectors]
+    try:
+        for shm, vector in zip(shms, vectors, strict=True):
+            np.ndarray(length, np.float32, shm.buf)[:] = vector
+        reports = await asyncio.gather(*(daemon.call("averaging.average", {
+            "key": key, "buffer": shm.name, "length": length, "weight": weight,
+            "expected_peers": len(daemons), "window": 5, "timeout": 60,
+            **{name: value(index) if callable(value) else value for name, value in params.items()}},
+            timeout=90) for index, (daemon, shm, weight)
+            in enumerate(zip(daemons, shms, weights, strict=True))))
+        results = [np.ndarray(length, np.float32, shm.buf).copy() for shm in shms]
+    finally:
+        for shm in shms:
+            shm.close()
+            shm.unlink()
+    return list(reports), results

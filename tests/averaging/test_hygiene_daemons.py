@@ -7,13 +7,11 @@ and the ban expires."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
-from support import DaemonProcess, swarm_with_odd_one, wait_until
+from support import DaemonProcess, average_in_shared_memory, swarm_with_odd_one, wait_until
 
 CHUNK = 16 << 10  # elements (64 KiB chunks): several per part
 LENGTH = 3 * 3 * CHUNK + 1234
@@ -34,22 +32,10 @@ async def average(daemons: list[DaemonProcess], key: str, seed: int) -> tuple[li
     nothing). The reports, the honest results and the honest members' weighted average."""
     rng = np.random.default_rng(seed)
     vectors = [rng.standard_normal(LENGTH).astype(np.float32) * (i + 1) for i in range(4)]
-    shms = [shared_memory.SharedMemory(create=True, size=LENGTH * 4) for _ in vectors]
-    try:
-        for shm, vector in zip(shms, vectors, strict=True):
-            np.ndarray(LENGTH, np.float32, shm.buf)[:] = vector
-        reports = await asyncio.gather(*(daemon.call("averaging.average", {
-            "key": key, "buffer": shm.name, "length": LENGTH, "weight": weight,
-            "role": "client" if index == 3 else "trainer", "expected_peers": 4, "window": 5,
-            "timeout": 60}, timeout=90) for index, (daemon, shm, weight)
-            in enumerate(zip(daemons, shms, WEIGHTS, strict=True))))
-        results = [np.ndarray(LENGTH, np.float32, shm.buf).copy() for shm in shms[:3]]
-    finally:
-        for shm in shms:
-            shm.close()
-            shm.unlink()
+    reports, results = await average_in_shared_memory(
+        daemons, key, vectors, WEIGHTS, role=lambda index: "client" if index == 3 else "trainer")
     honest = np.average(np.stack(vectors[:3]).astype(np.float64), axis=0, weights=WEIGHTS[:3])
-    return list(reports), results, honest
+    return reports, results[:3], honest
 
 
 def check_honest(reports: list[Any], results: list[np.ndarray], honest: np.ndarray) -> None:

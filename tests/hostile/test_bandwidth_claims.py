@@ -9,14 +9,12 @@ mean."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
 import pytest
-from support import DaemonProcess, swarm_with_odd_one
+from support import DaemonProcess, average_in_shared_memory, swarm_with_odd_one
 
 from dedloc.daemon.averaging.matchmaking import _ranked
 
@@ -36,21 +34,9 @@ async def average(daemons: list[DaemonProcess], key: str, seed: int
     """One round, every daemon a trainer: the reports, the results and the weighted mean."""
     rng = np.random.default_rng(seed)
     vectors = [rng.standard_normal(LENGTH).astype(np.float32) * (i + 1) for i in range(4)]
-    shms = [shared_memory.SharedMemory(create=True, size=LENGTH * 4) for _ in vectors]
-    try:
-        for shm, vector in zip(shms, vectors, strict=True):
-            np.ndarray(LENGTH, np.float32, shm.buf)[:] = vector
-        reports = await asyncio.gather(*(daemon.call("averaging.average", {
-            "key": key, "buffer": shm.name, "length": LENGTH, "weight": weight,
-            "expected_peers": 4, "window": 5, "timeout": 60}, timeout=90)
-            for daemon, shm, weight in zip(daemons, shms, WEIGHTS, strict=True)))
-        results = [np.ndarray(LENGTH, np.float32, shm.buf).copy() for shm in shms]
-    finally:
-        for shm in shms:
-            shm.close()
-            shm.unlink()
+    reports, results = await average_in_shared_memory(daemons, key, vectors, WEIGHTS)
     mean = np.average(np.stack(vectors).astype(np.float64), axis=0, weights=WEIGHTS)
-    return list(reports), results, mean
+    return reports, results, mean
 
 
 def keys(ids: list[str], liar: str, liar_leads: bool) -> itertools.islice[str]:

@@ -8,13 +8,11 @@ the next round averages the honest three to their exact weighted mean."""
 
 from __future__ import annotations
 
-import asyncio
-from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
 import pytest
-from support import DaemonProcess, swarm_with_odd_one
+from support import DaemonProcess, average_in_shared_memory, swarm_with_odd_one
 
 from dedloc.daemon.averaging.compression import get_codec
 
@@ -34,20 +32,9 @@ async def average(daemons: list[DaemonProcess], key: str, seed: int, compression
     """One round, every daemon a trainer: the reports, the results and the inputs."""
     rng = np.random.default_rng(seed)
     vectors = [rng.standard_normal(LENGTH).astype(np.float32) * (i + 1) for i in range(4)]
-    shms = [shared_memory.SharedMemory(create=True, size=LENGTH * 4) for _ in vectors]
-    try:
-        for shm, vector in zip(shms, vectors, strict=True):
-            np.ndarray(LENGTH, np.float32, shm.buf)[:] = vector
-        reports = await asyncio.gather(*(daemon.call("averaging.average", {
-            "key": key, "buffer": shm.name, "length": LENGTH, "weight": weight,
-            "expected_peers": 4, "window": 5, "timeout": 60, "compression": compression},
-            timeout=90) for daemon, shm, weight in zip(daemons, shms, WEIGHTS, strict=True)))
-        results = [np.ndarray(LENGTH, np.float32, shm.buf).copy() for shm in shms]
-    finally:
-        for shm in shms:
-            shm.close()
-            shm.unlink()
-    return list(reports), results, vectors
+    reports, results = await average_in_shared_memory(daemons, key, vectors, WEIGHTS,
+                                                      compression=compression)
+    return reports, results, vectors
 
 
 @pytest.mark.parametrize(("mode", "compression"), [("zeros", "none"), ("scale=10", "uint8")])
