@@ -108,12 +108,14 @@ def share_caps(members: Sequence[Member]) -> tuple[float, ...]:
 
 def share_refusal(group: Group) -> str | None:
     """Why a group's parts break the public rule (None: they keep it): a part longer than its
-    member's cap of the vector, plus one chunk for the rounding to whole chunks."""
+    member's cap of the vector's chunks, plus one chunk for the rounding to whole chunks (the
+    last chunk may be short, so the cap counts chunks, not elements)."""
     if len(group.members) < 2:
         return None
+    chunks = math.ceil(group.size / group.chunk_elements)
     for member, cap, (start, end) in zip(group.members, share_caps(group.members),
                                          group.part_bounds, strict=True):
-        allowed = cap * group.size * (1.0 + _SHARE_ROUNDING) + group.chunk_elements
+        allowed = (cap * chunks * (1.0 + _SHARE_ROUNDING) + 1) * group.chunk_elements
         if end - start > allowed:
             return (f"{member.peer_id[:12]} reduces {end - start} of {group.size} elements, more "
                     f"than {cap:.3g} of the vector (at most {SHARE_MULTIPLE:g} equal shares)")

@@ -223,3 +223,14 @@ def test_rounds_paced_by_latency_keep_every_honest_member_a_part() -> None:
             report = AllReduceReport("g", 1.5, int(own), int(own), transfers, ((0, size),), (), (), {})
             for peer_id, rate in measured_rates(g, index, report).items():
                 rates[name].observe(peer_id, rate)
+
+
+def test_an_honest_split_with_a_short_last_chunk_is_taken() -> None:
+    """A member at its cap may get one chunk more than its fraction of the chunks, all of them
+    full though the vector's last one is short: followers allow that (they refused it)."""
+    members = [member("a", 5e7), *(member(name, 1e7) for name in "bcde")]
+    size, chunk = 710, 100
+    plan = leader_plan(members, "a", {})
+    bounds = to_part_bounds(solve_shares(plan.members, size * 4, plan.caps).fractions, size, chunk)
+    assert bounds[0][1] - bounds[0][0] == 400  # 4 of 8 chunks: more than 0.4 x 710 + 100
+    assert share_refusal(Group("g", "k", tuple(members), size, bounds, chunk, "none", 1e9)) is None
