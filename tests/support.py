@@ -243,9 +243,7 @@ async def average_in_shared_memory(daemons: list[DaemonProcess], key: str, vecto
     """One averaging.average round of `daemons` (one vector and weight each, handed over in
     shared memory, expecting them all, a 5 s window): their reports and their results. `params`
     are added to every call; a callable one is called with the daemon's index."""
-    from multiprocessing import shared_memory
 
-    import numpy as np
 
     length = int(vectors[0].size)
     shms = [shared_memory.SharedMemory(create=True, size=length * 4) for _ in vectors]
