@@ -15,12 +15,15 @@ So every grid round has a *roster*: the first `WRITERS` trainers of its view, in
 by a hash of the round's key (`writers`), publish the trainers they see under the round's key
 in the DHT (one sub-key each, signed); every peer then lays the grid out on the roster of the
 best-ranked writer it finds (`pick`), waiting for it at most `wait` seconds. Views that differ
-by a newcomer or two still pick the same writer, and its roster, unless a newcomer ranks first
-(then the others find its roster as well, being the best-ranked in the DHT). Trainers missing
-from the roster help like newcomers (grid.py). A roster is taken only if it agrees with the
-reader's own view (`agrees`: it holds most of the trainers the reader sees, and few it does
-not know), so a peer that writes a roster of its own friends cannot take the cells from the
-others. The roster stays in the DHT for `TTL` seconds: a round that failed and runs again under
+by a newcomer or two still pick the same writer, and its roster. A roster is taken only from a
+writer among the first `WRITERS + WRITER_SLACK` of the reader's own view, and only if it agrees
+with that view (`agrees`: it holds most of the trainers the reader sees, and few it does not
+know), so a stranger cannot hand out the cells, and trainers missing from the roster help like
+newcomers (grid.py). What remains: a writer that is in the view and ranks first (an identity at
+the head, which a forged progress report can put there once the round's key is known) can still
+write a roster that agrees but moves up to half the trainers out of the cells and a quarter of
+them to ids that never come; the round then fails, and the next one ranks writers anew.
+The roster stays in the DHT for `TTL` seconds: a round that failed and runs again under
 the same key lays out the same grid.
 """
 
@@ -45,9 +48,13 @@ log = structlog.get_logger(__name__)
 __all__ = ["MAX_ROSTER", "TTL", "WRITERS", "Rosters", "agrees", "decode", "encode", "pick",
            "writers"]
 
-WRITERS = 3  # trainers that publish their view of a first grid round
+WRITERS = 3  # trainers that publish their view of a grid round
+# a roster is taken only from a writer among the first WRITERS + WRITER_SLACK of the reader's own
+# view (views differ by a few peers; a stranger outside the view cannot hand out the cells)
+WRITER_SLACK = 2
 TTL = 180.0  # seconds a roster stays in the DHT
-POLL = 0.25  # between reads while waiting for the best-ranked writer's roster
+POLL = 0.25  # the first pause between reads while waiting for the best-ranked writer's roster
+MAX_POLL = 1.0  # the pause doubles up to this (every peer of a grid round reads one key)
 MAX_ROSTER = 1024  # peers a roster may list
 MAX_PEER_ID = 128  # characters of one peer id in a roster
 DHT_TIMEOUT = 2.0
@@ -71,8 +78,11 @@ def agrees(roster: Collection[str], view: Collection[str]) -> bool:
 
 def pick(key: str, view: Collection[str], entries: Mapping[str, tuple[str, ...]]
          ) -> tuple[str, tuple[str, ...]] | None:
-    """(writer, roster) of the best-ranked writer whose roster agrees with `view`, or None."""
-    good = [(writer, roster) for writer, roster in entries.items() if agrees(roster, view)]
+    """(writer, roster) of the best-ranked writer whose roster agrees with `view`, or None. Only
+    writers among the first WRITERS + WRITER_SLACK of `view` count."""
+    allowed = set(writers(key, view, WRITERS + WRITER_SLACK))
+    good = [(writer, roster) for writer, roster in entries.items()
+            if writer in allowed and agrees(roster, view)]
     return min(good, key=lambda item: _rank(key, item[0]), default=None)
 
 
@@ -115,6 +125,7 @@ class Rosters:
             await self._write(dht_key, view)
             entries[self.peer_id] = tuple(sorted(view))
         give_up = timebase.monotonic() + max(0.0, wait)
+        pause = POLL
         while True:
             chosen = pick(key, view, entries)
             # the best-ranked writer we know of has written (or one better still, that we do not
@@ -124,7 +135,8 @@ class Rosters:
             left = give_up - timebase.monotonic()
             if left <= 0:
                 break
-            await asyncio.sleep(min(POLL, left))
+            await asyncio.sleep(min(pause, left))
+            pause = min(MAX_POLL, 2 * pause)
             entries = await self._read(dht_key)
         if chosen is None:
             log.info("grid_roster_missing", key=key, trainers=len(view))

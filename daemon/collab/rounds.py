@@ -82,16 +82,11 @@ class NetworkRounds:
             me = self.averager.peer_id
             mine = {me} if role == "trainer" else set()
             known = set(cells or leaders)
-            if known:
-                view = (known & {*trainers, *mine}) - set(aux)
-                may_write = me in view
-            else:
-                view = set(settled) - set(aux)
-                may_write = me in view
+            view = (known & {*trainers, *mine} if known else set(settled)) - set(aux)
             if len(view - {me}) < 2:
                 view = {*trainers, *mine}
             roster = await self.rosters.agree(key, view, wait=self.averager.config.window,
-                                              write=role == "trainer" and may_write)
+                                              write=role == "trainer" and me in view)
             layout = self.grid.layout(key, sorted({*trainers, *roster} - {me}), aux, role,
                                       roster)
         if layout is None:

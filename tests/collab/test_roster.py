@@ -163,3 +163,13 @@ async def test_a_later_grid_round_lays_out_one_grid_though_the_board_was_read_ap
     layouts = {tuple(sorted(grid_layout(key, sorted({*trainers, *late[: i % 5]}), 16)  # type: ignore[union-attr]
                             .cells.items())) for i in range(5)}
     assert len(layouts) > 1
+
+
+def test_a_roster_from_a_writer_outside_the_view_or_its_first_ranks_is_not_taken() -> None:
+    key, view = "grad/3/abc", _ids(40)
+    stranger = next(p for p in _ids(5000, start=100) if writers(key, [*view, p])[0] == p)
+    low = writers(key, view, len(view))[-1]  # in the view, ranked last
+    roster = tuple(sorted(view))
+    assert pick(key, view, {stranger: roster, low: roster}) is None
+    honest = writers(key, view)[1]
+    assert pick(key, view, {stranger: roster, low: roster, honest: roster}) == (honest, roster)
