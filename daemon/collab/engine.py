@@ -416,7 +416,8 @@ class RunEngine:
             vector = await self.trainer.export_gradients()
             weight = 0.0
         # what we send, before the round overwrites it with the average (error feedback)
-        prepared = vector.copy() if self.error_feedback and weight > 0 else None
+        prepared = (await asyncio.to_thread(vector.copy)) if self.error_feedback and weight > 0 \
+            else None
         exported = p.accumulated
         averaged = self.averaging.average(vector, round_key("grad", head), weight=weight,
                                               expected=action.expected, role="trainer",
@@ -463,11 +464,19 @@ class RunEngine:
         round_ = asyncio.ensure_future(averaged)
         try:
             while not round_.done() and not self._stop.is_set():
-                done = await self.trainer.train(self.schedule.target_batch_size, self.timing.max_chunk)
+                try:
+                    done = await self.trainer.train(self.schedule.target_batch_size,
+                                                    self.timing.max_chunk)
+                except Exception:
+                    # the trainer failed: the round goes on to its end (it has its deadline),
+                    # so that the others do not lose the part we reduce, and then we fail
+                    with contextlib.suppress(Exception):
+                        await round_
+                    raise
                 self._count(done.samples, done.loss, done.samples_per_second)
             return await round_
         finally:
-            if not round_.done():  # the trainer failed: the round is not ours to finish
+            if not round_.done():  # cancelled (the run stops): the round is not ours to finish
                 round_.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await round_

@@ -71,7 +71,7 @@ class WorkerTrainer:
     async def settle_residual(self, residual: np.ndarray) -> None:
         buffer = self._buffer
         async with self.model_lock:
-            np.copyto(buffer.array, residual)
+            await asyncio.to_thread(np.copyto, buffer.array, residual)  # (a whole vector)
             await self.worker.call(WorkerMethod.APPLY, {
                 "what": "residual", "buffer": buffer.name, "numel": buffer.numel})
 

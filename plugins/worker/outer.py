@@ -206,7 +206,7 @@ class OuterState:
         if kappa > 0 and math.isfinite(delta_norm) and delta_norm > 0:
             bound = kappa * self.step_norm if self.step_norm is not None \
                 else FIRST_STEP_RATIO * cpu_norm(self.params)
-            if delta_norm > bound:
+            if bound > 0 and delta_norm > bound:  # (no bound yet: zero parameters, zero steps)
                 factor = float(f"{bound / delta_norm:.{_CLIP_DIGITS}g}")
                 self.clipped_steps += 1
         taken = float(f"{delta_norm * factor:.{_CLIP_DIGITS}g}")

@@ -288,6 +288,13 @@ def test_the_guard_bounds_an_outer_step_by_the_recent_ones() -> None:
     assert torch.equal(twin.params, fresh.params) and twin.step_norm == fresh.step_norm
 
 
+def test_the_guard_of_a_model_that_starts_at_zero_lets_it_move() -> None:
+    settings = LocalUpdates(inner_steps=4, outer_lr=1.0, outer_momentum=0.0, clip=4.0)
+    outer = OuterState(settings, [_slot(10)], [torch.zeros(10)], torch.device("cpu"))
+    assert outer.step(torch.full((10,), -0.5)) == 1.0  # a bound of 0 x anything froze it
+    assert float(outer.params.norm()) > 0 and outer.step_norm and outer.step_norm > 0
+
+
 def test_the_guards_norm_travels_with_the_state_and_the_checkpoint(tmp_path: Any, buffers: Any) -> None:
     local = LocalUpdates(inner_steps=2)
     donor = _session(1, local)
