@@ -114,7 +114,10 @@ async def test_a_trainer_killed_mid_round_a_newcomer_and_a_restart_end_on_the_sa
                 torch.testing.assert_close(saved["outer"][key], reference["outer"][key],
                                            rtol=0, atol=1e-6, msg=key)
         assert bool(reference["outer"]["momentum"].abs().sum() > 0)  # the outer momentum moved
-        assert bool(reference["outer"]["residual"].abs().sum() > 0)  # topk left some for later
+        # topk left some for later; but not for every peer: one whose last outer round had no
+        # partner (the others had finished) conveyed all, and one that caught up by download
+        # has no residual of its own
+        assert any(bool(saved["outer"]["residual"].abs().sum() > 0) for saved in final)
         sync = statuses[0]["sync"]
         assert sync["compression_ratio"] > 50
         assert 0 < sync["bytes_sent_per_step"] < 4 * statuses[0]["parameters"] / 2
