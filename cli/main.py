@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -401,8 +403,23 @@ async def _watch(client: JsonRpcClient, args: argparse.Namespace) -> int:
     each update is printed as its own block, the blocks separated by a blank line."""
     params = {"name": args.name} if args.name else None
     tty = sys.stdout.isatty() and not args.json
+    # Ctrl-C (or SIGTERM) ends the watch at its next wait, on an event of our own: cancelling
+    # the main task (asyncio.run's way) once left a watch running after SIGINT
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupted.set)
+    try:
+        return await _watch_until(client, args, params, tty, interrupted)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _watch_until(client: JsonRpcClient, args: argparse.Namespace,
+                       params: dict[str, Any] | None, tty: bool, interrupted: asyncio.Event) -> int:
     first = True
-    while True:
+    while not interrupted.is_set():
         runs = await client.call("run.status", params)
         if args.json:
             sys.stdout.write(orjson.dumps({"time": time.time(), "runs": runs}).decode() + "\n")
@@ -415,7 +432,10 @@ async def _watch(client: JsonRpcClient, args: argparse.Namespace) -> int:
         sys.stdout.flush()
         if not any(run.get("state") in ACTIVE_STATES for run in runs):
             return EXIT_OK
-        await asyncio.sleep(args.interval)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(args.interval):
+                await interrupted.wait()
+    return EXIT_OK
 
 
 def _format_data(data: Any) -> str:

@@ -55,11 +55,16 @@ async def test_status_watch_redraws_until_ctrl_c(daemon) -> None:  # type: ignor
         "--interval", "0.1", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     assert process.stdout is not None and process.stderr is not None
     out = b""
-    async with asyncio.timeout(120):
-        while out.count(b"tiny [tiny]") < 3:  # three updates, each its own block (not a terminal)
-            out += await process.stdout.read(4096)
-        process.send_signal(signal.SIGINT)
+    try:
+        async with asyncio.timeout(120):  # (a safety net)
+            while out.count(b"tiny [tiny]") < 3:  # three updates, each its own block (not a terminal)
+                out += await process.stdout.read(4096)
+            process.send_signal(signal.SIGINT)
+            rest, err = await process.communicate()
+    except TimeoutError:
+        process.kill()
         rest, err = await process.communicate()
+        raise AssertionError(f"the watch did not end: {out + rest!r} {err!r}") from None
     assert process.returncode == 0, err.decode()
     assert b"Traceback" not in err
     blocks = (out + rest).decode().split("\n\n")
