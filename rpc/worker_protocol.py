@@ -94,6 +94,8 @@ class TrainResult(TypedDict):
     accumulated_samples: int
     ranks: NotRequired[list[RankResult]]
     inner_step: NotRequired[int]  # a local-update run: inner steps since the last outer step
+    # a local-update run: the learning rate of the last inner step (the schedule's x inner_lr_scale)
+    inner_lr: NotRequired[float]
 
 
 class ExportResult(TypedDict):
