@@ -7,7 +7,9 @@ N real dedlocd daemons (one trainer each, `--workers.threads 1`, OMP_NUM_THREADS
 workload on 127.0.0.1 in one collaborative run per configuration, each on the same sample budget:
 
   gradients          today's DeDLOC rounds: the gradients of every target batch are averaged
-  local_h<H>         sync "local" with inner_steps H (outer Nesterov SGD, lr 0.7, momentum 0.9)
+  local_h<H>         sync "local" with inner_steps H (outer Nesterov SGD, lr 0.7, momentum 0.9;
+                     inner steps at the workload's lr x inner_lr_scale, by default "auto":
+                     batch / target, 16 / 64 here)
   local_h<H>[_<codec>]_overlap  the same with overlap (train on during the exchange)
   local_h<H>_<codec> the same with the pseudo-gradients compressed by <codec> (e.g. topk); a codec
                      the manifest does not accept is reported as skipped, with the daemon's reason
@@ -57,9 +59,12 @@ needs more samples than gradient rounds for one loss. Without --shaped, `shaped`
 not run.
 
 --workload-config JSON adds fields to every run's workload config; --local-workload-config JSON
-to the local runs' only: their inner steps take each trainer's own batch, not the run's target,
-so the workload's learning rate wants scaling (albert-tiny: lr 0.03 x 16 / 64 = 0.0075 made
-local_h25 end below gradients' loss, where 0.03 diverged or stalled near 7.03).
+to the local runs' only. A local run's inner steps take each trainer's own batch, not the run's
+target, so the workload's learning rate wants scaling (albert-tiny: lr 0.03 x 16 / 64 = 0.0075
+made local_h25 end below gradients' loss, where 0.03 diverged or stalled near 7.03): the
+manifest's inner_lr_scale does it, "auto" (batch / target) by default; --inner-lr-scale sets
+another. An "lr" in --local-workload-config is taken as the inner rate itself, as before this
+option existed: the local runs then get inner_lr_scale 1 unless --inner-lr-scale says otherwise.
 
 `goals` compares each local configuration with `gradients`: bytes per sample at least 100x fewer,
 held-out loss within 3 % (relative; also given at equal samples, not judged), and on the shaped
@@ -174,7 +179,8 @@ def sample_budget(requested: int | None, target: int, specs: Sequence[ConfigSpec
 
 
 def run_params(spec: ConfigSpec, workload: str, config: dict[str, Any], peers: int, target: int,
-               samples: int, curve_points: int, outer: dict[str, float] | None = None) -> dict[str, Any]:
+               samples: int, curve_points: int, outer: dict[str, float | str] | None = None
+               ) -> dict[str, Any]:
     """run.start's parameters for one collaborative configuration."""
     epochs = samples // (target * spec.epoch_batches)
     params: dict[str, Any] = {
@@ -198,8 +204,8 @@ def manifest_problem(params: dict[str, Any]) -> str | None:
                                      "average_state_every", "compression") if k in params}
     if params.get("sync") == "local":
         fields.update(sync="local", inner_steps=params["inner_steps"],
-                      **{k: params[k] for k in ("outer_lr", "outer_momentum", "overlap")
-                         if k in params})
+                      **{k: params[k] for k in ("outer_lr", "outer_momentum", "overlap",
+                                                "inner_lr_scale") if k in params})
     try:
         RunManifest(**fields)
     except ManifestError as exc:
@@ -637,7 +643,7 @@ class Plan:
     log_level: str
     eval_threads: int
     alone_threads: int = 1
-    outer: dict[str, float] = field(default_factory=dict)
+    outer: dict[str, float | str] = field(default_factory=dict)  # local runs' manifest fields
     notes: list[str] = field(default_factory=list)
     shaped_local_budget: int = 1  # local runs of the shaped part train this many budgets
     local_config: dict[str, Any] = field(default_factory=dict)  # added to local runs' config
@@ -778,9 +784,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload-config", type=orjson.loads, default={},
                         help='fields added to the workload\'s config (JSON), e.g. \'{"lr": 0.015}\'')
     parser.add_argument("--local-workload-config", type=orjson.loads, default={},
-                        help="fields added to the workload's config of local runs only (JSON), e.g. "
-                             "an inner learning rate for the trainer's own batch: "
-                             '\'{"lr": 0.0075}\' (albert-tiny: 0.03 x 16 / 64)')
+                        help="fields added to the workload's config of local runs only (JSON); an "
+                             "lr there is the inner rate itself (inner_lr_scale 1 unless "
+                             "--inner-lr-scale is given)")
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"comma-separated configurations (default {DEFAULT_CONFIGS})")
     parser.add_argument("--peers", type=int, default=4, help="trainers (one daemon each)")
@@ -795,6 +801,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--outer-lr", type=float, help="local runs' outer_lr (default: the daemon's, 0.7)")
     parser.add_argument("--outer-momentum", type=float,
                         help="local runs' outer_momentum (default: the daemon's, 0.9)")
+    parser.add_argument("--inner-lr-scale", type=_inner_lr_scale,
+                        help="local runs' inner_lr_scale: auto (the daemon's default: batch / "
+                             "target) or a number")
     parser.add_argument("--alone-threads", type=int, default=1,
                         help="torch threads of the reference trainer (alone)")
     parser.add_argument("--eval-samples", type=int, default=512, help="held-out samples evaluated")
@@ -820,6 +829,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _inner_lr_scale(text: str) -> float | str:
+    return "auto" if text.strip().lower() == "auto" else float(text)
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """The checked plan of a run (ValueError says what is wrong with the arguments)."""
     specs = parse_configs(args.configs)
@@ -837,11 +850,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.workload == "albert" and args.cache_dir is not None:
         config["cache_dir"] = str(args.cache_dir.expanduser().absolute())
     samples = sample_budget(args.samples, target, specs, args.outer_steps)
+    scale = args.inner_lr_scale
+    if scale is None and "lr" in args.local_workload_config:
+        scale = 1.0  # the lr given is the inner rate itself: not scaled again
+    local = {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum),
+                               ("inner_lr_scale", scale)) if v is not None}
     plan = Plan(args.workload, config, args.peers, target, samples, specs, args.eval_samples,
                 args.eval_seed, args.curve_points, args.max_seconds, args.stop_timeout, args.log_level,
-                max(1, args.eval_threads), max(1, args.alone_threads),
-                {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum))
-                 if v is not None}, shaped_local_budget=args.shaped_local_budget,
+                max(1, args.eval_threads), max(1, args.alone_threads), local,
+                shaped_local_budget=args.shaped_local_budget,
                 local_config=dict(args.local_workload_config))
     if target % (args.peers * args.batch_size):
         plan.notes.append("target_batch_size is not peers x batch_size: a local run's inner steps per "
@@ -874,6 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     summary = {"benchmark": "local_updates", "workload": plan.workload, "config": plan.config,
                "local_config": plan.local_config,
+               "inner_lr_scale": plan.outer.get("inner_lr_scale", "auto"),
                "peers": plan.peers, "target_batch_size": plan.target, "batch_size": args.batch_size,
                "samples_per_config": plan.samples, "eval_samples": plan.eval_samples,
                "cpus": os.cpu_count(), "notes": plan.notes, **result,

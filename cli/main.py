@@ -69,6 +69,17 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _inner_lr_scale(text: str) -> float | str:
+    """--inner-lr-scale: "auto" or a number (the daemon checks its bounds)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number such as 0.25, got {text!r}") \
+            from None
+
+
 DEVICE_HELP = '"auto", "cpu", "cuda", "cuda:N", a list like "cuda:0,cuda:1", or "cuda:all"'
 # bytes per second per unit of a rate (decimal k/M/G; KiB/MiB/GiB binary; bit and bps: bits)
 RATE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1024**2,
@@ -280,6 +291,9 @@ def add_sync_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer-clip", type=float,
                         help="a local run's outer-step guard: at most this many times the "
                              "recent steps' norm (4; 0: none)")
+    parser.add_argument("--inner-lr-scale", type=_inner_lr_scale,
+                        help="a local run's inner learning rate: the workload's lr times this "
+                             "number, or auto (the default): times batch size / target batch size")
 
 
 def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] | None]:
@@ -295,7 +309,7 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] 
         params: dict[str, Any] = {"workload": args.workload, "config": dict(args.config)}
         for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device", "min_peers",
                        "average_state_every", "compression", "sync", "inner_steps", "outer_lr",
-                       "outer_momentum", "overlap", "outer_clip"):
+                       "outer_momentum", "overlap", "outer_clip", "inner_lr_scale"):
             if getattr(args, option) is not None:
                 params[option] = getattr(args, option)
         if args.collaborative:

@@ -183,6 +183,10 @@ def _sync_row(run: dict[str, Any]) -> str | None:
     ratio = _number(sync.get("compression_ratio"))
     if ratio is not None:
         parts.append(f"compression ×{ratio:.1f}")
+    inner_lr = _number(sync.get("inner_lr"))
+    if inner_lr is not None:  # the workload's lr times inner_lr_scale
+        scale = sync.get("inner_lr_scale")
+        parts.append(f"inner lr {inner_lr:.3g}" + (" (auto)" if scale == "auto" else ""))
     return _row("sync", " · ".join(parts))
 
 

@@ -198,15 +198,20 @@ class ControlApi:
         outer_clip: Annotated[float | None, "A local run's outer-step guard: a step at most this "
                               "many times the recent steps' norm (default 4; 0: none).",
                               {"minimum": 0, "maximum": 1000}] = None,
+        inner_lr_scale: Annotated[float | Literal["auto"] | None, "A local run's inner learning "
+                                  "rate: the workload's lr times this, or auto (the default): "
+                                  "times the trainer's batch size / target_batch_size.",
+                                  {"minimum": 0.0001, "maximum": 10}] = None,
     ) -> RunStatus:
         """Start a run, or join a collaborative one; answers once the worker has loaded it.
 
         The manifest (workload, config with its defaults filled in, target_batch_size, epochs,
         min_peers, average_state_every, compression, and for a local-update run sync, inner_steps,
-        outer_lr and outer_momentum) identifies a collaborative run together with
-        its name: peers with the same name and manifest train together, and a run started with
-        only a name (no workload) joins the run its peers publish under that name. A run of the
-        same name and manifest that stopped resumes from its last intact checkpoint.
+        outer_lr, outer_momentum, overlap, outer_clip and inner_lr_scale) identifies a collaborative
+        run together with its name: peers with the same name and manifest train together, and a
+        run started with only a name (no workload) joins the run its peers publish under that
+        name. A run of the same name and manifest that stopped resumes from its last intact
+        checkpoint.
         """
         if name is not None and not RUN_NAME.match(name):
             raise InvalidParams("name", "1-64 letters, digits, '_', '.' or '-', starting with a "
@@ -215,7 +220,8 @@ class ControlApi:
             raise InvalidParams("workload", "give a workload to start a run, a run name to join "
                                             "one, or the token of a closed run")
         local = {"sync": sync, "inner_steps": inner_steps, "outer_lr": outer_lr,
-                 "outer_momentum": outer_momentum, "overlap": overlap, "outer_clip": outer_clip}
+                 "outer_momentum": outer_momentum, "overlap": overlap, "outer_clip": outer_clip,
+                 "inner_lr_scale": inner_lr_scale}
         return await self._node.runs.start(workload, dict(config), name, target_batch_size, epochs,
                                            checkpoint_every, device, collaborative, min_peers,
                                            role, average_state_every, compression, closed, token,

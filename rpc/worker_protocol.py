@@ -94,6 +94,9 @@ class TrainResult(TypedDict):
     accumulated_samples: int
     ranks: NotRequired[list[RankResult]]
     inner_step: NotRequired[int]  # a local-update run: inner steps since the last outer step
+    # a local-update run: the last inner step's learning rate (the schedule's x inner_lr_scale;
+    # null if the optimizer's first group has no numeric lr)
+    inner_lr: NotRequired[float | None]
 
 
 class ExportResult(TypedDict):

@@ -61,12 +61,14 @@ def replay(config: Mapping[str, Any], init_seed: int, peers: list[tuple[int, dic
 
 
 def replay_local(config: Mapping[str, Any], init_seed: int, peers: list[tuple[int, dict[int, int]]],
-                 epochs: int) -> list[dict[str, torch.Tensor]]:
+                 epochs: int, inner_lr_scale: float | str = 1.0,
+                 target_batch_size: int | None = None) -> list[dict[str, torch.Tensor]]:
     """A local-update run (sync "local") with a stateless inner optimizer (SGD without momentum
     or schedule), outer lr 1 and no outer momentum: each outer step is the mean of the peers'
     local parameters weighted by their samples, each peer having taken one inner step per batch
-    of its own data from the outer parameters. The outer parameters after each of `epochs` outer
-    steps (index e: after e steps, e = 0..epochs)."""
+    of its own data from the outer parameters, at the config's lr times `inner_lr_scale` (the
+    manifest's: a number, or "auto": the batch's size over `target_batch_size`). The outer
+    parameters after each of `epochs` outer steps (index e: after e steps, e = 0..epochs)."""
     config = full_config(config)
     assert config["optimizer"] == "sgd" and config["momentum"] == 0 and config["warmup_steps"] == 0, \
         "the replay assumes a stateless inner optimizer"
@@ -74,6 +76,7 @@ def replay_local(config: Mapping[str, Any], init_seed: int, peers: list[tuple[in
     torch.manual_seed(init_seed)
     model = TINY.build_model(config, device)
     optimizer, _ = TINY.build_optimizer(model, config)
+    assert inner_lr_scale != "auto" or target_batch_size is not None, "auto needs the target"
     streams: list[Iterator[Any]] = [iter(TINY.build_data(config, seed, "train")) for seed, _ in peers]
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -94,6 +97,10 @@ def replay_local(config: Mapping[str, Any], init_seed: int, peers: list[tuple[in
                 optimizer.zero_grad(set_to_none=True)
                 loss, batch_size = TINY.loss(model, next(stream), device)
                 loss.backward()  # an inner step: the batch's mean gradient
+                scale = batch_size / target_batch_size if inner_lr_scale == "auto" \
+                    else float(inner_lr_scale)  # type: ignore[operator]
+                for group in optimizer.param_groups:
+                    group["lr"] = config["lr"] * scale
                 optimizer.step()
                 done += batch_size
             assert done == wanted, f"epoch {epoch}: {wanted} samples is not whole batches"

@@ -45,6 +45,22 @@ def test_the_shaped_part_gives_local_runs_more_samples_only_when_asked() -> None
         lu.make_plan(args)
 
 
+def test_local_runs_scale_the_inner_lr_unless_their_config_gives_the_inner_lr() -> None:
+    def plan(*extra: str) -> Any:
+        return lu.make_plan(lu.build_parser().parse_args(["--workload", "tiny", *extra]))
+
+    assert "inner_lr_scale" not in plan().outer  # the daemon's default: auto
+    assert plan("--local-workload-config", '{"lr": 0.5}').outer["inner_lr_scale"] == 1.0
+    assert plan("--local-workload-config", '{"lr": 0.5}', "--inner-lr-scale", "auto"
+                ).outer["inner_lr_scale"] == "auto"
+    assert plan("--inner-lr-scale", "0.5").outer["inner_lr_scale"] == 0.5
+    (local,) = lu.parse_configs("local_h4")
+    params = lu.run_params(local, "tiny", {"batch_size": 16}, 2, 32, 1280, 4, {"inner_lr_scale": 0.5})
+    assert params["inner_lr_scale"] == 0.5 and lu.manifest_problem(params) is None
+    params["inner_lr_scale"] = 20.0
+    assert "inner_lr_scale" in (lu.manifest_problem(params) or "")
+
+
 def test_the_budget_is_whole_outer_steps_of_the_largest_h() -> None:
     specs = lu.parse_configs("gradients,local_h25,local_h100")
     assert lu.sample_budget(None, 64, specs, 3) == 3 * 100 * 64

@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
 from support import dedloc_cli
+
+from dedloc.cli.main import _request, build_parser
 
 dedloc = dedloc_cli
 
@@ -125,3 +128,18 @@ async def test_tokens_and_pause_from_the_cli(daemon) -> None:  # type: ignore[no
     assert code == 0 and "training goes on" in out
     code, out, err = await dedloc(socket, "join")
     assert code == 2 and "--token" in err
+
+
+def test_start_sends_a_local_runs_inner_lr_scale() -> None:
+    def params(*extra: str) -> dict[str, object]:
+        args = build_parser().parse_args(["start", "tiny", "--sync", "local", "--inner-steps", "4",
+                                          *extra])
+        method, sent = _request(args)
+        assert method == "run.start" and isinstance(sent, dict)
+        return sent
+
+    assert "inner_lr_scale" not in params()  # the daemon's default (auto)
+    assert params("--inner-lr-scale", "AUTO")["inner_lr_scale"] == "auto"
+    assert params("--inner-lr-scale", "0.25")["inner_lr_scale"] == 0.25
+    with pytest.raises(SystemExit):  # argparse: "expected auto or a number"
+        params("--inner-lr-scale", "half")

@@ -181,7 +181,11 @@ def test_a_local_update_run_shows_its_outer_and_inner_steps() -> None:
     assert "25,000/50,000 samples" in step  # H target batches per outer step
     (row,) = [line for line in text.splitlines() if line.lstrip().startswith("sync")]
     assert "local updates, H 25 · outer step 7 · inner step 12 · ↑2.5 MB/outer step" in row
-    assert "compression ×102.4" in row
+    assert "compression ×102.4" in row and "inner lr" not in row  # no inner step yet
+    sync.update(inner_lr=0.0075, inner_lr_scale="auto")
+    (row,) = [line for line in render_status(full_status(sync=sync)).splitlines()
+              if line.lstrip().startswith("sync")]
+    assert row.endswith("inner lr 0.0075 (auto)")
     # a gradients run has no sync row
     assert not [line for line in render_status(full_status(sync={"mode": "gradients"})).splitlines()
                 if line.lstrip().startswith("sync")]

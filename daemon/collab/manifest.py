@@ -6,7 +6,8 @@ the initialisation seed, and how the run syncs: `sync = "gradients"` (DeDLOC: ev
 gradients are averaged) or `sync = "local"` (the DiLoCo family: `inner_steps` global batches of
 local optimizer steps, then the pseudo-gradients are averaged and one outer step of Nesterov SGD
 with `outer_lr` and `outer_momentum` is taken, optionally `overlap`ped with the next inner steps;
-an epoch is then one outer step).
+an epoch is then one outer step; the inner steps take the workload's learning rate times
+`inner_lr_scale`).
 Its hash (the fingerprint) is part of the run's key in the DHT: peers
 whose manifests differ in anything never meet, even under the same run name.
 
@@ -45,12 +46,16 @@ COMPRESSIONS = ("none", "fp16", "uint8", "quantile8")
 LOCAL_COMPRESSIONS = (*COMPRESSIONS, "topk")
 SYNC_MODES = ("gradients", "local")
 MAX_INNER_STEPS = 1_000_000
+INNER_LR_SCALE_AUTO = "auto"
+MIN_INNER_LR_SCALE = 1e-4
+MAX_INNER_LR_SCALE = 10.0
 MANIFEST_TTL = 600.0  # seconds a published manifest stays in the DHT without a refresh
 REFRESH_EVERY = 120.0
 MAX_MANIFEST_BYTES = 16 << 10
 
 
-_GRADIENTS_SYNC = (0, 0.7, 0.9, True, False, 4.0)  # what a gradients run's manifest holds for them
+# what a gradients run's manifest holds for them
+_GRADIENTS_SYNC = (0, 0.7, 0.9, True, False, 4.0, None)
 
 
 def run_key(name: str, manifest: RunManifest) -> str:
@@ -98,6 +103,15 @@ class RunManifest:
     # local: the outer step's guard, kappa: a step at most kappa times the recent steps' norm
     # (plugins/worker/outer.py; 0: none)
     outer_clip: float = 4.0
+    # local: each inner step's learning rate is the workload's times this: a number from
+    # MIN_INNER_LR_SCALE to MAX_INNER_LR_SCALE (1: unchanged), or "auto" (the default of a local
+    # run): the trainer's batch size over target_batch_size. Why auto: the workload's lr is tuned
+    # for a step on the run's global batch (what a gradients run takes), but an inner step takes
+    # one trainer's batch, b samples of the target T; the linear scaling rule (Goyal et al.
+    # 2017) keeps the step per sample the same with lr x b / T. On albert-tiny (b 16, T 64) the
+    # unscaled lr stalled or diverged, the scaled one beat gradient rounds (docs/collaboration.md).
+    # None: the sync mode's default (a gradients run has none: its steps take the whole batch).
+    inner_lr_scale: float | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.workload, str) or not self.workload:
@@ -137,6 +151,7 @@ class RunManifest:
                     or not math.isfinite(value) or not 0.0 <= value <= high:
                 raise ManifestError(f"{name} must be a number from 0 to {high}, got {value!r:.40}")
             object.__setattr__(self, name, float(value))  # 1 and 1.0: one fingerprint
+        self._check_inner_lr_scale()
         for flag in ("outer_nesterov", "overlap"):
             if not isinstance(getattr(self, flag), bool):
                 raise ManifestError(f"{flag} must be a boolean, got {getattr(self, flag)!r:.40}")
@@ -147,10 +162,26 @@ class RunManifest:
             raise ManifestError(f"a local-update run (sync \"local\") needs inner_steps from 1 to "
                                 f"{MAX_INNER_STEPS}, got {steps}")
         if self.sync == "gradients" and (steps, self.outer_lr, self.outer_momentum,
-                                         self.outer_nesterov, self.overlap,
-                                         self.outer_clip) != _GRADIENTS_SYNC:
-            raise ManifestError("inner_steps and the outer optimizer's settings are for "
-                                "local-update runs: give sync \"local\" too, or leave them out")
+                                         self.outer_nesterov, self.overlap, self.outer_clip,
+                                         self.inner_lr_scale) != _GRADIENTS_SYNC:
+            raise ManifestError("inner_steps, inner_lr_scale and the outer optimizer's settings "
+                                "are for local-update runs: give sync \"local\" too, or leave "
+                                "them out")
+
+    def _check_inner_lr_scale(self) -> None:
+        scale = self.inner_lr_scale
+        if self.sync != "local" or scale == INNER_LR_SCALE_AUTO:
+            return  # (a gradients run's: refused by _check_sync unless None)
+        if scale is None:
+            object.__setattr__(self, "inner_lr_scale", INNER_LR_SCALE_AUTO)
+            return
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) \
+                or not MIN_INNER_LR_SCALE <= scale <= MAX_INNER_LR_SCALE:
+            raise ManifestError(f"inner_lr_scale must be \"auto\" (the trainer's batch size / "
+                                f"target_batch_size) or a number from {MIN_INNER_LR_SCALE} to "
+                                f"{MAX_INNER_LR_SCALE} (1: the workload's lr unchanged), got "
+                                f"{scale!r:.40}")
+        object.__setattr__(self, "inner_lr_scale", float(scale))  # 1 and 1.0: one fingerprint
 
     @property
     def local_updates(self) -> bool:
@@ -175,15 +206,20 @@ class RunManifest:
             return {}
         return {"sync": self.sync, "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
                 "outer_momentum": self.outer_momentum, "outer_nesterov": self.outer_nesterov,
-                "overlap": self.overlap, "outer_clip": self.outer_clip}
+                "overlap": self.overlap, "outer_clip": self.outer_clip,
+                "inner_lr_scale": self.inner_lr_scale}
 
     def worker_sync(self) -> dict[str, Any] | None:
         """`worker.load`'s sync settings (None: a gradients run)."""
         if not self.local_updates:
             return None
-        return {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum, "nesterov": self.outer_nesterov,
-                "overlap": self.overlap, "clip": self.outer_clip}
+        settings: dict[str, Any] = {
+            "mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum, "nesterov": self.outer_nesterov,
+            "overlap": self.overlap, "clip": self.outer_clip, "inner_lr_scale": self.inner_lr_scale}
+        if self.inner_lr_scale == INNER_LR_SCALE_AUTO:  # the worker divides its batch by it
+            settings["target_batch_size"] = self.target_batch_size
+        return settings
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -192,7 +228,7 @@ class RunManifest:
                 del data[key]
         if self.sync == "gradients":  # the same: gradients runs keep their fingerprints
             for key in ("sync", "inner_steps", "outer_lr", "outer_momentum", "outer_nesterov",
-                        "overlap", "outer_clip"):
+                        "overlap", "outer_clip", "inner_lr_scale"):
                 del data[key]
         return data
 

@@ -140,6 +140,11 @@ class Run:
         return None if self._trainer is None else self._trainer.inner_step
 
     @property
+    def inner_lr(self) -> float | None:
+        """A local-update run: the learning rate of the worker's last inner step (scaled)."""
+        return None if self._trainer is None else self._trainer.inner_lr
+
+    @property
     def clipped_steps(self) -> int:
         return 0 if self._trainer is None else self._trainer.clipped_steps
 

@@ -17,11 +17,14 @@ _RATIO_CHUNK = 1 << 20  # elements: a codec's nominal compression ratio on a chu
 
 
 def sync_status(manifest: RunManifest, engine: RunEngine | None,
-                inner_step: int | None, clipped_steps: int = 0) -> dict[str, Any]:
+                inner_step: int | None, clipped_steps: int = 0,
+                inner_lr: float | None = None) -> dict[str, Any]:
     """How the run syncs and what its last exchange cost: `mode`; for a local-update run also
     `inner_steps` (H), `outer_step` (the run's epoch: outer steps taken), `inner_step` (inner
-    steps since the last one) and `clipped_steps` (outer steps its guard scaled down: a large
-    count means a peer pushes, or `outer_clip` is too tight); for both, `bytes_sent_per_step`
+    steps since the last one), `clipped_steps` (outer steps its guard scaled down: a large
+    count means a peer pushes, or `outer_clip` is too tight), `inner_lr_scale` (the manifest's)
+    and `inner_lr` (the learning rate this trainer's last inner step took, scaled; null before
+    one, and on an aux peer); for both, `bytes_sent_per_step`
     and `bytes_received_per_step` (this peer's traffic in the last round), `bytes_per_sample`
     (sent, per sample of that step) and `compression_ratio` (float32 bytes per byte on the
     wire, nominal for the codec)."""
@@ -42,7 +45,8 @@ def sync_status(manifest: RunManifest, engine: RunEngine | None,
                        "outer_momentum": manifest.outer_momentum,
                        "outer_step": None if engine is None else engine.progress.epoch,
                        "inner_step": inner_step, "outer_clip": manifest.outer_clip,
-                       "clipped_steps": clipped_steps})
+                       "clipped_steps": clipped_steps, "inner_lr_scale": manifest.inner_lr_scale,
+                       "inner_lr": inner_lr})
     return status
 
 
@@ -92,7 +96,8 @@ def run_status(run: Run) -> dict[str, Any]:
         "samples": p.samples,
         "accumulated": p.accumulated,
         "target_batch_size": run.spec.target_batch_size,
-        "sync": sync_status(run.spec.manifest, engine, run.inner_step, run.clipped_steps),
+        "sync": sync_status(run.spec.manifest, engine, run.inner_step, run.clipped_steps,
+                            run.inner_lr),
         "loss_first": p.loss_first,
         "loss": p.loss_last,
         "epoch_losses": list(p.epoch_losses),

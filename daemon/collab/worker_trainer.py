@@ -30,6 +30,7 @@ class WorkerTrainer:
         self.model_lock = asyncio.Lock()
         self._buffer = SharedBuffer(gradient_numel)
         self.inner_step: int | None = None  # a local-update run's, as the worker last said
+        self.inner_lr: float | None = None  # a local-update run's last inner step's rate (scaled)
         self.clipped_steps = 0  # a local-update run's outer steps that its guard scaled down
         self.skipped_batches = 0  # batches the worker skipped for a NaN or Inf loss or gradients
 
@@ -41,6 +42,9 @@ class WorkerTrainer:
         result = await self.call(WorkerMethod.TRAIN, {"samples": samples, "max_seconds": seconds})
         inner = result.get("inner_step")
         self.inner_step = inner if isinstance(inner, int) else None
+        lr = result.get("inner_lr")
+        self.inner_lr = float(lr) if isinstance(lr, int | float) and not isinstance(lr, bool) \
+            else None
         skipped = result.get("skipped_batches")
         self.skipped_batches = skipped if isinstance(skipped, int) else self.skipped_batches
         return Trained(int(result["samples"]), float(result["loss"]),

@@ -24,6 +24,14 @@ digits, and `step_norm` travels in the downloaded state and in checkpoints. An h
 steps grow and shrink slowly, so the guard rarely bites; an attacker can still move the run by
 up to kappa times its recent steps per round (what remains: docs/security.md).
 
+**The inner learning rate** (`inner_lr_scale`): the workload's learning rate is set for the run's
+global batch, but an inner step takes one trainer's batch. Each inner step multiplies every
+parameter group's learning rate by the scale for the duration of that `optimizer.step()` only:
+a number, or "auto", the batch's size over the run's `target_batch_size` (the linear scaling
+rule: the same lr per sample as the global batch). The optimizer's and the scheduler's own
+state never hold a scaled rate, so states, checkpoints and the schedule's positioning carry
+the workload's rates and nothing can be scaled twice.
+
 **Overlap** (`overlap`, a one-step-delayed outer step): the trainer keeps training while its
 pseudo-gradient is being averaged. The export remembers where the model was (the *anchor*);
 when the average comes back, the outer step is taken as above and the inner steps made since
@@ -42,7 +50,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -51,7 +59,11 @@ from dedloc.rpc import InvalidParams
 
 from .layout import Slot, gather, scatter_views
 
-__all__ = ["LocalUpdates", "OuterState"]
+__all__ = ["AUTO", "MAX_INNER_LR_SCALE", "MIN_INNER_LR_SCALE", "LocalUpdates", "OuterState"]
+
+AUTO = "auto"  # inner_lr_scale: the batch's size over the run's target batch size
+MIN_INNER_LR_SCALE = 1e-4
+MAX_INNER_LR_SCALE = 10.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,20 @@ class LocalUpdates:
     nesterov: bool = True
     overlap: bool = False  # train on while the pseudo-gradient is averaged (module docstring)
     clip: float = 4.0  # the outer step's guard, kappa (module docstring; 0: none)
+    # the inner steps' learning rate x this, or "auto": x batch / target_batch_size (module docstring)
+    inner_lr_scale: float | Literal["auto"] = 1.0
+    target_batch_size: int | None = None  # the run's; needed by "auto"
+
+    def __post_init__(self) -> None:
+        if self.inner_lr_scale == AUTO and self.target_batch_size is None:
+            raise ValueError('inner_lr_scale "auto" needs the run\'s target_batch_size')
+
+    def lr_scale(self, batch_size: int) -> float:
+        """What an inner step on a batch of `batch_size` samples multiplies the learning rate by."""
+        if self.inner_lr_scale == AUTO:
+            assert self.target_batch_size is not None  # (__post_init__)
+            return batch_size / self.target_batch_size
+        return float(self.inner_lr_scale)
 
     @classmethod
     def from_json(cls, sync: Mapping[str, Any] | None) -> LocalUpdates | None:
@@ -83,7 +109,7 @@ class LocalUpdates:
         if mode != "local":
             raise InvalidParams("sync.mode", f"must be \"gradients\" or \"local\", not {mode!r:.40}")
         unknown = set(sync) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov",
-                               "overlap", "clip"}
+                               "overlap", "clip", "inner_lr_scale", "target_batch_size"}
         if unknown:
             raise InvalidParams("sync", f"unknown keys: {', '.join(sorted(map(str, unknown)))}")
         steps = sync.get("inner_steps")
@@ -99,19 +125,39 @@ class LocalUpdates:
             if not isinstance(flag, bool):
                 raise InvalidParams(f"sync.{key}", f"must be a boolean, not {flag!r:.40}")
             flags.append(flag)
-        return cls(steps, lr, momentum, *flags, clip=clip)
+        target = sync.get("target_batch_size")
+        if target is not None and (isinstance(target, bool) or not isinstance(target, int)
+                                   or target < 1):
+            raise InvalidParams("sync.target_batch_size", f"must be an integer >= 1, not "
+                                f"{target!r:.40}")
+        scale = sync.get("inner_lr_scale", 1.0)
+        if scale == AUTO:
+            if target is None:
+                raise InvalidParams("sync.target_batch_size", "is needed with inner_lr_scale "
+                                    "\"auto\" (each inner step's lr is scaled by its batch "
+                                    "over the run's target batch size)")
+        else:
+            scale = _number(sync, "inner_lr_scale", 1.0, MIN_INNER_LR_SCALE, MAX_INNER_LR_SCALE,
+                            also='"auto" or ')
+        return cls(steps, lr, momentum, *flags, clip=clip, inner_lr_scale=scale,
+                   target_batch_size=target)
 
     def to_json(self) -> dict[str, Any]:
-        return {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
+        data: dict[str, Any] = {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
                 "outer_momentum": self.outer_momentum, "nesterov": self.nesterov,
-                "overlap": self.overlap, "clip": self.clip}
+                "overlap": self.overlap, "clip": self.clip, "inner_lr_scale": self.inner_lr_scale}
+        if self.target_batch_size is not None:
+            data["target_batch_size"] = self.target_batch_size
+        return data
 
 
-def _number(sync: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
+def _number(sync: Mapping[str, Any], key: str, default: float, low: float, high: float,
+            also: str = "") -> float:
     value = sync.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
             or not low <= value <= high:
-        raise InvalidParams(f"sync.{key}", f"must be a number from {low} to {high}, not {value!r:.40}")
+        raise InvalidParams(f"sync.{key}", f"must be {also}a number from {low} to {high}, not "
+                            f"{value!r:.40}")
     return float(value)
 
 

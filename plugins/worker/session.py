@@ -8,6 +8,8 @@ In a local-update run (`sync` mode "local", outer.py) the workload's optimizer s
 batch instead; `export("gradients")` hands out the pseudo-gradient (outer minus local
 parameters), `apply("gradients")` takes one outer step with the averaged one and puts the model
 back on the new outer parameters, and `zero_grad` drops the inner steps taken since the last one.
+Each inner step runs at the workload's learning rate times the run's `inner_lr_scale`, applied
+for that step only (`_scaled_lr`; outer.py says why).
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ class Session:
         self.local = local
         self.outer = None if local is None else OuterState(local, self.slots, self.params, device)
         self.inner_step = 0
+        self.inner_lr: float | None = None  # a local-update run: the last inner step's (scaled) rate
+        if local is not None and local.inner_lr_scale != 1.0:
+            _check_scalable(self.optimizer, self.workload.name)
         # Counted when the optimizer state changes, so that describe never reads it mid-step.
         self.state_numel = self._count_state_numel()
 
@@ -198,7 +203,7 @@ class Session:
             if self.outer is None:
                 self._grad_sum.add_(grads)
             else:  # a local-update run: an inner step on every batch
-                self._inner_step()
+                self._inner_step(batch_size)
             self.accumulated_samples += batch_size
             done += batch_size
             loss_sum += value * batch_size
@@ -217,6 +222,7 @@ class Session:
                   "skipped_batches": self.skipped_batches}
         if self.outer is not None:
             result["inner_step"] = self.inner_step
+            result["inner_lr"] = self.inner_lr
         return result
 
     def _local_only(self, what: str) -> None:
@@ -224,9 +230,13 @@ class Session:
             raise SharedBufferError(f"{what!r} is a vector of local-update runs (worker.load sync "
                                     "mode \"local\"); this worker trains a gradients run")
 
-    def _inner_step(self) -> None:
-        """The workload's optimizer steps; its schedule does not (`_position_inner_schedule`)."""
-        with self._guard("optimizer.step"):
+    def _inner_step(self, batch_size: int) -> None:
+        """The workload's optimizer steps, at its learning rate times the run's inner_lr_scale
+        for a batch of `batch_size`; its schedule does not step (`_position_inner_schedule`)."""
+        assert self.local is not None
+        scale = self.local.lr_scale(batch_size)
+        with _scaled_lr(self.optimizer, scale) as lr, self._guard("optimizer.step"):
+            self.inner_lr = lr
             self.optimizer.step()
         self.inner_step += 1
 
@@ -588,6 +598,44 @@ class Session:
         self.zero_grad()  # (a local-update run: back on the outer parameters)
         self.state_numel = self._count_state_numel()
         return {"step": self.step}
+
+
+def _check_scalable(optimizer: torch.optim.Optimizer, workload: str) -> None:
+    """WorkloadError unless every parameter group has a numeric learning rate (a local-update
+    run's inner steps scale it by inner_lr_scale)."""
+    for index, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if isinstance(lr, bool) or not isinstance(lr, int | float | torch.Tensor):
+            raise WorkloadError(f"workload {workload!r}: its optimizer's parameter group {index} "
+                                f"has lr {lr!r:.40}, not a number, so inner_lr_scale cannot scale "
+                                "it; give the local-update run inner_lr_scale 1 (the workload's "
+                                "rate unchanged)")
+
+
+@contextlib.contextmanager
+def _scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[float | None]:
+    """Every parameter group's learning rate times `scale` inside the block, put back exactly
+    after it (the optimizer's state and a scheduler never see a scaled rate); yields the first
+    group's rate as scaled (None if it has no numeric one: then `scale` is 1, see
+    `_check_scalable`)."""
+    groups = optimizer.param_groups
+    saved = [_copy_lr(group["lr"]) for group in groups]
+    try:
+        if scale != 1.0:
+            for group in groups:
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].mul_(scale)
+                else:
+                    group["lr"] = group["lr"] * scale
+        first = groups[0]["lr"]
+        yield float(first) if isinstance(first, int | float | torch.Tensor) \
+            and not isinstance(first, bool) else None
+    finally:
+        for group, lr in zip(groups, saved, strict=True):
+            if isinstance(group["lr"], torch.Tensor) and isinstance(lr, torch.Tensor):
+                group["lr"].copy_(lr)
+            else:
+                group["lr"] = lr
 
 
 def _step_norm(value: Any) -> float | None:

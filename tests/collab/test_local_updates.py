@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import torch
 from reference_trainer import replay_local, samples_by_epoch
 from support import DaemonProcess, p2p_address, start_swarm, wait_until
 
 EPOCHS = 4
 # SGD without momentum or schedule inside, outer lr 1 without momentum: each outer step is the
-# samples-weighted mean of the peers' local parameters (reference_trainer.replay_local)
+# samples-weighted mean of the peers' local parameters (reference_trainer.replay_local); the
+# inner steps at lr 0.2 x 16 / 48 (inner_lr_scale: the default, auto)
 CONFIG = {"optimizer": "sgd", "lr": 0.2, "momentum": 0.0, "batch_size": 16, "hidden": 32}
 PLAIN = {"workload": "tiny", "name": "diloco", "config": CONFIG, "target_batch_size": 48,
          "epochs": EPOCHS, "collaborative": True, "min_peers": 3, "average_state_every": 0,
@@ -48,12 +50,14 @@ async def test_outer_steps_are_the_weighted_mean_of_each_peers_inner_steps(daemo
         sync = status["sync"]
         assert sync["mode"] == "local" and sync["inner_steps"] == 4 and sync["outer_step"] == EPOCHS
         assert sync["bytes_sent_per_step"] > 0 and sync["compression_ratio"] == 1.0
+        assert sync["inner_lr_scale"] == "auto" and sync["inner_lr"] == pytest.approx(0.2 * 16 / 48)
         peers.append((status["data_seed"], samples_by_epoch(status)))
     for epoch in range(EPOCHS):  # each outer step came after H target batches of the run
         assert sum(by_epoch[epoch] for _, by_epoch in peers) >= 4 * PLAIN["target_batch_size"]
     manifest = statuses[0]["manifest"]
     assert manifest["sync"] == "local" and manifest["inner_steps"] == 4
-    outers = replay_local(manifest["config"], manifest["init_seed"], peers, EPOCHS)
+    outers = replay_local(manifest["config"], manifest["init_seed"], peers, EPOCHS,
+                          manifest["inner_lr_scale"], manifest["target_batch_size"])
     for daemon, status in zip(trainers, statuses, strict=True):
         for epoch in (EPOCHS - 1, EPOCHS):  # the checkpoints kept: after the last two outer steps
             saved = _checkpoint(daemon, status, epoch)

@@ -195,7 +195,7 @@ def test_a_local_update_run_names_its_outer_optimizer() -> None:
     assert LOCAL.epoch_samples == 25 * 64 and BASE.epoch_samples == 64
     assert LOCAL.worker_sync() == {"mode": "local", "inner_steps": 25, "outer_lr": 0.7,
                                    "outer_momentum": 0.9, "nesterov": True, "overlap": False,
-                                   "clip": 4.0}
+                                   "clip": 4.0, "inner_lr_scale": "auto", "target_batch_size": 64}
     assert LOCAL.max_weight == 25 * 64 + 7 * 64 and BASE.max_weight == 8 * 64
     assert BASE.worker_sync() is None and BASE.sync_fields() == {}
     assert dataclasses.replace(BASE, **LOCAL.sync_fields()) == LOCAL
@@ -204,9 +204,45 @@ def test_a_local_update_run_names_its_outer_optimizer() -> None:
         == dataclasses.replace(LOCAL, outer_lr=1.0).fingerprint()
 
 
+def test_a_local_update_runs_inner_lr_is_scaled_to_the_trainers_batch_unless_it_says_otherwise() -> None:
+    assert LOCAL.inner_lr_scale == "auto" and LOCAL.to_json()["inner_lr_scale"] == "auto"
+    assert RunManifest.from_json(LOCAL.to_json()) == LOCAL
+    # left out (a manifest written by hand): the default, spelled out in the fingerprint
+    data = {k: v for k, v in LOCAL.to_json().items() if k != "inner_lr_scale"}
+    assert RunManifest.from_json(data).fingerprint() == LOCAL.fingerprint()
+    explicit = dataclasses.replace(LOCAL, inner_lr_scale=0.5)
+    assert explicit.to_json()["inner_lr_scale"] == 0.5
+    assert explicit.worker_sync()["inner_lr_scale"] == 0.5  # type: ignore[index]
+    assert "target_batch_size" not in explicit.worker_sync()  # type: ignore[operator]
+    assert dataclasses.replace(BASE, **explicit.sync_fields()) == explicit
+    # 1 and 1.0 are one scale, one fingerprint; the bounds are allowed
+    assert dataclasses.replace(LOCAL, inner_lr_scale=1).fingerprint() \
+        == dataclasses.replace(LOCAL, inner_lr_scale=1.0).fingerprint()
+    for bound in (1e-4, 10):
+        assert dataclasses.replace(LOCAL, inner_lr_scale=bound).inner_lr_scale == float(bound)
+    # a gradients run has none (its steps take the whole batch): not in its JSON
+    assert BASE.inner_lr_scale is None and "inner_lr_scale" not in BASE.to_json()
+
+
+@pytest.mark.parametrize("value", [0, -1, 1e-5, 10.5, float("nan"), float("inf"), True, "Auto",
+                                   "1", [1]])
+def test_an_inner_lr_scale_out_of_bounds_is_refused_saying_what_it_takes(value: Any) -> None:
+    with pytest.raises(ManifestError, match=r'inner_lr_scale must be "auto" .* or a number '
+                                            r"from 0\.0001 to 10\.0"):
+        dataclasses.replace(LOCAL, inner_lr_scale=value)
+
+
+@pytest.mark.parametrize("value", ["auto", 1.0, 0.25])
+def test_a_gradients_run_refuses_an_inner_lr_scale(value: Any) -> None:
+    with pytest.raises(ManifestError, match=r"inner_lr_scale.* are for local-update runs"):
+        dataclasses.replace(BASE, inner_lr_scale=value)
+    with pytest.raises(ManifestError, match="inner_lr_scale"):
+        RunManifest.from_json({**BASE.to_json(), "inner_lr_scale": value})
+
+
 @pytest.mark.parametrize(("name", "value"), [
     ("inner_steps", 26), ("outer_lr", 0.5), ("outer_momentum", 0.0), ("outer_nesterov", False),
-    ("overlap", True), ("outer_clip", 0.0),
+    ("overlap", True), ("outer_clip", 0.0), ("inner_lr_scale", 1.0), ("inner_lr_scale", 0.25),
 ])
 def test_a_local_update_runs_fingerprint_changes_with_its_outer_optimizer(name: str, value: Any) -> None:
     assert dataclasses.replace(LOCAL, **{name: value}).fingerprint() != LOCAL.fingerprint()

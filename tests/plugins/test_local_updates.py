@@ -4,6 +4,7 @@ carry the outer parameters and momentum. Sessions run in this process with `tiny
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from reference_trainer import replay_local
 
 from dedloc.plugins.catalog import CatalogEntry
-from dedloc.plugins.errors import CheckpointError, SharedBufferError
+from dedloc.plugins.errors import CheckpointError, SharedBufferError, WorkloadError
 from dedloc.plugins.tiny.workload import TINY
 from dedloc.plugins.worker.outer import LocalUpdates, OuterState
 from dedloc.plugins.worker.session import Session
@@ -175,6 +176,14 @@ def test_a_checkpoint_resumes_on_the_outer_parameters(tmp_path: Any, buffers: An
     {"mode": "local", "inner_steps": 4, "outer_momentum": 1.0},
     {"mode": "local", "inner_steps": 4, "nesterov": 1}, {"mode": "local", "inner_steps": 4, "x": 1},
     {"mode": "diloco", "inner_steps": 4}, {"mode": "gradients", "inner_steps": 4},
+    {"mode": "local", "inner_steps": 4, "inner_lr_scale": 0},
+    {"mode": "local", "inner_steps": 4, "inner_lr_scale": 11},
+    {"mode": "local", "inner_steps": 4, "inner_lr_scale": float("nan")},
+    {"mode": "local", "inner_steps": 4, "inner_lr_scale": "Auto", "target_batch_size": 64},
+    {"mode": "local", "inner_steps": 4, "inner_lr_scale": True},
+    {"mode": "local", "inner_steps": 4, "inner_lr_scale": "auto"},  # no target batch size
+    {"mode": "local", "inner_steps": 4, "inner_lr_scale": "auto", "target_batch_size": 0},
+    {"mode": "local", "inner_steps": 4, "inner_lr_scale": "auto", "target_batch_size": 64.0},
 ])
 def test_malformed_sync_settings_are_refused(sync: Any) -> None:
     with pytest.raises(InvalidParams):
@@ -186,7 +195,112 @@ def test_sync_settings_default_like_diloco() -> None:
     assert LocalUpdates.from_json({"mode": "gradients"}) is None
     local = LocalUpdates.from_json({"mode": "local", "inner_steps": 100})
     assert local == LocalUpdates(100, 0.7, 0.9, True, False, 4.0)
+    assert local.inner_lr_scale == 1.0 and local.lr_scale(16) == 1.0  # the workload's lr as it is
     assert LocalUpdates.from_json(local.to_json()) == local
+    auto = LocalUpdates.from_json({"mode": "local", "inner_steps": 100, "inner_lr_scale": "auto",
+                                   "target_batch_size": 64})
+    assert auto is not None and auto.lr_scale(16) == 0.25 and auto.lr_scale(128) == 2.0
+    assert LocalUpdates.from_json(auto.to_json()) == auto
+    explicit = LocalUpdates.from_json({"mode": "local", "inner_steps": 100, "inner_lr_scale": 3})
+    assert explicit is not None and explicit.lr_scale(16) == 3.0
+    assert isinstance(explicit.inner_lr_scale, float)
+
+
+# --- the inner learning rate: inner_lr_scale ------------------------------------------------------
+
+SCALED = {**CONFIG, "momentum": 0.9, "warmup_steps": 10}  # state and a schedule: both must scale
+
+
+def _scaled_pair(scale: float | str, seed: int = 1) -> tuple[Session, Session]:
+    """A session whose inner steps scale lr 0.1 by `scale` (0.25: batch 8 of a target of 32), and
+    one that takes lr 0.025 itself: the same inner steps."""
+    scaled = _session(seed, LocalUpdates(inner_steps=2, clip=0, inner_lr_scale=scale,  # type: ignore[arg-type]
+                                         target_batch_size=32), SCALED)
+    plain = _session(seed, LocalUpdates(inner_steps=2, clip=0), {**SCALED, "lr": 0.025})
+    return scaled, plain
+
+
+def _same_model(scaled: Session, plain: Session) -> None:
+    np.testing.assert_allclose(_flat(scaled), _flat(plain), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", ["auto", 0.25])
+def test_inner_steps_take_the_learning_rate_times_inner_lr_scale(buffers: Any, scale: Any) -> None:
+    scaled, plain = _scaled_pair(scale)
+    initial = _flat(scaled)
+    answer = scaled.train(24, None, threading.Event())  # three inner steps, in warm-up
+    _train(plain, 24)
+    assert not np.array_equal(_flat(scaled), initial)
+    _same_model(scaled, plain)
+    # the optimizer keeps the workload's (scheduled) rate; only the step used the scaled one
+    assert scaled.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 10)
+    assert answer["inner_lr"] == pytest.approx(0.025 / 10) and scaled.inner_lr == answer["inner_lr"]
+    assert scaled.describe()["sync"]["inner_lr_scale"] == scale
+    # the schedule scales too: after outer step 3 it is at the run's 4 * H = 8th target batch
+    numel = scaled.total_numel
+    for peer in (scaled, plain):
+        name, _ = buffers.make(numel)
+        peer.export("gradients", name, numel)
+        peer.apply("gradients", name, numel, {"step": 3})
+    answer = scaled.train(16, None, threading.Event())
+    _train(plain, 16)
+    assert answer["inner_lr"] == pytest.approx(0.025 * 9 / 10)
+    _same_model(scaled, plain)
+
+
+def test_a_scaled_inner_lr_is_scaled_once_after_a_checkpoint_and_a_state_download(
+        tmp_path: Any, buffers: Any) -> None:
+    """Checkpoints and states carry the workload's rates, never scaled ones: a restarted or
+    joining trainer scales them once, as the one that saved or sent them did."""
+    scaled, plain = _scaled_pair("auto")
+    numel = scaled.total_numel
+    for peer in (scaled, plain):
+        _train(peer, 16)
+        name, _ = buffers.make(numel)
+        peer.export("gradients", name, numel)
+        peer.apply("gradients", name, numel, {"step": 0})
+        _train(peer, 8)
+    _same_model(scaled, plain)
+    resumed = []
+    for index, peer in enumerate((scaled, plain)):
+        path = str(tmp_path / f"checkpoint-{index}.pt")
+        peer.save_checkpoint(path)
+        again, reference = _scaled_pair("auto", seed=2)
+        back = again if index == 0 else reference
+        back.load_checkpoint(path)
+        back.load_checkpoint(path)  # twice: still the same rate
+        resumed.append(back)
+        state_numel = peer.describe()["state_numel"]
+        state_name, _ = buffers.make(state_numel)
+        exported = peer.export("state", state_name, state_numel)
+        joiner = _scaled_pair("auto", seed=3)[index]
+        joiner.apply("state", state_name, exported["numel"], exported["meta"])
+        resumed.append(joiner)
+    assert [p.optimizer.param_groups[0]["lr"] for p in resumed[:2]] == \
+        [scaled.optimizer.param_groups[0]["lr"]] * 2  # the workload's rate, unscaled
+    for peer in resumed:
+        _train(peer, 24)
+    resumed_scaled, joined_scaled, resumed_plain, joined_plain = resumed
+    assert not np.allclose(_flat(resumed_scaled), scaled.outer.params.numpy())  # type: ignore[union-attr]
+    _same_model(resumed_scaled, resumed_plain)
+    _same_model(joined_scaled, joined_plain)
+
+
+def test_a_workload_whose_lr_cannot_be_scaled_is_refused_at_load() -> None:
+    def no_lr(model: torch.nn.Module, config: dict[str, Any]) -> Any:
+        optimizer, scheduler = TINY.build_optimizer(model, config)
+        optimizer.param_groups[0]["lr"] = None  # (as an optimizer that picks its own steps)
+        return optimizer, scheduler
+
+    entry = CatalogEntry(dataclasses.replace(TINY, build_optimizer=no_lr), "tiny (test)")
+    config = TINY.resolve_config(dict(CONFIG))
+
+    def load(local: LocalUpdates) -> Session:
+        return Session(entry, config, seed=1, init_seed=5, device=torch.device("cpu"), local=local)
+
+    load(LocalUpdates(inner_steps=2))  # scale 1: nothing to scale
+    with pytest.raises(WorkloadError, match="inner_lr_scale 1"):
+        load(LocalUpdates(inner_steps=2, inner_lr_scale="auto", target_batch_size=32))
 
 
 def test_the_residual_joins_the_next_pseudo_gradient_stays_in_checkpoints_and_not_in_states(
