@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,11 @@ class Averager:
             upload = min(upload, cap_up) if cap_up > 0 else upload
             download = min(download, cap_down) if cap_down > 0 else download
         return upload, download
+
+    def coming(self, keys: Iterable[str]) -> contextlib.AbstractContextManager[None]:
+        """While inside: this peer will average under `keys` soon (a grid round's later stages;
+        matchmaking.py tells the peers that wait for it there)."""
+        return self.matchmaker.coming(keys)
 
     async def average(self, vector: np.ndarray, options: RoundOptions) -> AveragingReport:
         """Average `vector` (float32, changed in place) with the peers that average under the same

@@ -15,3 +15,8 @@ class MatchmakingError(AveragingError):
 
 class NotGathering(MatchmakingError):
     """Asked to take a join for a round it is not forming (not yet, or no more)."""
+
+
+class LeaderComing(NotGathering):
+    """Asked to take a join for a round it is not forming yet, but will soon: it is still in an
+    earlier stage of the same grid round (a follower may wait for it longer)."""

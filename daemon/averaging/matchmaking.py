@@ -26,15 +26,25 @@ at the run's head from its progress board) passes them as `RoundRequest.peers`: 
 skipped, the candidates are those peers, and a follower whose leader has not begun its round yet
 (`NotGathering`) asks again for a moment instead of moving on. No DHT traffic, and no wait for
 announcements to spread: with a hundred peers, gathering through the DHT took most of a round.
+
+Later stages of a grid round. A peer registers the keys it will gather under next (`coming`:
+its later stages, while an earlier one runs). Its slice's peers that reach a stage first then
+learn that it is on its way (`LeaderComing`, and `avg.coming` for a leader to ask a member that
+has not joined) and wait for it up to the round's latest gathering (EXTEND_WINDOWS windows),
+instead of giving up after one window: in a 128-peer grid, the first stage's slices end up to
+11 s apart, and the peers of a quick slice gave up on their next leader just as it came (they
+averaged alone; the round failed). A peer that is not on its way (crashed, or not in the round)
+says so, and nobody waits for it past the window.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +65,7 @@ from ..net import (
 )
 from .bans import BanList
 from .claims import share_refusal
-from .errors import MatchmakingError, NotGathering
+from .errors import LeaderComing, MatchmakingError, NotGathering
 from .group import Group, Member
 
 log = structlog.get_logger(__name__)
@@ -64,6 +74,7 @@ MAX_GROUP_MEMBERS = 1024  # the most members a group sent by a leader may list
 JOIN = "avg.join"
 GROUP = "avg.group"
 REDIRECT = "avg.redirect"
+COMING = "avg.coming"
 JOIN_ACK_SECONDS = 3.0  # at most this long for a leader to acknowledge a join, else it is skipped
 DHT_PREFIX = "averaging/"
 POLL_SECONDS = (0.01, 0.2)  # between DHT reads while gathering: first, and at most (backing off)
@@ -131,6 +142,8 @@ class _Gathering:
     accepted: bool = False  # the leader we follow has taken our join
     # peers whose join we refused (banned, too heavy, another vector): not waited for as leader
     refused: set[str] = field(default_factory=set)
+    give_up: float = 0.0  # when settling ends (moved later, up to `latest`, for a peer on its way)
+    latest: float = 0.0
 
     def refuse(self, peer_id: str) -> None:
         """Stop waiting for `peer_id` (its join was refused): the group may close without it."""
@@ -150,10 +163,23 @@ class Matchmaker:
         self._rng = random.Random(nonce(8))
         self.peer_id = transport.peer_id
         self._rounds: dict[str, _Gathering] = {}
+        self._coming: set[str] = set()  # keys we will gather under soon (see `coming`)
         self.refused_groups = 0  # groups from leaders that did not match what we asked for
         transport.add_unary_handler(JOIN, self._on_join)
         transport.add_unary_handler(GROUP, self._on_group)
         transport.add_unary_handler(REDIRECT, self._on_redirect)
+        transport.add_unary_handler(COMING, self._on_coming)
+
+    @contextlib.contextmanager
+    def coming(self, keys: Iterable[str]) -> Iterator[None]:
+        """While inside: this peer will gather under `keys` (the later stages of a grid round it
+        is in); a key is struck off when its gathering begins (see the module docstring)."""
+        added = {k for k in keys if k not in self._coming and k not in self._rounds}
+        self._coming |= added
+        try:
+            yield
+        finally:
+            self._coming -= added
 
     async def form_group(self, request: RoundRequest) -> Group:
         """The group this round averages in (possibly just us). Returns by the window's end plus
@@ -164,6 +190,7 @@ class Matchmaker:
             raise MatchmakingError("the request's member must be this peer")
         gathering = _Gathering(request)
         self._rounds[request.key] = gathering
+        self._coming.discard(request.key)
         window_end = timebase.now() + request.window
         try:
             if request.peers:
@@ -246,7 +273,10 @@ class Matchmaker:
                       window_end: float) -> Group:
         """Join the first of `leaders` that takes us (or lead, when we come first)."""
         request = gathering.request
-        give_up = window_end + _grace(request)
+        gathering.give_up = window_end + _grace(request)
+        gathering.latest = max(gathering.give_up, min(
+            window_end + (EXTEND_WINDOWS - 1) * request.window + _grace(request),
+            request.deadline - 3 * _grace(request)))
         tried: set[str] = set()
         for _ in range(8):
             options = [pid for pid in leaders if pid not in tried]
@@ -254,14 +284,14 @@ class Matchmaker:
                 break
             leader = options[0]
             if leader == self.peer_id:  # those that refused us have closed their round: not them
-                return await self._lead(gathering, candidates, give_up, gone=tried)
+                return await self._lead(gathering, candidates, gone=tried)
             gathering.leader = leader
             gathering.accepted = False
             tried.add(leader)
             # Those that joined us while we were undecided follow us there (we do not lead).
             taken, gathering.joiners = list(gathering.joiners), {}
             outcome, *_ = await asyncio.gather(
-                self._join(gathering, leader, give_up),
+                self._join(gathering, leader),
                 *(self._send_redirect(request, peer_id, leader) for peer_id in taken))
             if isinstance(outcome, Group):
                 return outcome
@@ -269,7 +299,7 @@ class Matchmaker:
                 leaders = [outcome, *(p for p in leaders if p != outcome)]
         return self._alone(request)
 
-    async def _join(self, gathering: _Gathering, leader: str, give_up: float) -> Group | str | None:
+    async def _join(self, gathering: _Gathering, leader: str) -> Group | str | None:
         """Ask `leader` to take us; the group, a redirect (a peer id), or None if it failed."""
         request = gathering.request
         header = {"key": request.key, "member": request.member.to_json(), "size": request.size,
@@ -279,32 +309,36 @@ class Matchmaker:
         access = self._dht.access  # a closed run's rounds need our membership token
         if access is not None and (token := access.credential(request.key)) is not None:
             header["token"] = token
-        timeout = min(_ack_seconds(request), give_up - timebase.now())
+        timeout = min(_ack_seconds(request), gathering.give_up - timebase.now())
         if timeout <= 0:
             return None
         redirect = gathering.redirect = asyncio.get_running_loop().create_future()
         try:
-            return await self._join_leader(gathering, leader, header, timeout, give_up, redirect)
+            return await self._join_leader(gathering, leader, header, timeout, redirect)
         finally:
             gathering.redirect = None
             redirect.cancel()
 
-    async def _call_leader(self, leader: str, header: dict[str, Any], timeout: float,
-                           give_up: float) -> Message:
+    async def _call_leader(self, gathering: _Gathering, leader: str, header: dict[str, Any],
+                           timeout: float) -> Message:
         """avg.join, tried again (a few times, jittered) when the leader refused the connection
         at once: a leader a hundred newcomers dial together has its handshake slots full for
         a moment, which is no reason to give up on it (a leader that does not answer is)."""
         attempt = 0
-        patience = timebase.now() + PATIENCE_WINDOWS * self._rounds_window(header)
+        patience = timebase.now() + PATIENCE_WINDOWS * gathering.request.window
         while True:
             started = timebase.monotonic()
             try:
                 return await self._transport.call(leader, JOIN, Message(header), timeout=timeout)
             except RemoteError as exc:
                 # the leader we expect has not begun its round yet (its last batch, a look at the
-                # run): it comes, give it a moment
-                if exc.kind != NotGathering.__name__ or not header.get("direct") \
-                        or timebase.now() + 0.2 >= min(give_up, patience):
+                # run): it comes, give it a moment; one still in an earlier stage of the same
+                # round comes for sure: as long as the round may gather
+                if exc.kind == LeaderComing.__name__ and header.get("direct"):
+                    patience = gathering.give_up = gathering.latest
+                if exc.kind not in (NotGathering.__name__, LeaderComing.__name__) \
+                        or not header.get("direct") \
+                        or timebase.now() + 0.2 >= min(gathering.give_up, patience):
                     raise
                 await asyncio.sleep(0.1 + 0.2 * self._rng.random())
                 continue
@@ -312,21 +346,16 @@ class Matchmaker:
                 attempt += 1
                 fast = timebase.monotonic() - started < timeout / 2
                 pause = (0.1 + 0.4 * self._rng.random()) * 2 ** attempt
-                if not fast or attempt >= JOIN_ATTEMPTS or timebase.now() + pause >= give_up:
+                if not fast or attempt >= JOIN_ATTEMPTS or timebase.now() + pause >= gathering.give_up:
                     raise
                 log.debug("matchmaking_join_retry", leader=leader[:12], error=str(exc))
                 await asyncio.sleep(pause)
 
-    def _rounds_window(self, header: dict[str, Any]) -> float:
-        gathering = self._rounds.get(header.get("key", ""))
-        return gathering.request.window if gathering is not None else 1.0
-
     async def _join_leader(self, gathering: _Gathering, leader: str, header: dict[str, Any],
-                           timeout: float, give_up: float,
-                           redirect: asyncio.Future[str]) -> Group | str | None:
+                           timeout: float, redirect: asyncio.Future[str]) -> Group | str | None:
         request = gathering.request
         try:
-            reply = await self._call_leader(leader, header, timeout, give_up)
+            reply = await self._call_leader(gathering, leader, header, timeout)
         except RemoteError as exc:
             log.info("matchmaking_join_refused", leader=leader[:12], kind=exc.kind, error=exc.message)
             return None
@@ -339,7 +368,7 @@ class Matchmaker:
         # accepted: the leader sends the group (avg.group) once it is assembled, or, if it follows
         # another peer after all, that peer's id (avg.redirect)
         await asyncio.wait([gathering.group, redirect], return_when=asyncio.FIRST_COMPLETED,
-                           timeout=max(0.0, give_up + _grace(request) - timebase.now()))
+                           timeout=max(0.0, gathering.give_up + _grace(request) - timebase.now()))
         if gathering.group.done() and not gathering.group.cancelled():
             return gathering.group.result()
         if redirect.done():
@@ -348,21 +377,27 @@ class Matchmaker:
         log.info("matchmaking_leader_never_sent_group", leader=leader[:12])
         return None
 
-    async def _lead(self, gathering: _Gathering, candidates: set[str], give_up: float,
+    async def _lead(self, gathering: _Gathering, candidates: set[str],
                     gone: set[str] | frozenset[str] = frozenset()) -> Group:
-        """Wait for the others to join (until the window closes or all candidates are in)."""
+        """Wait for the others to join (until the window closes or all candidates are in; in a
+        direct round, past the window for those still on their way, see `_still_coming`)."""
         request = gathering.request
         gathering.leader = self.peer_id
         others = set(candidates) - {self.peer_id} - set(gone)
-        while timebase.now() < give_up and not others - gathering.refused <= set(gathering.joiners):
-            if len(gathering.joiners) + 1 >= request.max_group_size:
+
+        def missing() -> set[str]:
+            return others - gathering.refused - set(gathering.joiners)
+
+        while missing() and len(gathering.joiners) + 1 < request.max_group_size:
+            if timebase.now() >= gathering.give_up and not (
+                    request.peers and await self._still_coming(gathering, missing())):
                 break
             gathering.joined.clear()
             try:
-                async with asyncio.timeout(max(0.0, give_up - timebase.now())):
+                async with asyncio.timeout(max(0.0, gathering.give_up - timebase.now())):
                     await gathering.joined.wait()
             except TimeoutError:
-                break
+                continue
         gathering.closed = True
         members = (request.member, *sorted(gathering.joiners.values(), key=lambda m: m.peer_id))
         group = await self._assemble(request, members)
@@ -370,6 +405,31 @@ class Matchmaker:
         log.info("matchmaking_group_formed", key=request.key, size=len(members), group=group.group_id[:12])
         await asyncio.gather(*(self._send_group(group, m.peer_id) for m in members[1:]))
         return group
+
+    async def _still_coming(self, gathering: _Gathering, missing: set[str]) -> bool:
+        """Past the window: whether one of the `missing` members says it is on its way (still in
+        an earlier stage of the round); if so, wait a little longer, at most until the round's
+        latest gathering."""
+        request = gathering.request
+        left = gathering.latest - timebase.now()
+        if left <= 0:
+            return False
+        timeout = min(_ack_seconds(request), left)
+
+        async def ask(peer_id: str) -> bool:
+            try:
+                reply = await self._transport.call(peer_id, COMING, Message({"key": request.key}),
+                                                   timeout=timeout)
+            except (TransportError, TimeoutError):
+                return False
+            return reply.header.get("coming") is True
+
+        answers = await asyncio.gather(*(ask(p) for p in sorted(missing)[:request.max_group_size]))
+        if not any(answers):
+            return False
+        gathering.give_up = min(gathering.latest, timebase.now() + max(0.5, request.window / 2))
+        log.debug("matchmaking_waiting_for_coming", key=request.key, coming=sum(answers))
+        return True
 
     async def _send_group(self, group: Group, peer_id: str) -> None:
         timeout = min(JOIN_ACK_SECONDS, group.deadline - timebase.now())
@@ -416,6 +476,8 @@ class Matchmaker:
             self._dht.access.authorize_read(ctx.peer_id, key, header.get("token"))
         gathering = self._rounds.get(key) if isinstance(key, str) else None
         if gathering is None:
+            if isinstance(key, str) and key in self._coming:
+                raise LeaderComing("still in an earlier stage of this round; ask again shortly")
             raise NotGathering("no round of that key is being formed here")
         if gathering.leader is not None and gathering.leader != self.peer_id:
             if gathering.request.peers and not gathering.accepted:
@@ -471,6 +533,19 @@ class Matchmaker:
         if not gathering.group.done():
             gathering.group.set_result(group)
         return Message({})
+
+    async def _on_coming(self, ctx: RequestContext, message: Message) -> Message:
+        """Whether we will join the asker's round of `key`: we gather under it soon (an earlier
+        stage of it runs), or we are gathering under it now and have not settled yet."""
+        key = message.header.get("key")
+        if not isinstance(key, str):
+            raise MatchmakingError("avg.coming needs a key")
+        if self._dht.access is not None:
+            self._dht.access.authorize_read(ctx.peer_id, key, message.header.get("token"))
+        gathering = self._rounds.get(key)
+        soon = key in self._coming or (gathering is not None and not gathering.closed
+                                       and gathering.leader in (None, ctx.peer_id))
+        return Message({"coming": soon})
 
     async def _on_redirect(self, ctx: RequestContext, message: Message) -> Message:
         """The leader we joined follows another peer after all: join that one instead."""

@@ -64,6 +64,7 @@ Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averagi
 IN_ROUND: tuple[Phase, ...] = ("averaging", "stepping", "averaging_state")
 STALE_AFTER = 30.0  # seconds a progress report stays believable
 HISTORY = 200
+ROSTER_POLL = 1.0  # seconds between reads of a grid round's roster while settling before it
 
 
 @dataclass
@@ -174,6 +175,7 @@ class RunEngine:
         self._averaged: Head | None = None  # aux: the head of its last good round
         self._head_group: tuple[str, ...] = ()  # the members of the round that made our head
         self._stepped_in: Head | None = None  # the head we came to by a round (not a download)
+        self._roster_seen: Head | None = None  # the head whose grid round's roster we saw
         self._aux_group: tuple[Head | None, tuple[str, ...]] = (None, ())  # aux: head it made
         self._promise: tuple[Head | None, int] = (None, 0)  # Local.promised, at that head
         self._farewell_sent = False
@@ -291,7 +293,8 @@ class RunEngine:
                       float(p.samples_per_second or 0.0), promised,
                       max_group_size=self.averaging.max_group_size,
                       knows_round_members=bool(self._grid_cells()), head_grew_at=grew_at,
-                      ready_at=reached[1] if reached is not None and reached[0] == run.head else None)
+                      ready_at=reached[1] if reached is not None and reached[0] == run.head else None,
+                      roster_published=self._roster_seen == run.head)
         if self.schedule.epochs is not None and self.role == "trainer" \
                 and p.epoch >= self.schedule.epochs and self._finished_at is None:
             self._finished_at = now
@@ -369,9 +372,31 @@ class RunEngine:
             self.phase.set("paused" if self.paused_reason is not None else "waiting")
         seconds = max(0.0, action.until - timebase.now())
         self._schedule_look(0.0)
+        if action.settling:
+            await self._settle_until(action.until)
+            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await self._stop.wait()
+
+    async def _settle_until(self, until: float) -> None:
+        """Settling before a first grid round: wait until `until`, or until the round's roster
+        is published (see policy.py), reading it every ROSTER_POLL seconds."""
+        run = self.global_progress
+        if run is None:
+            return
+        trainers = {*run.donors, *((self.peer_id,) if self.role == "trainer" else ())}
+        key = round_key("grad", run.head)
+        while not self._stop.is_set():
+            if await self.averaging.roster_published(key, trainers - set(self._aux_peers())):
+                self._roster_seen = run.head
+                return
+            left = until - timebase.now()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(ROSTER_POLL, left)):
+                    await self._stop.wait()
 
     async def _enter_pause(self, reason: str) -> None:
         if self.paused_reason is None:

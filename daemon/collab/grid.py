@@ -323,6 +323,8 @@ class GridRounds:
             peers = tuple(p for p in stage.peers if p != self.peer_id)
             if not peers:
                 continue  # alone in its slice: its vector is its block's mean already
+            log.debug("grid_stage_begin", key=key, stage=stage.label, role=role, helper=helper,
+                      expected=len(stage.peers))
             report = await stage_round(vector, stage.label, weight, represents,
                                        layout.max_represents(s), peers,
                                        _majority(stage, layout), _cells(stage, layout))

@@ -37,6 +37,10 @@ The rules, one each:
   most `Timing.max_settle` seconds after the run reached its target there; its cells then go
   to the round's roster (roster.py), one list drawn from the trainers settled at the head, so
   that views still growing (a trickle of newcomers outlasting `max_settle`) agree on the grid.
+  A peer still settling when the round's roster is published (others have begun: its view grew
+  later than theirs, or it reached the target later) stops waiting and begins too: the roster
+  may well list it, and its slice would wait for it (128 peers: the slices of four such peers
+  each lost 11 s, and the round failed).
   Later rounds take their roster from the trainers that stepped into the head, as read off
   the board (peers read it apart).
 
@@ -122,6 +126,7 @@ class Local:
     knows_round_members: bool = True
     head_grew_at: float | None = None
     ready_at: float | None = None
+    roster_published: bool = False  # the round at the head has a roster: it has begun
 
     @property
     def head(self) -> Head:
@@ -176,6 +181,9 @@ class Wait:
 
     until: float
     reason: str
+    # settling before a first grid round: the engine watches for the round's roster meanwhile,
+    # and looks again as soon as one is published (`Local.roster_published`)
+    settling: bool = False
 
 
 @dataclass(frozen=True)
@@ -240,7 +248,7 @@ def _settling(view: View, expected: int) -> Wait | None:
     """Wait before a first grid round while the view of the head still grows (module docstring)."""
     local, timing, now = view.local, view.timing, view.now
     if local.knows_round_members or not 0 < local.max_group_size < expected \
-            or local.head_grew_at is None:
+            or local.head_grew_at is None or local.roster_published:
         return None
     until = local.head_grew_at + timing.settle
     if local.ready_at is not None:
@@ -248,7 +256,8 @@ def _settling(view: View, expected: int) -> Wait | None:
     if now >= until:
         return None
     return Wait(min(until, now + timing.max_chunk),
-                f"waiting for the trainers at the head to settle before a grid round of {expected}")
+                f"waiting for the trainers at the head to settle before a grid round of {expected}",
+                settling=True)
 
 
 def _chunk(local: Local, wanted: int, look: float) -> int:

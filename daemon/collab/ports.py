@@ -11,7 +11,7 @@ Implementations are injected; the engine never reaches past these.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,6 +65,10 @@ class RoundAverager(Protocol):
         been there as long): when neither `cells` nor `leaders` are known, a grid round's cells
         go to a roster drawn from them (roster.py). The round's report, or None if no round
         could run."""
+
+    async def roster_published(self, key: str, trainers: Collection[str]) -> bool:
+        """Whether a grid round of `key` has begun: one of its first writers, as this peer's
+        view of the `trainers` at the head ranks them, has published its roster (roster.py)."""
 
 
 class StateBuffer(Protocol):

@@ -146,6 +146,14 @@ class Rosters:
                   unseen=len(set(roster) - view), missing=len(view - set(roster)))
         return roster
 
+    async def published(self, key: str, trainers: Collection[str]) -> bool:
+        """Whether one of the writers a reader with this view of the `trainers` would take a
+        roster from (the first WRITERS + WRITER_SLACK) has published one for the round `key`:
+        the round has begun (a peer still settling before it begins now, see policy.py)."""
+        allowed = set(writers(key, trainers, WRITERS + WRITER_SLACK))
+        entries = await self._read(f"{self.run_key}/roster/{key}")
+        return any(writer in allowed for writer in entries)
+
     async def _read(self, dht_key: str) -> dict[str, tuple[str, ...]]:
         try:
             record = await self.dht.get(dht_key, timeout=DHT_TIMEOUT)

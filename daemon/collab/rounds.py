@@ -10,6 +10,7 @@ alone: its "round" is a group of one, at once. A round of more peers than
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -110,8 +111,16 @@ class NetworkRounds:
                                      max_weight=None if max_weight is None
                                      else max_weight * max_represents)
 
-        return await self.grid.average(layout, vector, key, weight=weight, role=role,
-                                       stage_round=stage)
+        # the slices of our later stages may reach them before us: they wait while we come
+        labels = [st.label for st in layout.stages(self.averager.peer_id, key) if st is not None]
+        labels += [duty.label for duties in layout.duties(self.averager.peer_id, key)
+                   for duty in duties]
+        with self.averager.coming(f"{self.run_key}/{key}/{label}" for label in labels):
+            return await self.grid.average(layout, vector, key, weight=weight, role=role,
+                                           stage_round=stage)
+
+    async def roster_published(self, key: str, trainers: Collection[str]) -> bool:
+        return self.rosters is not None and await self.rosters.published(key, trainers)
 
     async def _round(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                      role: Role, compression: str, min_trainers: int, peers: tuple[str, ...],
@@ -137,6 +146,9 @@ class SoloRounds:
 
     def __init__(self, peer_id: str) -> None:
         self.peer_id = peer_id
+
+    async def roster_published(self, key: str, trainers: Collection[str]) -> bool:
+        return False
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", min_trainers: int = 1,

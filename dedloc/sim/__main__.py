@@ -5,15 +5,38 @@ print what it measured (scenarios.py)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import orjson
 import structlog
 
-from .loop import run_virtual
+from .loop import START, run_virtual
 from .scenarios import SCENARIOS, run_scenario
+
+
+def _virtual_time(logger: object, method: str, event: dict[str, object]) -> dict[str, object]:
+    """Each line says when it happened in simulated seconds (`t`, from the run's start), not
+    on the wall clock (the loop's time races ahead of it), and which peer logged it (`sim`)."""
+    try:
+        event["t"] = round(asyncio.get_running_loop().time() - START, 3)
+    except RuntimeError:  # (no loop: before or after the run)
+        pass
+    return event
+
+
+def _only(events: str) -> Callable[[object, str, dict[str, object]], dict[str, object]]:
+    wanted = {e.strip() for e in events.split(",") if e.strip()}
+
+    def only(logger: object, method: str, event: dict[str, object]) -> dict[str, object]:
+        if wanted and event.get("event") not in wanted:
+            raise structlog.DropEvent
+        return event
+
+    return only
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,11 +57,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="flash-crowd, churn: peers joining at once (default 100)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--log-level", default="error", help="the daemons' log level")
+    parser.add_argument("--log-events", default="",
+                        help="log only these events (comma-separated names), e.g. at debug level")
     args = parser.parse_args(argv)
     if args.peers < 1:
         parser.error("--peers must be at least 1")
     level = getattr(logging, args.log_level.upper(), logging.ERROR)
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level),
+                        processors=[_only(args.log_events), structlog.contextvars.merge_contextvars,
+                                    _virtual_time,
+                                    structlog.processors.add_log_level,
+                                    structlog.dev.ConsoleRenderer(colors=False)])
     run = {} if args.max_group_size is None else {"max_group_size": args.max_group_size}
     if args.average_state_every is not None:
         run["average_state_every"] = args.average_state_every

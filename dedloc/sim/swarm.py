@@ -122,6 +122,7 @@ class SimPeer:
         self.peer_id = self.identity.peer_id
         self.context = contextvars.copy_context()
         self.context.run(timebase.use, SkewedClock(swarm.loop, spec.skew))
+        self.context.run(structlog.contextvars.bind_contextvars, sim=index)  # (in its logs)
         self.host = swarm.network.add_host(spec.link)
         self.started_at = swarm.loop.time()
         self.stopped_at: float | None = None

@@ -9,8 +9,9 @@ import pytest
 from dht.swarm import Swarm
 
 from dedloc.daemon import timebase
-from dedloc.daemon.averaging.group import Member
-from dedloc.daemon.averaging.matchmaking import Matchmaker, RoundRequest
+from dedloc.daemon.averaging.group import Group, Member
+from dedloc.daemon.averaging.matchmaking import COMING, Matchmaker, RoundRequest, _ranked
+from dedloc.daemon.net import Message, RemoteError
 
 pytestmark = pytest.mark.virtual_time  # windows and timeouts on virtual time, whatever the load
 
@@ -86,3 +87,73 @@ async def test_a_silent_leader_does_not_deadlock(swarm: Swarm) -> None:
     assert time.monotonic() - started < 30  # bounded: returned, not stuck
     assert len({g.group_id for g in groups}) == 1
     assert {m.peer_id for m in groups[0].members} == {m.peer_id for m in others}
+
+
+def direct(peer_id: str, key: str, peers: list[str], window: float = 2.0) -> RoundRequest:
+    """A direct round (a grid stage's): the caller names the peers it expects."""
+    member = Member(peer_id, "trainer", 1.0, 1e7, 1e7, True)
+    return RoundRequest(key, member, size=10_000, chunk_elements=1000, compression="none",
+                        window=window, deadline=timebase.now() + 60, expected=len(peers),
+                        peers=tuple(p for p in peers if p != peer_id))
+
+
+async def _late(maker: Matchmaker, seconds: float, req: RoundRequest, on_its_way: bool) -> Group:
+    """`maker` reaches the round `seconds` late: still in an earlier stage (`on_its_way`), or
+    not in the round at all until then."""
+    with maker.coming([req.key] if on_its_way else []):
+        await asyncio.sleep(seconds)
+        return await maker.form_group(req)
+
+
+@pytest.mark.parametrize("on_its_way", [True, False])
+async def test_a_direct_round_waits_for_its_leader_only_while_it_is_on_its_way(
+        swarm: Swarm, on_its_way: bool) -> None:
+    # the leader comes 6 s late, past the others' window (2 s) and grace: while it says it is in
+    # an earlier stage of the round they wait for it; a leader that says nothing is skipped
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
+    key, ids = "run/grid/m1/0.x", [m.peer_id for m in makers[:4]]
+    leader = next(m for m in makers if m.peer_id == _ranked(key, ids)[0])
+    others = [m for m in makers if m is not leader]
+    groups = await asyncio.gather(_late(leader, 6.0, direct(leader.peer_id, key, ids), on_its_way),
+                                  *(m.form_group(direct(m.peer_id, key, ids)) for m in others))
+    if on_its_way:
+        assert len({g.group_id for g in groups}) == 1
+        assert {m.peer_id for m in groups[0].members} == set(ids)
+    else:  # the others averaged without it, and it came to a closed round: alone
+        assert {m.peer_id for m in groups[1].members} == {m.peer_id for m in others}
+        assert len(groups[0].members) == 1
+
+
+@pytest.mark.parametrize("on_its_way", [True, False])
+async def test_a_leader_waits_past_its_window_only_for_a_member_on_its_way(
+        swarm: Swarm, on_its_way: bool) -> None:
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
+    key, ids = "run/grid/m1/3.x", [m.peer_id for m in makers[:4]]
+    ranked = _ranked(key, ids)
+    late = next(m for m in makers if m.peer_id == ranked[-1])  # a member, not the leader
+    others = [m for m in makers if m is not late]
+    groups = await asyncio.gather(_late(late, 6.0, direct(late.peer_id, key, ids), on_its_way),
+                                  *(m.form_group(direct(m.peer_id, key, ids)) for m in others))
+    members = {m.peer_id for m in groups[1].members}
+    assert all(g.group_id == groups[1].group_id for g in groups[1:])
+    if on_its_way:
+        assert groups[0].group_id == groups[1].group_id and members == set(ids)
+    else:
+        assert members == {m.peer_id for m in others} and len(groups[0].members) == 1
+
+
+async def test_asking_whether_a_peer_comes_needs_a_key_and_tells_the_truth(swarm: Swarm) -> None:
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:2]
+    asker, asked = swarm.transports[0], makers[1]
+
+    async def coming(key: object) -> bool:
+        reply = await asker.call(asked.peer_id, COMING, Message({"key": key}), timeout=5)
+        return reply.header["coming"] is True
+
+    assert not await coming("run/grid/m1/1.x")
+    with asked.coming(["run/grid/m1/1.x"]):
+        assert await coming("run/grid/m1/1.x")
+        assert not await coming("run/grid/m1/2.x")
+    assert not await coming("run/grid/m1/1.x")
+    with pytest.raises(RemoteError, match="needs a key"):
+        await coming(["not", "a", "key"])

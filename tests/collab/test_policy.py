@@ -375,10 +375,11 @@ def test_fresh_newcomers_do_not_hold_the_round_up() -> None:
 # --- a first grid round waits for the view of the head to settle ------------------------------
 
 def _grid_view(me: PeerProgress, others: list[PeerProgress], *, knows: bool, grew: float,
-               ready: float | None, group: int = 4) -> View:
+               ready: float | None, group: int = 4, roster: bool = False) -> View:
     base = view(me, others)
     local = dataclasses.replace(base.local, max_group_size=group, knows_round_members=knows,
-                                head_grew_at=NOW - grew, ready_at=None if ready is None else NOW - ready)
+                                head_grew_at=NOW - grew, ready_at=None if ready is None else NOW - ready,
+                                roster_published=roster)
     return dataclasses.replace(base, local=local)
 
 
@@ -391,6 +392,7 @@ SETTLE_TABLE = [
     ("a first grid round, settled: average", False, 12.0, 20.0, 4, True),
     ("never settling: average after max_settle", False, 1.0, 31.0, 4, True),
     ("when the target was reached unknown: settle only", False, 3.0, None, 4, False),
+    ("still arriving, but the round's roster is out: average", False, 2.0, 5.0, 4, True),
 ]
 
 
@@ -400,11 +402,14 @@ def test_a_first_grid_round_waits_for_the_view_of_the_head_to_settle(
         case: str, knows: bool, grew: float, ready: float | None, group: int, averages: bool) -> None:
     me = peer("me", 5, L2, samples=TARGET // 4)
     others = [peer(f"p{i}", 5, L2, samples=TARGET // 4) for i in range(5)]  # 6 trainers at the head
+    roster = "roster is out" in case
     for role in ("trainer", "aux"):
         own = me if role == "trainer" else peer("me", 5, L2, samples=0, role="aux")
-        action = decide(_grid_view(own, others, knows=knows, grew=grew, ready=ready, group=group))
+        action = decide(_grid_view(own, others, knows=knows, grew=grew, ready=ready, group=group,
+                                   roster=roster))
         if averages:
             assert isinstance(action, Average), (case, role, action)
         else:
             assert isinstance(action, Wait) and "settle" in action.reason, (case, role, action)
+            assert action.settling  # (the engine watches for the round's roster meanwhile)
             assert action.until <= NOW + 0.5  # it looks again soon: the view may settle any time
