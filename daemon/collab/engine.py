@@ -356,6 +356,8 @@ class RunEngine:
 
     def _count(self, samples: int, loss: float, samples_per_second: float | None) -> None:
         p = self.progress
+        if samples <= 0:  # every batch of the call was skipped (NaN or Inf): no loss to show
+            return
         p.samples += samples
         p.accumulated += samples
         p.loss_last = loss

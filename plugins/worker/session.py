@@ -172,12 +172,18 @@ class Session:
                  "accumulated_samples": self.accumulated_samples, **data})
 
     def train(self, samples: int, max_seconds: float | None, cancel: threading.Event) -> dict[str, Any]:
-        """Run whole batches until `samples` are done (or time is up, or cancelled; one at least)."""
+        """Run whole batches until `samples` are done (or time is up, or cancelled; one at least,
+        unless it was skipped for a NaN or Inf: then `samples` is 0 and so is `loss`)."""
         start = time.perf_counter()
         done = 0
         loss_sum = 0.0
         batches = 0
         self.model.train()
+
+        def over() -> bool:
+            return cancel.is_set() or (max_seconds is not None
+                                       and time.perf_counter() - start >= max_seconds)
+
         while True:
             with self._guard("build_data"):
                 batch = next(self._train_data)
@@ -188,6 +194,8 @@ class Session:
                 value = float(loss.detach())
             if not math.isfinite(value):
                 self._skip_nonfinite(f"the loss of a batch is {value}", done, loss=str(value))
+                if over():
+                    break
                 continue
             if not isinstance(batch_size, int) or batch_size < 1:
                 raise WorkloadError(f"workload {self.workload.name!r}: loss() returned batch size "
@@ -198,6 +206,8 @@ class Session:
                                else p.grad.reshape(-1).float() for p in self.params])
             if not bool(torch.isfinite(grads).all()):
                 self._skip_nonfinite("a batch gave NaN or Inf gradients", done)
+                if over():
+                    break
                 continue
             self._nonfinite_streak = 0
             if self.outer is None:
@@ -208,16 +218,15 @@ class Session:
             done += batch_size
             loss_sum += value * batch_size
             batches += 1
-            elapsed = time.perf_counter() - start
-            if (done >= samples or cancel.is_set()
-                    or (max_seconds is not None and elapsed >= max_seconds)):
+            if done >= samples or over():
                 break
         for param in self.params:
             param.grad = None
         seconds = time.perf_counter() - start
-        rate = done / seconds if seconds > 0 else None
-        self.samples_per_second = rate
-        result = {"samples": done, "loss": loss_sum / done, "seconds": seconds,
+        rate = done / seconds if seconds > 0 and done else None
+        if rate is not None:
+            self.samples_per_second = rate
+        result = {"samples": done, "loss": loss_sum / done if done else 0.0, "seconds": seconds,
                   "samples_per_second": rate, "accumulated_samples": self.accumulated_samples,
                   "skipped_batches": self.skipped_batches}
         if self.outer is not None:

@@ -74,3 +74,17 @@ def test_a_model_that_gives_only_bad_batches_fails_saying_it_diverged(local: boo
         session.train(10_000, None, threading.Event())
     assert raised.value.data["skipped_batches"] == MAX_NONFINITE_STREAK
     assert raised.value.data["samples"] == 8  # the first batch, good, was trained
+
+
+def test_a_cancelled_call_ends_after_a_skipped_batch_with_nothing_trained() -> None:
+    # (the daemon cancels a call to stop or pause: it does not wait out a streak of bad batches)
+    session = _session(set(range(1, 1 + MAX_NONFINITE_STREAK)), float("nan"), "loss", local=False)
+    cancel = threading.Event()
+    cancel.set()
+    result = session.train(10_000, None, cancel)
+    assert result["samples"] == 0 and result["loss"] == 0.0 and result["skipped_batches"] == 1
+    assert result["samples_per_second"] is None
+    assert session.workload.calls == 1
+    with pytest.raises(WorkloadError, match="diverged"):  # the streak goes on across calls
+        session.train(8, None, threading.Event())
+    assert session.skipped_batches == MAX_NONFINITE_STREAK
