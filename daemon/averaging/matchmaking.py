@@ -275,7 +275,7 @@ class Matchmaker:
         request = gathering.request
         gathering.give_up = window_end + _grace(request)
         gathering.latest = max(gathering.give_up, min(
-            window_end + (EXTEND_WINDOWS - 1) * request.window + _grace(request),
+            window_end - request.window + _latest_after(request),
             request.deadline - 3 * _grace(request)))
         tried: set[str] = set()
         for _ in range(8):
@@ -366,9 +366,16 @@ class Matchmaker:
             return str(reply.header["redirect"])
         gathering.accepted = True
         # accepted: the leader sends the group (avg.group) once it is assembled, or, if it follows
-        # another peer after all, that peer's id (avg.redirect)
+        # another peer after all, that peer's id (avg.redirect). In a direct round the leader may
+        # wait past its window for members on their way (`_still_coming`), at most until its
+        # latest gathering, which began no later than now: we wait that long (leaving earlier,
+        # we would be in its group without sending, and the round would fail for all)
+        until = gathering.give_up + _grace(request)
+        if request.peers:
+            until = max(until, min(request.deadline - 2 * _grace(request),
+                                   timebase.now() + _latest_after(request) + _grace(request)))
         await asyncio.wait([gathering.group, redirect], return_when=asyncio.FIRST_COMPLETED,
-                           timeout=max(0.0, gathering.give_up + _grace(request) - timebase.now()))
+                           timeout=max(0.0, until - timebase.now()))
         if gathering.group.done() and not gathering.group.cancelled():
             return gathering.group.result()
         if redirect.done():
@@ -599,6 +606,11 @@ def group_refusal(group: Group, request: RoundRequest, now: float) -> str | None
     if not now < group.deadline <= request.deadline + max(0.0, request.deadline - now):
         return f"its deadline is {group.deadline - now:.3g} s away, out of bounds"
     return share_refusal(group)
+
+
+def _latest_after(request: RoundRequest) -> float:
+    """How long after its start a direct round may gather at most (for peers on their way)."""
+    return EXTEND_WINDOWS * request.window + _grace(request)
 
 
 def _grace(request: RoundRequest) -> float:

@@ -132,7 +132,9 @@ async def test_a_leader_waits_past_its_window_only_for_a_member_on_its_way(
     ranked = _ranked(key, ids)
     late = next(m for m in makers if m.peer_id == ranked[-1])  # a member, not the leader
     others = [m for m in makers if m is not late]
-    groups = await asyncio.gather(_late(late, 6.0, direct(late.peer_id, key, ids), on_its_way),
+    # 9 s: past what the members that joined at once would wait for a group without it (window,
+    # grace and grace again: 7 s), within the round's latest gathering (10.5 s)
+    groups = await asyncio.gather(_late(late, 9.0, direct(late.peer_id, key, ids), on_its_way),
                                   *(m.form_group(direct(m.peer_id, key, ids)) for m in others))
     members = {m.peer_id for m in groups[1].members}
     assert all(g.group_id == groups[1].group_id for g in groups[1:])
