@@ -58,6 +58,7 @@ class RoundOptions:
     represents: int = 1  # trainers this peer's vector stands for (Member.represents)
     max_represents: int = 1  # what any member's claim counts for, at most (Group.averaged)
     max_weight: float | None = None  # the most weight a member may claim (RoundRequest.max_weight)
+    staged: bool = False  # a later stage's peers may be on their way (RoundRequest.staged)
 
 
 class NonFiniteVector(AveragingError):
@@ -174,7 +175,8 @@ class Averager:
                                window=window, deadline=options.deadline, expected=options.expected,
                                max_group_size=self.config.max_group_size,
                                min_trainers=options.min_trainers, peers=options.peers,
-                               leaders=options.leaders, max_weight=max_weight)
+                               leaders=options.leaders, max_weight=max_weight,
+                               staged=options.staged)
         try:
             group = await self.matchmaker.form_group(request)
         except AveragingError:

@@ -17,7 +17,8 @@
    it redirects those it took there (`avg.redirect`), so that none waits for a group that never
    comes. A leader that does not answer, or that has already closed its group, is skipped for the
    next candidate while time remains; in the end a peer can always average alone (a group of
-   one), so matchmaking never deadlocks and never waits past the window.
+   one), so matchmaking never deadlocks and never waits past the window (a grid stage's round:
+   past its latest gathering, see below).
 5. A peer banned here (bans.py) counts towards `expected` but is no candidate: it is not taken as
    a leader, not waited for, and its join is refused.
 
@@ -27,14 +28,17 @@ skipped, the candidates are those peers, and a follower whose leader has not beg
 (`NotGathering`) asks again for a moment instead of moving on. No DHT traffic, and no wait for
 announcements to spread: with a hundred peers, gathering through the DHT took most of a round.
 
-Later stages of a grid round. A peer registers the keys it will gather under next (`coming`:
-its later stages, while an earlier one runs). Its slice's peers that reach a stage first then
-learn that it is on its way (`LeaderComing`, and `avg.coming` for a leader to ask a member that
-has not joined) and wait for it up to the round's latest gathering (EXTEND_WINDOWS windows),
-instead of giving up after one window: in a 128-peer grid, the first stage's slices end up to
-11 s apart, and the peers of a quick slice gave up on their next leader just as it came (they
-averaged alone; the round failed). A peer that is not on its way (crashed, or not in the round)
-says so, and nobody waits for it past the window.
+Stages of a grid round (`RoundRequest.staged`). A peer registers the keys of its stages while
+its own stages run (`coming`). Its slice's peers that reach a stage first then learn that it is
+on its way (`LeaderComing`, and `avg.coming` for a leader to ask a member that has not joined at
+its window's end) and wait for it up to the round's latest gathering (`_latest_after`: 4 windows
+and a grace) instead of giving up after one window: in a 128-peer grid, the first stage's slices
+ended up to 11 s apart, and the peers of a quick slice gave up on their next leader just as it
+came (they averaged alone; the round failed). A follower keeps a grace at the end to regroup
+without a leader that never comes, moves on at once when a leader that said it was coming says
+it no longer is, and once accepted waits for its group as long as its leader may wait. A peer
+that is not on its way (crashed, or not in the round) says so, and nobody waits for it past the
+window. Other direct rounds close at their window as before.
 """
 
 from __future__ import annotations
@@ -122,6 +126,10 @@ class RoundRequest:
     # can have (a run's target batch). A leader refuses a joiner that claims more, a follower a
     # group that lists one (weight 1e15 with a normal vector made the average that vector).
     max_weight: float | None = None
+    # A stage of a grid round (with `peers`): members may be on their way from an earlier stage,
+    # and the leader asks the missing ones whether they come (see the module docstring); other
+    # direct rounds close at their window as before.
+    staged: bool = False
 
     def compatible(self, other: dict[str, Any]) -> bool:
         return (other.get("size") == self.size and other.get("compression") == self.compression
@@ -182,7 +190,8 @@ class Matchmaker:
             self._coming -= added
 
     async def form_group(self, request: RoundRequest) -> Group:
-        """The group this round averages in (possibly just us). Returns by the window's end plus
+        """The group this round averages in (possibly just us). Returns by the window's end (a grid
+        stage's: its latest gathering) plus
         a short grace; raises MatchmakingError only for misuse (a key already being formed)."""
         if request.key in self._rounds:
             raise MatchmakingError(f"a round under key {request.key!r} is already being formed here")
@@ -326,6 +335,7 @@ class Matchmaker:
         a moment, which is no reason to give up on it (a leader that does not answer is)."""
         attempt = 0
         patience = timebase.now() + PATIENCE_WINDOWS * gathering.request.window
+        coming = False  # it told us it is on its way (LeaderComing)
         while True:
             started = timebase.monotonic()
             try:
@@ -334,13 +344,20 @@ class Matchmaker:
                 # the leader we expect has not begun its round yet (its last batch, a look at the
                 # run): it comes, give it a moment; one still in an earlier stage of the same
                 # round comes for sure: as long as the round may gather
-                if exc.kind == LeaderComing.__name__ and header.get("direct"):
-                    patience = gathering.give_up = gathering.latest
+                staged = gathering.request.staged and header.get("direct")
+                if exc.kind == LeaderComing.__name__ and staged:
+                    # (a grace left at the end: should it not come after all, we regroup)
+                    coming = True
+                    gathering.give_up = max(gathering.give_up, gathering.latest)
+                    patience = max(patience, gathering.latest - _grace(gathering.request))
+                elif exc.kind == NotGathering.__name__ and coming:
+                    raise  # it said it was coming, and now it is not in the round: move on
                 if exc.kind not in (NotGathering.__name__, LeaderComing.__name__) \
                         or not header.get("direct") \
                         or timebase.now() + 0.2 >= min(gathering.give_up, patience):
                     raise
-                await asyncio.sleep(0.1 + 0.2 * self._rng.random())
+                # a leader still in an earlier stage is busy there: ask it less often
+                await asyncio.sleep((0.5 if coming else 0.1) + 0.2 * self._rng.random())
                 continue
             except (PeerUnreachableError, HandshakeError) as exc:
                 attempt += 1
@@ -371,7 +388,7 @@ class Matchmaker:
         # latest gathering, which began no later than now: we wait that long (leaving earlier,
         # we would be in its group without sending, and the round would fail for all)
         until = gathering.give_up + _grace(request)
-        if request.peers:
+        if request.staged and request.peers:
             until = max(until, min(request.deadline - 2 * _grace(request),
                                    timebase.now() + _latest_after(request) + _grace(request)))
         await asyncio.wait([gathering.group, redirect], return_when=asyncio.FIRST_COMPLETED,
@@ -396,9 +413,11 @@ class Matchmaker:
             return others - gathering.refused - set(gathering.joiners)
 
         while missing() and len(gathering.joiners) + 1 < request.max_group_size:
-            if timebase.now() >= gathering.give_up and not (
-                    request.peers and await self._still_coming(gathering, missing())):
-                break
+            if timebase.now() >= gathering.give_up:
+                if not (request.staged and request.peers
+                        and await self._still_coming(gathering, missing())):
+                    break
+                continue  # (a join may have come during the question)
             gathering.joined.clear()
             try:
                 async with asyncio.timeout(max(0.0, gathering.give_up - timebase.now())):
@@ -422,10 +441,14 @@ class Matchmaker:
         if left <= 0:
             return False
         timeout = min(_ack_seconds(request), left)
+        header: dict[str, Any] = {"key": request.key}
+        access = self._dht.access  # a closed run's members answer members only
+        if access is not None and (token := access.credential(request.key)) is not None:
+            header["token"] = token
 
         async def ask(peer_id: str) -> bool:
             try:
-                reply = await self._transport.call(peer_id, COMING, Message({"key": request.key}),
+                reply = await self._transport.call(peer_id, COMING, Message(header),
                                                    timeout=timeout)
             except (TransportError, TimeoutError):
                 return False

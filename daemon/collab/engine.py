@@ -176,6 +176,7 @@ class RunEngine:
         self._head_group: tuple[str, ...] = ()  # the members of the round that made our head
         self._stepped_in: Head | None = None  # the head we came to by a round (not a download)
         self._roster_seen: Head | None = None  # the head whose grid round's roster we saw
+        self._roster_read_at = -ROSTER_POLL  # (monotonic) when we last read a roster's key
         self._aux_group: tuple[Head | None, tuple[str, ...]] = (None, ())  # aux: head it made
         self._promise: tuple[Head | None, int] = (None, 0)  # Local.promised, at that head
         self._farewell_sent = False
@@ -205,10 +206,17 @@ class RunEngine:
         return Head(self.progress.epoch, self.progress.lineage)
 
     async def run(self) -> str:
+        last: tuple[str, str] | None = None
         try:
             while not self._stop.is_set():
                 view, read = await self._look()
                 action = decide(view)
+                what = (type(action).__name__, getattr(action, "reason", ""))
+                if what != last:  # (what the engine does, for a log at debug level)
+                    self._log.debug("engine_action", action=what[0], reason=what[1],
+                                    epoch=self.progress.epoch, run_epoch=view.run.epoch,
+                                    ready=view.run.ready)
+                    last = what
                 if read and view.blocked is None:  # what we do next is in our report
                     await self._publish(action)
                 if read and isinstance(action, Train):  # look again when the action says
@@ -382,22 +390,23 @@ class RunEngine:
                 await self._stop.wait()
 
     async def _settle_until(self, until: float) -> None:
-        """Settling before a first grid round: wait until `until`, or until the round's roster
-        is published (see policy.py), reading it every ROSTER_POLL seconds."""
+        """Settling before a first grid round: wait until `until` (a short wait: the policy
+        looks again soon), having read the round's roster key first if ROSTER_POLL seconds
+        have passed since the last read; once a roster is out the policy begins (policy.py)."""
         run = self.global_progress
-        if run is None:
-            return
-        trainers = {*run.donors, *((self.peer_id,) if self.role == "trainer" else ())}
-        key = round_key("grad", run.head)
-        while not self._stop.is_set():
-            if await self.averaging.roster_published(key, trainers - set(self._aux_peers())):
+        left = until - timebase.now()
+        if run is not None and left > 0 and timebase.monotonic() >= self._roster_read_at + ROSTER_POLL:
+            self._roster_read_at = timebase.monotonic()
+            trainers = {*run.donors, *((self.peer_id,) if self.role == "trainer" else ())}
+            if await self.averaging.roster_published(round_key("grad", run.head),
+                                                     trainers - set(self._aux_peers()),
+                                                     timeout=left):
                 self._roster_seen = run.head
                 return
-            left = until - timebase.now()
-            if left <= 0:
-                return
+        left = until - timebase.now()
+        if left > 0:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(ROSTER_POLL, left)):
+                async with asyncio.timeout(left):
                     await self._stop.wait()
 
     async def _enter_pause(self, reason: str) -> None:

@@ -38,9 +38,11 @@ one-group rounds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -279,16 +281,23 @@ class GridRounds:
                            sorted(seen - base))
 
     async def average(self, layout: GridLayout, vector: np.ndarray, key: str, *, weight: float,
-                      role: Role, stage_round: StageRound) -> AveragingReport | None:
+                      role: Role, stage_round: StageRound,
+                      coming: Callable[[Iterable[str]], AbstractContextManager[None]] | None = None
+                      ) -> AveragingReport | None:
         """The grid round; None if its first stage could not run. A stage that fails ends the
-        round there (its report says what failed)."""
+        round there (its report says what failed). `coming(labels)`: while inside, this peer
+        tells the peers of those stages that it is on its way (matchmaking.py); it covers our
+        stages and stand-ins until our own stages end."""
         everyone = [*layout.cells, *layout.helpers]
         reports: list[AveragingReport] = []
         duties = layout.duties(self.peer_id, key)
+        labels = [st.label for st in layout.stages(self.peer_id, key) if st is not None]
+        labels += [duty.label for stage_duties in duties for duty in stage_duties]
         standing_in: list[asyncio.Task[AveragingReport | None]] = []
         try:
-            outcome = await self._stages(layout, vector, key, weight, role, stage_round, duties,
-                                         standing_in, reports)
+            with coming(labels) if coming is not None else contextlib.nullcontext():
+                outcome = await self._stages(layout, vector, key, weight, role, stage_round,
+                                             duties, standing_in, reports)
             # the slices we stand in for count on us, whatever our own slice did
             results = await asyncio.gather(*standing_in, return_exceptions=True)
         finally:

@@ -66,9 +66,11 @@ class RoundAverager(Protocol):
         go to a roster drawn from them (roster.py). The round's report, or None if no round
         could run."""
 
-    async def roster_published(self, key: str, trainers: Collection[str]) -> bool:
+    async def roster_published(self, key: str, trainers: Collection[str], *,
+                               timeout: float) -> bool:
         """Whether a grid round of `key` has begun: one of its first writers, as this peer's
-        view of the `trainers` at the head ranks them, has published its roster (roster.py)."""
+        view of the `trainers` at the head ranks them, has published a roster that agrees with
+        that view (roster.py); read within `timeout` seconds (else False)."""
 
 
 class StateBuffer(Protocol):

@@ -146,17 +146,17 @@ class Rosters:
                   unseen=len(set(roster) - view), missing=len(view - set(roster)))
         return roster
 
-    async def published(self, key: str, trainers: Collection[str]) -> bool:
-        """Whether one of the writers a reader with this view of the `trainers` would take a
-        roster from (the first WRITERS + WRITER_SLACK) has published one for the round `key`:
-        the round has begun (a peer still settling before it begins now, see policy.py)."""
-        allowed = set(writers(key, trainers, WRITERS + WRITER_SLACK))
-        entries = await self._read(f"{self.run_key}/roster/{key}")
-        return any(writer in allowed for writer in entries)
+    async def published(self, key: str, trainers: Collection[str], *,
+                        timeout: float = DHT_TIMEOUT) -> bool:
+        """Whether a roster this peer would take (`pick`: from one of the first writers of its
+        view of the `trainers`, agreeing with that view) is out for the round `key`: the round
+        has begun (a peer still settling before it begins now, see policy.py)."""
+        entries = await self._read(f"{self.run_key}/roster/{key}", timeout=timeout)
+        return pick(key, frozenset(trainers), entries) is not None
 
-    async def _read(self, dht_key: str) -> dict[str, tuple[str, ...]]:
+    async def _read(self, dht_key: str, timeout: float = DHT_TIMEOUT) -> dict[str, tuple[str, ...]]:
         try:
-            record = await self.dht.get(dht_key, timeout=DHT_TIMEOUT)
+            record = await self.dht.get(dht_key, timeout=max(0.1, min(DHT_TIMEOUT, timeout)))
         except (TransportError, TimeoutError) as exc:
             log.debug("grid_roster_read_failed", key=dht_key, error=str(exc))
             return {}

@@ -10,7 +10,8 @@ alone: its "round" is a group of one, at once. A round of more peers than
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -109,29 +110,30 @@ class NetworkRounds:
                                      max_represents=max_represents,
                                      # a stage's vector stands for its slice's trainers
                                      max_weight=None if max_weight is None
-                                     else max_weight * max_represents)
+                                     else max_weight * max_represents, staged=True)
 
-        # the slices of our later stages may reach them before us: they wait while we come
-        labels = [st.label for st in layout.stages(self.averager.peer_id, key) if st is not None]
-        labels += [duty.label for duties in layout.duties(self.averager.peer_id, key)
-                   for duty in duties]
-        with self.averager.coming(f"{self.run_key}/{key}/{label}" for label in labels):
-            return await self.grid.average(layout, vector, key, weight=weight, role=role,
-                                           stage_round=stage)
+        def coming(labels: Iterable[str]) -> AbstractContextManager[None]:
+            return self.averager.coming(f"{self.run_key}/{key}/{label}" for label in labels)
 
-    async def roster_published(self, key: str, trainers: Collection[str]) -> bool:
-        return self.rosters is not None and await self.rosters.published(key, trainers)
+        return await self.grid.average(layout, vector, key, weight=weight, role=role,
+                                       stage_round=stage, coming=coming)
+
+    async def roster_published(self, key: str, trainers: Collection[str], *,
+                               timeout: float) -> bool:
+        return self.rosters is not None and await self.rosters.published(key, trainers,
+                                                                         timeout=timeout)
 
     async def _round(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                      role: Role, compression: str, min_trainers: int, peers: tuple[str, ...],
                      leaders: tuple[str, ...], represents: int = 1,
-                     max_represents: int = 1,
-                     max_weight: float | None = None) -> AveragingReport | None:
+                     max_represents: int = 1, max_weight: float | None = None,
+                     staged: bool = False) -> AveragingReport | None:
         options = RoundOptions(key=f"{self.run_key}/{key}", weight=weight, role=role,
                                deadline=timebase.now() + ROUND_TIMEOUT, expected=expected,
                                compression=compression, min_trainers=min_trainers,
                                peers=peers, leaders=leaders, represents=represents,
-                               max_represents=max_represents, max_weight=max_weight)
+                               max_represents=max_represents, max_weight=max_weight,
+                               staged=staged)
         try:
             return await self.averager.average(vector, options)
         except AveragingError as exc:
@@ -147,7 +149,8 @@ class SoloRounds:
     def __init__(self, peer_id: str) -> None:
         self.peer_id = peer_id
 
-    async def roster_published(self, key: str, trainers: Collection[str]) -> bool:
+    async def roster_published(self, key: str, trainers: Collection[str], *,
+                               timeout: float) -> bool:
         return False
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,

@@ -89,20 +89,22 @@ async def test_a_silent_leader_does_not_deadlock(swarm: Swarm) -> None:
     assert {m.peer_id for m in groups[0].members} == {m.peer_id for m in others}
 
 
-def direct(peer_id: str, key: str, peers: list[str], window: float = 2.0) -> RoundRequest:
-    """A direct round (a grid stage's): the caller names the peers it expects."""
+def direct(peer_id: str, key: str, peers: list[str], window: float = 2.0,
+           staged: bool = True) -> RoundRequest:
+    """A direct round (by default a grid stage's): the caller names the peers it expects."""
     member = Member(peer_id, "trainer", 1.0, 1e7, 1e7, True)
     return RoundRequest(key, member, size=10_000, chunk_elements=1000, compression="none",
                         window=window, deadline=timebase.now() + 60, expected=len(peers),
-                        peers=tuple(p for p in peers if p != peer_id))
+                        peers=tuple(p for p in peers if p != peer_id), staged=staged)
 
 
-async def _late(maker: Matchmaker, seconds: float, req: RoundRequest, on_its_way: bool) -> Group:
+async def _late(maker: Matchmaker, seconds: float, req: RoundRequest, on_its_way: bool,
+                never: bool = False) -> Group | None:
     """`maker` reaches the round `seconds` late: still in an earlier stage (`on_its_way`), or
-    not in the round at all until then."""
+    not in the round at all until then; or (`never`) it does not come after all."""
     with maker.coming([req.key] if on_its_way else []):
         await asyncio.sleep(seconds)
-        return await maker.form_group(req)
+        return None if never else await maker.form_group(req)
 
 
 @pytest.mark.parametrize("on_its_way", [True, False])
@@ -142,6 +144,38 @@ async def test_a_leader_waits_past_its_window_only_for_a_member_on_its_way(
         assert groups[0].group_id == groups[1].group_id and members == set(ids)
     else:
         assert members == {m.peer_id for m in others} and len(groups[0].members) == 1
+
+
+@pytest.mark.parametrize("leaves_after", [3.0, None])
+async def test_a_leader_that_said_it_was_coming_and_never_comes_costs_one_regrouping(
+        swarm: Swarm, leaves_after: float | None) -> None:
+    # it says "on my way" and then leaves its round (3 s), or says it until the round's latest
+    # gathering (a hostile peer): the others go on without it as one group, with time to regroup
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
+    key, ids = "run/grid/m1/5.x", [m.peer_id for m in makers]
+    leader = next(m for m in makers if m.peer_id == _ranked(key, ids)[0])
+    others = [m for m in makers if m is not leader]
+    started = timebase.now()
+    _, *groups = await asyncio.gather(
+        _late(leader, leaves_after or 30.0, direct(leader.peer_id, key, ids), True, never=True),
+        *(m.form_group(direct(m.peer_id, key, ids)) for m in others))
+    assert all(g is not None and g.group_id == groups[0].group_id for g in groups)
+    assert {m.peer_id for m in groups[0].members} == {m.peer_id for m in others}
+    if leaves_after is not None:  # once it left, nobody waited for it to the latest gathering
+        assert timebase.now() - started < 10.0
+
+
+async def test_a_direct_round_that_is_no_grid_stage_waits_for_nobody_past_its_window(
+        swarm: Swarm) -> None:
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
+    key, ids = "run/grad/3", [m.peer_id for m in makers]
+    late = next(m for m in makers if m.peer_id == _ranked(key, ids)[-1])
+    others = [m for m in makers if m is not late]
+    groups = await asyncio.gather(
+        _late(late, 9.0, direct(late.peer_id, key, ids, staged=False), True),
+        *(m.form_group(direct(m.peer_id, key, ids, staged=False)) for m in others))
+    assert {m.peer_id for m in groups[1].members} == {m.peer_id for m in others}
+    assert groups[0] is not None and len(groups[0].members) == 1
 
 
 async def test_asking_whether_a_peer_comes_needs_a_key_and_tells_the_truth(swarm: Swarm) -> None:
