@@ -13,18 +13,23 @@ and peers read the board at different moments, a report or two apart (128 traine
 
 So every grid round has a *roster*: the first `WRITERS` trainers of its view, in an order
 by a hash of the round's key (`writers`), publish the trainers they see under the round's key
-in the DHT (one sub-key each, signed); every peer then lays the grid out on the roster of the
-best-ranked writer it finds (`pick`), waiting for it at most `wait` seconds. Views that differ
-by a newcomer or two still pick the same writer, and its roster. A roster is taken only from a
-writer among the first `WRITERS + WRITER_SLACK` of the reader's own view, and only if it agrees
-with that view (`agrees`: it holds most of the trainers the reader sees, and few it does not
-know), so a stranger cannot hand out the cells, and trainers missing from the roster help like
-newcomers (grid.py). What remains: a writer that is in the view and ranks first (an identity at
-the head, which a forged progress report can put there once the round's key is known) can still
+in the DHT (one sub-key each, signed) as they begin the round; every peer then lays the grid
+out on the roster published *first* (`pick`: the earliest publication time the writers signed,
+ties by rank), waiting at most `wait` seconds for one, and once one is out, until it is
+`SETTLE` seconds old (a writer that began at the same moment is then seen too). Peers begin a
+round seconds apart; the first roster is out before the later ones look, so they all take it.
+(The first rule, the best-ranked writer's roster, split a 128-peer round in two: peers that
+began early waited `wait` for the best-ranked writer, then took another's; those that began
+after it came took its.) A roster is taken only from a writer among the first
+`WRITERS + WRITER_SLACK` of the reader's own view, and only if it agrees with that view
+(`agrees`: it holds most of the trainers the reader sees, and few it does not know), so a
+stranger cannot hand out the cells, and trainers missing from the roster help like newcomers
+(grid.py). What remains: one of those writers (an identity at the head, which a forged progress
+report can put there once the round's key is known) can sign an early publication time and
 write a roster that agrees but moves up to half the trainers out of the cells and a quarter of
-them to ids that never come; the round then fails, and the next one ranks writers anew.
-The roster stays in the DHT for `TTL` seconds: a round that failed and runs again under
-the same key lays out the same grid.
+them to ids that never come; the round then fails, and the next one ranks writers anew. The
+roster stays in the DHT for `TTL` seconds: a round that failed and runs again under the same key
+lays out the same grid.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import orjson
@@ -45,8 +51,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["MAX_ROSTER", "TTL", "WRITERS", "Rosters", "agrees", "decode", "encode", "pick",
-           "writers"]
+__all__ = ["MAX_ROSTER", "TTL", "WRITERS", "Published", "Rosters", "agrees", "decode", "encode",
+           "pick", "writers"]
 
 WRITERS = 3  # trainers that publish their view of a grid round
 # a roster is taken only from a writer among the first WRITERS + WRITER_SLACK of the reader's own
@@ -58,6 +64,15 @@ MAX_POLL = 1.0  # the pause doubles up to this (every peer of a grid round reads
 MAX_ROSTER = 1024  # peers a roster may list
 MAX_PEER_ID = 128  # characters of one peer id in a roster
 DHT_TIMEOUT = 2.0
+SETTLE = 1.0  # a roster is taken once it is this old (a near-simultaneous earlier one is seen)
+
+
+@dataclass(frozen=True)
+class Published:
+    """A writer's roster and when it says it published it (its record's expiration less TTL)."""
+
+    roster: tuple[str, ...]
+    at: float
 
 
 def _rank(key: str, peer: str) -> bytes:
@@ -76,14 +91,15 @@ def agrees(roster: Collection[str], view: Collection[str]) -> bool:
     return 2 * len(members & seen) > len(seen) and 4 * len(members - seen) <= len(members)
 
 
-def pick(key: str, view: Collection[str], entries: Mapping[str, tuple[str, ...]]
-         ) -> tuple[str, tuple[str, ...]] | None:
-    """(writer, roster) of the best-ranked writer whose roster agrees with `view`, or None. Only
-    writers among the first WRITERS + WRITER_SLACK of `view` count."""
+def pick(key: str, view: Collection[str], entries: Mapping[str, Published]
+         ) -> tuple[str, Published] | None:
+    """(writer, its roster) of the roster published first (ties: the best-ranked writer) among
+    those that agree with `view`, or None. Only writers among the first WRITERS + WRITER_SLACK
+    of `view` count."""
     allowed = set(writers(key, view, WRITERS + WRITER_SLACK))
-    good = [(writer, roster) for writer, roster in entries.items()
-            if writer in allowed and agrees(roster, view)]
-    return min(good, key=lambda item: _rank(key, item[0]), default=None)
+    good = [(writer, entry) for writer, entry in entries.items()
+            if writer in allowed and agrees(entry.roster, view)]
+    return min(good, key=lambda item: (item[1].at, _rank(key, item[0])), default=None)
 
 
 def encode(roster: Iterable[str]) -> bytes:
@@ -113,38 +129,42 @@ class Rosters:
 
     async def agree(self, key: str, trainers: Collection[str], *, wait: float,
                     write: bool = True) -> tuple[str, ...]:
-        """The trainers a grid round of `key` gives its cells to: the roster of the
-        best-ranked writer that agrees with `trainers` (this peer's view, itself included if
-        it trains), waited for at most `wait` seconds; else the view itself. This peer writes
-        its view as a roster if it is one of the writers and `write` allows."""
+        """The trainers a grid round of `key` gives its cells to: the first-published roster
+        that agrees with `trainers` (this peer's view, itself included if it trains), waited
+        for at most `wait` seconds; else the view itself. This peer writes its view as a
+        roster if it is one of the writers and `write` allows."""
         view = frozenset(trainers)
         dht_key = f"{self.run_key}/roster/{key}"
-        ranked = writers(key, view)
         entries = await self._read(dht_key)
-        if write and self.peer_id in ranked and self.peer_id not in entries:
-            await self._write(dht_key, view)
-            entries[self.peer_id] = tuple(sorted(view))
+        if write and self.peer_id in writers(key, view) and self.peer_id not in entries:
+            published = await self._write(dht_key, view)
+            if published is not None:
+                entries[self.peer_id] = published
         give_up = timebase.monotonic() + max(0.0, wait)
         pause = POLL
         while True:
             chosen = pick(key, view, entries)
-            # the best-ranked writer we know of has written (or one better still, that we do not
-            # know yet: it is the one every peer finds best)
-            if chosen is not None and (not ranked or _rank(key, chosen[0]) <= _rank(key, ranked[0])):
-                break
             left = give_up - timebase.monotonic()
-            if left <= 0:
-                break
-            await asyncio.sleep(min(pause, left))
-            pause = min(MAX_POLL, 2 * pause)
-            entries = await self._read(dht_key)
+            if chosen is not None:
+                # taken once it is SETTLE old: one published at about the same moment (and
+                # signed a little earlier) is in the DHT by then
+                young = SETTLE - (timebase.now() - chosen[1].at)
+                if young <= 0 or left <= 0:
+                    break
+                await asyncio.sleep(min(young, left))
+            else:
+                if left <= 0:
+                    break
+                await asyncio.sleep(min(pause, left))
+                pause = min(MAX_POLL, 2 * pause)
+            entries = {**entries, **await self._read(dht_key)}
         if chosen is None:
             log.info("grid_roster_missing", key=key, trainers=len(view))
             return tuple(sorted(view))
-        writer, roster = chosen
-        log.debug("grid_roster", key=key, writer=writer[:12], trainers=len(roster),
-                  unseen=len(set(roster) - view), missing=len(view - set(roster)))
-        return roster
+        writer, entry = chosen
+        log.debug("grid_roster", key=key, writer=writer[:12], trainers=len(entry.roster),
+                  unseen=len(set(entry.roster) - view), missing=len(view - set(entry.roster)))
+        return entry.roster
 
     async def published(self, key: str, trainers: Collection[str], *,
                         timeout: float = DHT_TIMEOUT) -> bool:
@@ -154,7 +174,7 @@ class Rosters:
         entries = await self._read(f"{self.run_key}/roster/{key}", timeout=timeout)
         return pick(key, frozenset(trainers), entries) is not None
 
-    async def _read(self, dht_key: str, timeout: float = DHT_TIMEOUT) -> dict[str, tuple[str, ...]]:
+    async def _read(self, dht_key: str, timeout: float = DHT_TIMEOUT) -> dict[str, Published]:
         try:
             record = await self.dht.get(dht_key, timeout=max(0.1, min(DHT_TIMEOUT, timeout)))
         except (TransportError, TimeoutError) as exc:
@@ -164,12 +184,15 @@ class Rosters:
         for writer, entry in (record.own_sub_keys.items() if record is not None else ()):
             roster = decode(entry.value)
             if roster is not None:
-                out[writer] = roster
+                out[writer] = Published(roster, entry.expiration - TTL)
         return out
 
-    async def _write(self, dht_key: str, view: Collection[str]) -> None:
+    async def _write(self, dht_key: str, view: Collection[str]) -> Published | None:
+        now = timebase.now()
         try:
-            await self.dht.store(dht_key, encode(view), timebase.now() + TTL, sub_key=self.peer_id,
+            await self.dht.store(dht_key, encode(view), now + TTL, sub_key=self.peer_id,
                                  timeout=DHT_TIMEOUT)
         except (TransportError, TimeoutError) as exc:
             log.info("grid_roster_write_failed", key=dht_key, error=str(exc))
+            return None
+        return Published(tuple(sorted(set(view))), now)

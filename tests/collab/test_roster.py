@@ -14,7 +14,7 @@ import pytest
 from dedloc.daemon.averaging.averager import RoundOptions
 from dedloc.daemon.averaging.settings import AveragingSettings
 from dedloc.daemon.collab.grid import grid_layout
-from dedloc.daemon.collab.roster import Rosters, agrees, decode, encode, pick, writers
+from dedloc.daemon.collab.roster import Published, Rosters, agrees, decode, encode, pick, writers
 from dedloc.daemon.collab.rounds import NetworkRounds
 
 
@@ -50,14 +50,17 @@ def test_a_roster_is_taken_only_when_it_agrees_with_the_view(roster: range, view
     assert agrees([str(p) for p in roster], [str(p) for p in view]) is expected
 
 
-def test_pick_takes_the_best_ranked_writer_whose_roster_agrees() -> None:
+def test_pick_takes_the_first_published_roster_that_agrees() -> None:
     view = _ids(20)
     ranked = writers("k", view, count=20)
     honest = tuple(view)
     friends = tuple([ranked[0], *_ids(30, start=100)])
-    assert pick("k", view, {ranked[0]: friends, ranked[1]: honest, ranked[2]: honest}) == (ranked[1], honest)
-    assert pick("k", view, {ranked[2]: honest, ranked[1]: honest[:15]}) == (ranked[1], honest[:15])
-    assert pick("k", view, {ranked[0]: friends}) is None
+    first, later = Published(honest, 2.0), Published(honest, 3.0)
+    assert pick("k", view, {ranked[0]: Published(friends, 1.0), ranked[1]: later,
+                            ranked[2]: first}) == (ranked[2], first)
+    tie = Published(honest[:15], 2.0)  # published at the same moment: the better-ranked writer
+    assert pick("k", view, {ranked[2]: first, ranked[1]: tie}) == (ranked[1], tie)
+    assert pick("k", view, {ranked[0]: Published(friends, 1.0)}) is None
 
 
 @pytest.mark.parametrize("value", [b"", b"{}", b"[]", b"[1, 2]", b'["a", "a"]', b'["' + b"x" * 200 + b'"]',
@@ -73,6 +76,7 @@ def test_a_roster_round_trips() -> None:
 @dataclass
 class _Entry:
     value: bytes
+    expiration: float
 
 
 @dataclass
@@ -89,7 +93,7 @@ class _Dht:
     async def store(self, key: str, value: bytes, expiration: float, sub_key: str | None = None,
                     *, timeout: float | None = None) -> int:
         assert sub_key is not None
-        self.values.setdefault(key, {})[sub_key] = _Entry(value)
+        self.values.setdefault(key, {})[sub_key] = _Entry(value, expiration)
         return 1
 
     async def get(self, key: str, *, timeout: float | None = None) -> _Record | None:
@@ -174,10 +178,11 @@ def test_a_roster_from_a_writer_outside_the_view_or_its_first_ranks_is_not_taken
     key, view = "grad/3/abc", _ids(40)
     stranger = next(p for p in _ids(5000, start=100) if writers(key, [*view, p])[0] == p)
     low = writers(key, view, len(view))[-1]  # in the view, ranked last
-    roster = tuple(sorted(view))
-    assert pick(key, view, {stranger: roster, low: roster}) is None
+    roster = Published(tuple(sorted(view)), 5.0)
+    early = Published(roster.roster, 1.0)
+    assert pick(key, view, {stranger: early, low: early}) is None
     honest = writers(key, view)[1]
-    assert pick(key, view, {stranger: roster, low: roster, honest: roster}) == (honest, roster)
+    assert pick(key, view, {stranger: early, low: early, honest: roster}) == (honest, roster)
 
 
 async def test_a_round_has_begun_once_one_of_its_first_writers_published_a_roster() -> None:
@@ -194,3 +199,22 @@ async def test_a_round_has_begun_once_one_of_its_first_writers_published_a_roste
     assert not await reader.published(key, view)  # a roster that does not agree with our view
     await dht.store(f"run/roster/{key}", encode(view), 0.0, sub_key=fifth)
     assert await reader.published(key, view)
+
+
+async def test_peers_that_begin_before_and_after_the_best_ranked_writer_take_one_roster() -> None:
+    # the second-ranked writer begins first; peers that begin then take its roster; the
+    # best-ranked writer begins later with another view (its own, a few newcomers more): those
+    # that begin after it still take the first roster (the best-ranked rule split the round)
+    key = "grad/9/abc"
+    trainers, newcomers = _ids(60), _ids(4, start=60)
+    best, second = writers(key, trainers)[:2]
+    dht = _Dht()
+
+    async def agree(peer: str, view: list[str]) -> tuple[str, ...]:
+        return await Rosters(dht, peer, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
+
+    chosen = [await agree(second, trainers)]
+    chosen += [await agree(p, trainers) for p in trainers[:20] if p not in (best, second)]
+    chosen.append(await agree(best, [*trainers, *newcomers]))
+    chosen += [await agree(p, [*trainers, *newcomers]) for p in trainers[20:] if p not in (best, second)]
+    assert set(chosen) == {tuple(sorted(trainers))}
