@@ -559,6 +559,10 @@ class Matchmaker:
             self.refused_groups += 1
             log.warning("matchmaking_group_refused", leader=ctx.peer_id[:12], key=group.key,
                         reason=refusal)
+            # an offence: no honest leader's group breaks these rules (a round that failed runs
+            # again under the same key, with the same leader first: without a ban, a hostile
+            # leader that ranks first stalled its run's head for good)
+            self._bans.offence(ctx.peer_id, "group", refusal)
             raise MatchmakingError(f"refused the group: {refusal}")
         if not gathering.group.done():
             gathering.group.set_result(group)
