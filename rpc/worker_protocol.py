@@ -10,6 +10,9 @@ from enum import StrEnum
 from typing import Any, Literal, NotRequired, TypedDict
 
 __all__ = [
+    "INNER_LR_SCALE_AUTO",
+    "MAX_INNER_LR_SCALE",
+    "MIN_INNER_LR_SCALE",
     "PROTOCOL_VERSION",
     "ApplyResult",
     "CheckpointSaveResult",
@@ -27,6 +30,12 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+
+#: A local-update run's `sync.inner_lr_scale`: "auto" (the batch's size over the run's target
+#: batch size) or a number in these bounds; the manifest and the worker check the same ones.
+INNER_LR_SCALE_AUTO = "auto"
+MIN_INNER_LR_SCALE = 1e-4
+MAX_INNER_LR_SCALE = 10.0
 
 #: Which vector an export or apply moves: the mean accumulated gradients, the parameters, the
 #: full state (parameters, optimizer state, buffers), or a local-update run's error-feedback

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import structlog
 
+from dedloc.rpc.worker_protocol import INNER_LR_SCALE_AUTO, MAX_INNER_LR_SCALE, MIN_INNER_LR_SCALE
+
 from .. import timebase
 from ..dht.records import is_peer_id
 from ..identity import verify
@@ -46,9 +48,6 @@ COMPRESSIONS = ("none", "fp16", "uint8", "quantile8")
 LOCAL_COMPRESSIONS = (*COMPRESSIONS, "topk")
 SYNC_MODES = ("gradients", "local")
 MAX_INNER_STEPS = 1_000_000
-INNER_LR_SCALE_AUTO = "auto"
-MIN_INNER_LR_SCALE = 1e-4
-MAX_INNER_LR_SCALE = 10.0
 MANIFEST_TTL = 600.0  # seconds a published manifest stays in the DHT without a refresh
 REFRESH_EVERY = 120.0
 MAX_MANIFEST_BYTES = 16 << 10

@@ -59,7 +59,7 @@ WRITERS = 3  # trainers that publish their view of a grid round
 # view (views differ by a few peers; a stranger outside the view cannot hand out the cells)
 WRITER_SLACK = 2
 TTL = 180.0  # seconds a roster stays in the DHT
-POLL = 0.25  # the first pause between reads while waiting for the best-ranked writer's roster
+POLL = 0.25  # the first pause between reads while waiting for a roster
 MAX_POLL = 1.0  # the pause doubles up to this (every peer of a grid round reads one key)
 MAX_ROSTER = 1024  # peers a roster may list
 MAX_PEER_ID = 128  # characters of one peer id in a roster

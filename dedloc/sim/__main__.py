@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -21,10 +22,8 @@ from .scenarios import SCENARIOS, run_scenario
 def _virtual_time(logger: object, method: str, event: dict[str, object]) -> dict[str, object]:
     """Each line says when it happened in simulated seconds (`t`, from the run's start), not
     on the wall clock (the loop's time races ahead of it), and which peer logged it (`sim`)."""
-    try:
+    with contextlib.suppress(RuntimeError):  # (no loop, before or after the run: no time)
         event["t"] = round(asyncio.get_running_loop().time() - START, 3)
-    except RuntimeError:  # (no loop: before or after the run)
-        pass
     return event
 
 

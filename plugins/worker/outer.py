@@ -56,14 +56,11 @@ import numpy as np
 import torch
 
 from dedloc.rpc import InvalidParams
+from dedloc.rpc.worker_protocol import INNER_LR_SCALE_AUTO, MAX_INNER_LR_SCALE, MIN_INNER_LR_SCALE
 
 from .layout import Slot, gather, scatter_views
 
-__all__ = ["AUTO", "MAX_INNER_LR_SCALE", "MIN_INNER_LR_SCALE", "LocalUpdates", "OuterState"]
-
-AUTO = "auto"  # inner_lr_scale: the batch's size over the run's target batch size
-MIN_INNER_LR_SCALE = 1e-4
-MAX_INNER_LR_SCALE = 10.0
+__all__ = ["LocalUpdates", "OuterState"]
 
 
 @dataclass(frozen=True)
@@ -83,12 +80,12 @@ class LocalUpdates:
     target_batch_size: int | None = None  # the run's; needed by "auto"
 
     def __post_init__(self) -> None:
-        if self.inner_lr_scale == AUTO and self.target_batch_size is None:
+        if self.inner_lr_scale == INNER_LR_SCALE_AUTO and self.target_batch_size is None:
             raise ValueError('inner_lr_scale "auto" needs the run\'s target_batch_size')
 
     def lr_scale(self, batch_size: int) -> float:
         """What an inner step on a batch of `batch_size` samples multiplies the learning rate by."""
-        if self.inner_lr_scale == AUTO:
+        if self.inner_lr_scale == INNER_LR_SCALE_AUTO:
             assert self.target_batch_size is not None  # (__post_init__)
             return batch_size / self.target_batch_size
         return float(self.inner_lr_scale)
@@ -131,7 +128,7 @@ class LocalUpdates:
             raise InvalidParams("sync.target_batch_size", f"must be an integer >= 1, not "
                                 f"{target!r:.40}")
         scale = sync.get("inner_lr_scale", 1.0)
-        if scale == AUTO:
+        if scale == INNER_LR_SCALE_AUTO:
             if target is None:
                 raise InvalidParams("sync.target_batch_size", "is needed with inner_lr_scale "
                                     "\"auto\" (each inner step's lr is scaled by its batch "
