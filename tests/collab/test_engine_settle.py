@@ -1,0 +1,142 @@
+"""A trainer settling before a first grid round watches for the round's roster (engine.py).
+
+The engine runs on the simulator's virtual clock with in-memory ports: a board whose trainers
+all stand at the run's head with the target reached, and an averager whose groups are smaller
+than the swarm (a grid round) and whose roster appears when the test says. What is checked is
+what the engine does: when it begins the round, and how often it reads the roster's key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dedloc.daemon import timebase
+from dedloc.daemon.averaging.report import AveragingReport
+from dedloc.daemon.collab.engine import ROSTER_POLL, RunEngine, RunProgress
+from dedloc.daemon.collab.policy import Schedule, Timing
+from dedloc.daemon.collab.ports import DownloadedState, Trained
+from dedloc.daemon.collab.progress import PeerProgress, Role
+from dedloc.sim.clock import SkewedClock
+from dedloc.sim.loop import run_virtual
+
+LINEAGE = "0" * 32  # the run's first head
+TARGET = 120
+TIMING = Timing()  # settle 10 s: without a roster, the round begins that long after the head grew
+
+
+class StandingBoard:
+    """Eleven other trainers at epoch 0, 20 samples each: the target is reached."""
+
+    def __init__(self) -> None:
+        self.peers = [f"peer-{i:02d}" for i in range(11)]
+
+    async def publish(self, report: PeerProgress) -> None:
+        return None
+
+    async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
+        now = timebase.now()
+        reports = [PeerProgress(peer, 0, 20, 10.0, now, now + 30.0, "trainer", 20, lineage=LINEAGE)
+                   for peer in self.peers]
+        return reports, {peer: now for peer in self.peers}
+
+    async def leave(self, report: PeerProgress) -> None:
+        return None
+
+
+@dataclass
+class GridAverager:
+    """Groups of 4 (a round of 12 is a grid round); the roster is out from `roster_at` (virtual
+    seconds; None: never). `average` notes when the round began and ends the run."""
+
+    roster_at: float | None
+    engine: RunEngine | None = None
+    roster_reads: list[float] = field(default_factory=list)
+    began_at: float | None = None
+
+    @property
+    def max_group_size(self) -> int:
+        return 4
+
+    async def average(self, vector: np.ndarray, key: str, **options: object) -> AveragingReport | None:
+        self.began_at = asyncio.get_running_loop().time()
+        assert self.engine is not None
+        self.engine.stop()
+        return None
+
+    async def roster_published(self, key: str, trainers: Collection[str], *,
+                               timeout: float) -> bool:
+        now = asyncio.get_running_loop().time()
+        self.roster_reads.append(now)
+        assert key.startswith("grad/0/") and len(trainers) == 12
+        return self.roster_at is not None and now >= self.roster_at
+
+
+class CountingTrainer:
+    """A trainer of 10 samples a second; its gradients are zeros."""
+
+    def __init__(self) -> None:
+        self.vector = np.zeros(8, dtype=np.float32)
+
+    async def train(self, samples: int, seconds: float) -> Trained:
+        await asyncio.sleep(min(seconds, samples / 10.0))
+        return Trained(samples, 1.0, 10.0)
+
+    async def export_gradients(self) -> np.ndarray:
+        return self.vector
+
+    async def step(self, epoch: int) -> float | None:
+        return 0.1
+
+    async def zero_grad(self) -> None:
+        return None
+
+    async def settle_residual(self, residual: np.ndarray) -> None:
+        return None
+
+    async def export_state(self) -> DownloadedState:
+        raise NotImplementedError("no downloads in this test")
+
+
+def run_settling(roster_at: float | None) -> tuple[GridAverager, float, str]:
+    """Run one trainer's engine until it begins its first grid round; the averager, the virtual
+    second the trainer first read the board, and why the engine left."""
+
+    async def main() -> tuple[GridAverager, float, str]:
+        loop = asyncio.get_running_loop()
+        timebase.use(SkewedClock(loop))
+        averager = GridAverager(None if roster_at is None else loop.time() + roster_at)
+        role: Role = "trainer"
+        engine = RunEngine(peer_id="peer-me", role=role, schedule=Schedule(TARGET),
+                           board=StandingBoard(), averaging=averager, trainer=CountingTrainer(),
+                           progress=RunProgress(lineage=LINEAGE), parameters=8, timing=TIMING)
+        averager.engine = engine
+        started = loop.time()
+        reason = await asyncio.wait_for(engine.run(), timeout=3600)
+        return averager, started, reason
+
+    return run_virtual(main())
+
+
+def test_a_settling_trainer_begins_once_the_roster_is_out() -> None:
+    averager, started, reason = run_settling(roster_at=3.0)
+    assert reason == "stopped"
+    assert averager.began_at is not None
+    # it began on the roster (3 s in, read within ROSTER_POLL), not after settling 10 s
+    assert started + 3.0 <= averager.began_at < started + 3.0 + ROSTER_POLL + TIMING.max_chunk
+    assert averager.began_at < started + TIMING.settle
+
+
+def test_without_a_roster_it_settles_and_reads_the_key_at_most_once_a_poll() -> None:
+    averager, started, reason = run_settling(roster_at=None)
+    assert reason == "stopped"
+    assert averager.began_at is not None
+    assert averager.began_at >= started + TIMING.settle  # the view stayed the same for settle s
+    reads = averager.roster_reads
+    assert len(reads) >= 5  # it kept watching while it settled ...
+    gaps = [b - a for a, b in itertools.pairwise(reads)]
+    assert min(gaps) >= ROSTER_POLL - 1e-9  # ... at most once a poll
