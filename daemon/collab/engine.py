@@ -5,6 +5,8 @@ fold them into the run's estimate (estimate.py), `decide` (policy.py), and carry
 through the ports (ports.py): train the `Trainer`, average through the `RoundAverager` (then step,
 and average the state when due), download a state from the `StateSource`, wait, or leave.
 Trainers and aux peers, collaborative and local runs are the same engine with other ports.
+Taking part in a round (the `Average` action: export, average, step, the state round, an
+aux peer's reduction) is in round_taking.py, a part of the engine kept apart.
 
 Its `phase` is awaitable (`PhaseCell.wait_until`): a donor asked for the state mid-round waits
 for the round to end on it, nobody polls. Everything this peer has done is in `progress`
@@ -21,38 +23,30 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import structlog
 
 from .. import timebase
-from ..averaging.compression import get_codec
-from ..averaging.error_feedback import unconveyed
 from ..averaging.report import AveragingReport
 from .donors import DonorChoice
 from .errors import DonorBusy, StateSyncError
 from .estimate import GlobalProgress, Head, estimate_global
-from .lineage import next_lineage
 from .policy import (
-    WEIGHT_SLACK,
     Action,
     Average,
     CatchUp,
     Leave,
     Local,
-    RoundResult,
     Schedule,
     Timing,
     Train,
     View,
     Wait,
     decide,
-    needed_trainers,
     round_key,
-    state_round_due,
-    step_allowed,
 )
 from .ports import DownloadedState, ProgressBoard, RoundAverager, StateSource, Trainer, TrainerRefused
 from .progress import PeerProgress, Role
+from .round_taking import HISTORY, RoundTaking
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +57,6 @@ Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averagi
 #: While in these phases the state is about to change: a donor serves it after the round.
 IN_ROUND: tuple[Phase, ...] = ("averaging", "stepping", "averaging_state")
 STALE_AFTER = 30.0  # seconds a progress report stays believable
-HISTORY = 200
 ROSTER_POLL = 1.0  # seconds between reads of a grid round's roster while settling before it
 
 
@@ -114,7 +107,7 @@ class PhaseCell:
         return True
 
 
-class RunEngine:
+class RunEngine(RoundTaking):
     """One run on one peer (see the module docstring). `run()` returns why it left ("finished"
     or "stopped"); an error of a port (a dead worker, a revoked membership) propagates."""
 
@@ -424,236 +417,6 @@ class RunEngine:
             await self.trainer.zero_grad()
             self.progress.accumulated = 0
         self._log.info("run_resumed", epoch=self.progress.epoch)
-
-    def _max_weight(self) -> float:
-        """The most samples a member of this run's gradient rounds may claim: an honest trainer
-        stops at the target, overshooting by at most one of its batches (WEIGHT_SLACK covers a
-        batch of up to 7 targets); a claim of 1e15 is refused, not averaged. The run may say
-        (RunManifest.max_weight: a local-update run's epoch is H target batches)."""
-        if self._weight_cap is not None:
-            return float(self._weight_cap)
-        return float(WEIGHT_SLACK * self.schedule.target_batch_size)
-
-    async def _average(self, action: Average) -> None:
-        """A gradient round at the head, then the step if the round allows it."""
-        assert self.trainer is not None
-        p = self.progress
-        head = action.head
-        self.phase.set("averaging")
-        vector = await self.trainer.export_gradients()
-        # (an honest trainer far ahead of a round that keeps failing would pass the bound)
-        weight = min(float(p.accumulated), self._max_weight())
-        finite = await asyncio.to_thread(lambda: bool(np.isfinite(vector).all()))
-        if not finite:  # take part with nothing: the others' step is ours too
-            p.skipped_steps += 1
-            self._log.warning("nonfinite_gradients_skipped", epoch=p.epoch)
-            await self.trainer.zero_grad()
-            p.accumulated = 0
-            vector = await self.trainer.export_gradients()
-            weight = 0.0
-        # what we send, before the round overwrites it with the average (error feedback)
-        prepared = (await asyncio.to_thread(vector.copy)) if self.error_feedback and weight > 0 \
-            else None
-        exported = p.accumulated
-        averaged = self.averaging.average(vector, round_key("grad", head), weight=weight,
-                                              expected=action.expected, role="trainer",
-                                              compression=self.compression,
-                                              min_trainers=needed_trainers(action, self.schedule),
-                                              peers=self._round_peers(), leaders=self._leaders(),
-                                              cells=self._grid_cells(),
-                                              aux=self._aux_peers(),
-                                              max_weight=self._max_weight(),
-                                              settled=self._settled())
-        report = await (self._train_while(averaged) if self.overlap and weight > 0 else averaged)
-        if report is not None:
-            self.last_round = report
-        result = None if report is None else RoundResult(report.trainers, report.senders,
-                                                         len(report.failed_parts))
-        if report is None or not step_allowed(result, action, self.schedule):
-            p.failed_rounds += 1
-            self._schedule_look(0.0)
-            self._log.warning("averaging_round_failed_no_step", epoch=p.epoch,
-                              group_size=report and report.group_size,
-                              trainers=report and report.trainers, expected=action.trainers,
-                              failed_parts=report and len(report.failed_parts))
-            return
-        self.phase.set("stepping")
-        p.lr = await self.trainer.step(p.epoch)
-        if prepared is not None:
-            await self._settle_residual(prepared, report)
-        carried = p.accumulated - exported  # trained during the round (overlap): the next epoch's
-        p.accumulated = exported
-        self._stepped(report)
-        p.accumulated = carried
-        if state_round_due(self.schedule, p.epoch, report.trainers):
-            await self._average_state(report)
-        every = self._checkpoint_every
-        if every > 0 and p.epoch % every == 0:
-            await self._save_checkpoint()
-        self._schedule_look(0.0)  # the others are stepping too: look again now
-
-    async def _train_while(self, averaged: Awaitable[AveragingReport | None]
-                           ) -> AveragingReport | None:
-        """Overlap: train (in chunks of `Timing.max_chunk`) until the round is over; the phase
-        stays "averaging" (a donor serves its state after the step)."""
-        assert self.trainer is not None
-        round_ = asyncio.ensure_future(averaged)
-        try:
-            while not round_.done() and not self._stop.is_set():
-                try:
-                    done = await self.trainer.train(self.schedule.target_batch_size,
-                                                    self.timing.max_chunk)
-                except Exception:
-                    # the trainer failed: the round goes on to its end (it has its deadline),
-                    # so that the others do not lose the part we reduce, and then we fail
-                    with contextlib.suppress(Exception):
-                        await round_
-                    raise
-                self._count(done.samples, done.loss, done.samples_per_second)
-            return await round_
-        finally:
-            if not round_.done():  # cancelled (the run stops): the round is not ours to finish
-                round_.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await round_
-
-    async def _settle_residual(self, prepared: np.ndarray, report: AveragingReport) -> None:
-        """The new residual: what the codec did not convey of `prepared`, recomputed chunk by
-        chunk as the round cut it (the codecs are deterministic). Only a stepped round settles:
-        a failed one changed nothing, and the next export adds the same residual again."""
-        assert self.trainer is not None
-        residual = await asyncio.to_thread(unconveyed, get_codec(report.compression), prepared,
-                                           report.part_bounds, report.chunk_elements, report.part)
-        await self.trainer.settle_residual(residual)
-
-    def _leaders(self) -> tuple[str, ...]:
-        """Who leads a round at our head first: the members of the round that made it, as we
-        and every peer that came out of it know them first-hand; none when we do not know them
-        (then every peer ranks the same expected peers)."""
-        if self.role == "trainer":
-            return self._head_group
-        # an aux peer knows that list only if it was in the round that made the run's head
-        run = self.global_progress
-        return self._aux_group[1] if run is not None and self._aux_group[0] == run.head else ()
-
-    def _grid_cells(self) -> tuple[str, ...]:
-        """Who holds the cells of a grid round at the run's head: the trainers there that
-        report they stepped there in its round, a list every peer reading the board agrees on
-        (after a grid round each member knows only the grid it laid out, and those differ where
-        views differed); else `_leaders`. (Only for cells: a claim on the board does not make
-        a peer lead a one-group round, where a leader that never begins holds its joiners.)"""
-        run = self.global_progress
-        if run is not None:
-            stepped = tuple(sorted(
-                p["peer_id"] for p in run.live_peers
-                if p["role"] == "trainer" and p.get("stepped") and p["epoch"] == run.epoch
-                and p["lineage"] == run.lineage))
-            if len(stepped) >= 2:
-                return stepped
-        return self._leaders()
-
-    def _round_peers(self) -> tuple[str, ...]:
-        """Who a round at the run's head expects: the trainers there and the aux peers."""
-        run = self.global_progress
-        if run is None:
-            return ()
-        return tuple(sorted({*run.donors, *self._aux_peers()} - {self.peer_id}))
-
-    def _aux_peers(self) -> tuple[str, ...]:
-        run = self.global_progress
-        if run is None:
-            return ()
-        return tuple(sorted({p["peer_id"] for p in run.live_peers if p["role"] == "aux"}
-                            - {self.peer_id}))
-
-    def _stepped(self, report: AveragingReport) -> None:
-        p = self.progress
-        epoch, accumulated = p.epoch, p.accumulated
-        p.epoch = epoch + 1
-        p.lineage = next_lineage(p.lineage or "", report.group_id)
-        self._head_group = report.members
-        self._stepped_in = self.head
-        p.accumulated = 0
-        p.rounds += 1
-        total, count = self._epoch_loss
-        if count:
-            p.epoch_losses.append(total / count)
-            del p.epoch_losses[: max(0, len(p.epoch_losses) - HISTORY)]
-        self._epoch_loss = (0.0, 0)
-        applied_at = timebase.now()
-        reached = self._target_reached[1] if self._target_reached is not None else applied_at
-        overhead = round(max(0.0, applied_at - reached), 4)
-        self.step_overhead = overhead
-        self.epoch_history.append({
-            "epoch": epoch, "samples": accumulated, "stepped": True, "lineage": p.lineage,
-            "target_reached_at": reached, "applied_at": applied_at, "overhead_seconds": overhead,
-            "group_size": report.group_size, "trainers": report.trainers,
-            "senders": report.senders, "round_seconds": report.seconds,
-            "matchmaking_seconds": report.matchmaking_seconds, "stages": report.stages,
-        })
-
-    async def _average_state(self, round_: AveragingReport) -> None:
-        """Average parameters and optimizer state with the trainers of the round just done:
-        float drift between devices is folded back in."""
-        assert self.trainer is not None
-        p = self.progress
-        self.phase.set("averaging_state")
-        state = await self.trainer.export_state()
-        try:
-            aux = {p["peer_id"] for p in self.global_progress.live_peers if p["role"] == "aux"} \
-                if self.global_progress is not None else set()
-            peers = tuple(m for m in round_.members if m != self.peer_id and m not in aux)
-            report = await self.averaging.average(
-                state.buffer.array[: state.numel], round_key("state", self.head), weight=1.0,
-                expected=round_.trainers, role="trainer", peers=peers,
-                leaders=tuple(m for m in round_.members if m not in aux),
-                max_weight=1.0)  # one vote per trainer: a state round is a plain mean
-            if report is None or report.failed_parts or report.group_size < 2:
-                p.failed_state_rounds += 1
-                self._log.info("state_averaging_skipped", epoch=p.epoch,
-                               group_size=report and report.group_size)
-                return
-            await self.trainer.load_state(state)
-            p.accumulated = 0  # (what an overlapping run trained meanwhile went with the old state)
-            p.state_rounds += 1
-            p.lineage = next_lineage(p.lineage or "", f"state/{report.group_id}")
-            self._head_group = report.members
-            self._stepped_in = self.head
-            self.last_state_round = report
-        finally:
-            state.close()
-
-    async def _reduce(self, action: Average) -> None:
-        """An aux peer's part of a round: it reduces, with nothing of its own."""
-        self.phase.set("averaging")
-        vector = np.zeros(self.parameters, dtype=np.float32)
-        report = await self.averaging.average(vector, round_key("grad", action.head), weight=0.0,
-                                              expected=action.expected, role="aux",
-                                              compression=self.compression,
-                                              min_trainers=needed_trainers(action, self.schedule),
-                                              peers=self._round_peers(), leaders=self._leaders(),
-                                              cells=self._grid_cells(),
-                                              aux=self._aux_peers(),
-                                              max_weight=self._max_weight(),
-                                              settled=self._settled())
-        result = None if report is None else RoundResult(report.trainers, report.senders,
-                                                         len(report.failed_parts))
-        if report is not None and report.group_size > 1:
-            self.last_round = report
-        if step_allowed(result, action, self.schedule) and report is not None \
-                and report.group_size > 1:
-            self.progress.rounds += 1
-            self._averaged = action.head
-            stepped_to = Head(action.head.epoch + 1,
-                              next_lineage(action.head.lineage or "", report.group_id))
-            self._aux_group = (stepped_to, report.members)
-        else:
-            self.progress.failed_rounds += 1
-            self._log.info("aux_round_failed", epoch=action.head.epoch,
-                           group_size=report and report.group_size,
-                           trainers=report and report.trainers, expected=action.trainers,
-                           failed_parts=report and len(report.failed_parts))
-        self._schedule_look(0.0)
 
     async def _catch_up(self, action: CatchUp) -> None:
         """Load the state of a peer at the run's head (this peer is new, or fell behind)."""
