@@ -118,6 +118,7 @@ class ReplicatedSession(Session):
         self.world_size = len(devices)
         self._broken: str | None = None
         self._pending_samples = [0] * self.world_size  # accumulated on each replica, not yet reduced
+        self._replica_skipped = [0] * self.world_size  # batches each replica skipped (NaN/Inf)
         self._processes: list[Any] = []
         self._pipes: list[Connection] = []
         self._sync_slots, self._sync_tensors = self._sync_layout()
@@ -275,14 +276,19 @@ class ReplicatedSession(Session):
         results = [local, *self._answers(grace, "train")]
         for rank, result in enumerate(results[1:], start=1):
             self._pending_samples[rank] += result["samples"]
+            skipped = result.get("skipped_batches")  # (a replica's count, all calls)
+            if isinstance(skipped, int) and skipped >= 0:
+                self._replica_skipped[rank] = skipped
         seconds = time.perf_counter() - start
         done = sum(result["samples"] for result in results)
-        rate = done / seconds if seconds > 0 else None
-        self.samples_per_second = rate
-        return {"samples": done,
-                "loss": sum(r["loss"] * r["samples"] for r in results) / done,
+        rate = done / seconds if seconds > 0 and done else None
+        if rate is not None:
+            self.samples_per_second = rate
+        return {"samples": done,  # 0 when every rank skipped every batch (NaN or Inf)
+                "loss": sum(r["loss"] * r["samples"] for r in results) / done if done else 0.0,
                 "seconds": seconds, "samples_per_second": rate,
                 "accumulated_samples": self.accumulated_samples + sum(self._pending_samples[1:]),
+                "skipped_batches": self.skipped_batches + sum(self._replica_skipped[1:]),
                 "ranks": [{"device": str(device), "samples": r["samples"], "seconds": r["seconds"]}
                           for device, r in zip(self.devices, results, strict=True)]}
 

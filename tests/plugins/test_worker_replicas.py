@@ -114,6 +114,7 @@ async def test_two_ranks_export_the_mean_over_both_streams_and_follow_every_step
         assert trained["samples"] == 128, trained
         assert [rank["samples"] for rank in trained["ranks"]] == [64, 64]
         assert trained["accumulated_samples"] == 128
+        assert trained["skipped_batches"] == 0  # all ranks' (none had a NaN)
         assert (await client.call("worker.describe"))["accumulated_samples"] == 128
         exported = await client.call("worker.export", {"what": "gradients", "buffer": name, "numel": numel})
         assert exported["meta"]["accumulated_samples"] == 128
