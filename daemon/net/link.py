@@ -26,6 +26,7 @@ frame carrying the header and the total payload length, then continuation frames
 from __future__ import annotations
 
 import asyncio
+import mmap
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ _DIRECT_MIN = 64 * 1024
 _BATCH_BYTES = 1024 * 1024
 MIN_MESSAGE_RATE = 1024  # bytes/s: an inbound message slower than this (past the stall timeout) ends its link
 MIN_WRITE_RATE = 1024  # bytes/s: a write slower than this (past the stall timeout) ends its link
+LAZY_BUFFER_BYTES = 1024 * 1024  # an inbound message this large gets pages only as its bytes come
 _INF = float("inf")
 
 
@@ -175,6 +177,17 @@ class InboundBudget:
         hog._counters["inbound_budget_evictions"] = hog._counters.get("inbound_budget_evictions", 0) + 1
         hog.begin_close("LimitExceeded: owes the most of this daemon's inbound budget")
         return True
+
+
+def inbound_buffer(total: int) -> memoryview:
+    """A buffer for an inbound message of `total` bytes. A large one is an anonymous mapping,
+    whose pages the kernel provides as the message's bytes are written into them: a peer that
+    announces 256 MiB and sends a few bytes costs this machine a few pages, not 256 MiB (what it
+    announced still counts in full against the link's and the daemon's budgets). A bytearray is
+    zeroed, every page touched, at once."""
+    if total >= LAZY_BUFFER_BYTES:
+        return memoryview(mmap.mmap(-1, total))
+    return memoryview(bytearray(total)) if total else memoryview(b"")
 
 
 class _Assembly:
@@ -381,8 +394,8 @@ class LinkStream:
                 self._into = None
             else:
                 self._link._reserve(total)
-                self._current = _Assembly(header.get("h", {}), total,
-                                          memoryview(bytearray(total)), owned=True)
+                self._current = _Assembly(header.get("h", {}), total, inbound_buffer(total),
+                                          owned=True)
             self._current_consumed = 0
         current = self._current
         if current is None or current.buffer is None:
@@ -423,8 +436,7 @@ class LinkStream:
         if self._current is not None:
             raise ProtocolViolation("a stream message began before the previous one ended")
         total = _total(frame.header, 0, frame.flags, self._link.limits.max_message_bytes)
-        buffer = memoryview(bytearray(total)) if total else memoryview(b"")
-        self._current = _Assembly(frame.header.get("h", {}), total, buffer, owned=True)
+        self._current = _Assembly(frame.header.get("h", {}), total, inbound_buffer(total), owned=True)
         self._current_consumed = 0
 
     def _on_remote_close(self) -> None:
@@ -999,7 +1011,7 @@ class Link:
         if ftype == FrameType.RESPONSE:
             if sid in self._calls:
                 self._reserve(total)
-            buffer = memoryview(bytearray(total)) if sid in self._calls else None
+            buffer = inbound_buffer(total) if sid in self._calls else None
             self._assembling[sid] = _Assembly(header, total, buffer, owned=True)
             return
         self._check_new_sid(sid)
@@ -1019,7 +1031,7 @@ class Link:
         self._reserve(total)
         deadline = None if deadline_ms is None else self.loop.time() + deadline_ms / 1000
         self._served[sid] = _Served(method, deadline)
-        self._assembling[sid] = _Assembly(header, total, memoryview(bytearray(total)), owned=True)
+        self._assembling[sid] = _Assembly(header, total, inbound_buffer(total), owned=True)
 
     def _on_message_frame(self, frame: Frame) -> None:
         sid = frame.stream_id

@@ -2,12 +2,13 @@
 receiver allocates it: the bound used to be per link only (256 MiB each, and identities are
 free), and a message left half-sent held its buffer for as long as the peer answered pings.
 Now all the links of a daemon share one budget (`InboundBudget`, TransportLimits.max_inbound_bytes)
-and a message that stops arriving part-way closes its link after `message_stall_timeout`.
-Links over in-memory pipes, on virtual time."""
+and a message that stops arriving part-way closes its link after `message_stall_timeout`. A large
+message's buffer takes memory only as its bytes arrive (`inbound_buffer`). Links over in-memory pipes, on virtual time."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from fuzz.fuzzutil import to_json
@@ -16,7 +17,7 @@ from fuzz.test_link_fuzz import PEER_IDS, FuzzPipe
 
 from dedloc.daemon.net import LinkLimits
 from dedloc.daemon.net.frames import F_MORE, FrameType
-from dedloc.daemon.net.link import Dispatcher, InboundBudget, Link
+from dedloc.daemon.net.link import LAZY_BUFFER_BYTES, Dispatcher, InboundBudget, Link, inbound_buffer
 
 pytestmark = pytest.mark.virtual_time
 MESSAGE = 16384
@@ -96,3 +97,41 @@ async def test_pings_do_not_cost_a_link_a_large_scratch_buffer() -> None:
     assert not link.closed
     assert len(link._scratch) <= 64
     await link.close()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_an_announced_message_costs_memory_only_as_its_bytes_come() -> None:
+    # a peer's first frame announces 256 MiB and carries one byte: the receiver used to zero a
+    # 256 MiB bytearray at once (identities are free: a few of them took a machine's memory)
+    big = 256 * 1024 * 1024
+    limits = LinkLimits(max_payload=4096, chunk_bytes=1024, max_message_bytes=big,
+                        max_pending_bytes=big, ping_interval=10.0, ping_timeout=7200.0,
+                        message_stall_timeout=60.0)
+    pipe = FuzzPipe()
+    link = Link(pipe, peer_id=PEER_IDS[1], peer_addresses=(), outbound=True, address=None,
+                limits=limits, dispatcher=Dispatcher(), on_closed=lambda _: None, counters={})
+    link.start()
+    before = _resident_bytes()
+    pipe.feed(frame_bytes(FrameType.REQUEST, F_MORE, 2, to_json({"m": "echo", "n": big, "h": {}}),
+                          b"x" * 4096))
+    await asyncio.sleep(0.1)
+    assert not link.closed
+    assert link._due() == big  # it still counts in full against the budgets
+    grown = _resident_bytes() - before
+    assert grown < 64 * 1024 * 1024, f"the receiver took {grown >> 20} MiB for 4 KiB received"
+    await link.close()
+
+
+def test_a_lazy_buffer_holds_what_is_written_into_it() -> None:
+    small, large = inbound_buffer(100), inbound_buffer(LAZY_BUFFER_BYTES + 5)
+    assert len(small) == 100 and len(large) == LAZY_BUFFER_BYTES + 5
+    pattern = bytes(range(256)) * 8
+    for buffer in (small, large):
+        buffer[: min(len(buffer), len(pattern))] = pattern[: len(buffer)]
+        assert bytes(buffer[:100]) == pattern[:100]
+        assert not any(bytes(buffer[len(pattern):]))  # the rest reads as zeros, like a bytearray
+    assert len(inbound_buffer(0)) == 0
