@@ -7,9 +7,13 @@ report's age without trusting the reporter's clock (estimate.py).
 
 Reads are incremental: every peer of a swarm of hundreds reads this one key several times an
 epoch, so after a full read a peer asks only for the entries that expire after what it already
-holds could (the reports published since its last read, with `SKEW_MARGIN` seconds to spare for
-clocks that are off), from the `READ_REPLICAS` nodes closest to the key, and merges them into
-what it holds; a full read every `FULL_READ_EVERY` seconds starts afresh. In a closed run every publish
+holds could (the reports published since it last asked those nodes, with `SKEW_MARGIN` seconds
+to spare for clocks that are off), from `READ_REPLICAS` of the key's nodes, and merges them into
+what it holds; a full read every `FULL_READ_EVERY` seconds starts afresh. Each read asks the
+next `READ_REPLICAS` of the key's nodes in turn, from a place in their ring of its own (by its
+peer id): the readers spread over all the nodes that hold the key (when all asked the closest
+three, at 128 peers those three served every read, and the stores to them timed out), and a
+report that did not reach some of the nodes is read from the others. In a closed run every publish
 first checks this peer's own membership (the owner's revocation list, refreshed every
 `REVOCATIONS_REFRESH` seconds): a revoked or expired token raises MembershipError, which ends the
 run.
@@ -17,6 +21,8 @@ run.
 
 from __future__ import annotations
 
+import hashlib
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -38,7 +44,10 @@ log = structlog.get_logger(__name__)
 __all__ = ["DhtProgressBoard", "LocalBoard"]
 
 DHT_TIMEOUT = 5.0
-READ_REPLICAS = 3  # of the DHT's 8: each publish reaches all 8, so any 3 hold the news
+READ_REPLICAS = 3  # of the DHT's 8 per read: each publish reaches all 8, so any 3 hold the news
+# reads until the same nodes are asked again, at most (8 nodes, 3 a read): an incremental read
+# asks for what was published since the read this many reads ago
+READ_TURNS = 3
 FULL_READ_EVERY = 60.0
 SKEW_MARGIN = 10.0
 
@@ -65,7 +74,9 @@ class DhtProgressBoard:
         self._revocations_checked = float("-inf")
         self._first_read: dict[str, tuple[float, float]] = {}  # peer -> (its report's time, read at)
         self._held: dict[str, PeerProgress] = {}  # the newest report of each peer read so far
-        self._last_read: float | None = None  # our wall clock at the last successful read
+        # our wall clock at the last READ_TURNS successful reads (since the last full one)
+        self._reads: deque[float] = deque(maxlen=READ_TURNS)
+        self._turn = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "big")
         self._last_full = float("-inf")  # monotonic
 
     @property
@@ -93,20 +104,23 @@ class DhtProgressBoard:
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         now, mono = timebase.now(), timebase.monotonic()
-        incremental = self._last_read is not None and mono - self._last_full < FULL_READ_EVERY
-        since = None if not incremental or self._last_read is None \
-            else self._last_read + self.report_ttl - SKEW_MARGIN
+        incremental = bool(self._reads) and mono - self._last_full < FULL_READ_EVERY
+        # (the oldest read of the last READ_TURNS: the last time the nodes asked now were asked)
+        since = self._reads[0] + self.report_ttl - SKEW_MARGIN if incremental else None
+        self._turn += READ_REPLICAS
         try:
             record = await self.dht.get(self.key + "/progress", timeout=DHT_TIMEOUT,
-                                        replicas=READ_REPLICAS, min_expiration=since)
+                                        replicas=READ_REPLICAS, min_expiration=since,
+                                        start=self._turn)
         except (TransportError, TimeoutError) as exc:
             log.debug("progress_read_failed", run=self.name, error=str(exc))
             record = None
         else:
-            self._last_read = now
             if not incremental:
                 self._last_full = mono
                 self._held = {}
+                self._reads.clear()
+            self._reads.append(now)
         if record is not None and record.has_sub_keys:
             own = record.own_sub_keys  # one report per identity: not-a-peer-id sub-keys are junk
             reports, rejected = reports_from_sub_keys({sub: entry.value for sub, entry in own.items()})

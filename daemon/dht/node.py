@@ -224,12 +224,16 @@ class DHTNode:
         return await self._replicate(entry, self._deadline(timeout))
 
     async def get(self, key: str, *, latest: bool = True, timeout: float | None = None,
-                  replicas: int | None = None, min_expiration: float | None = None) -> Record | None:
+                  replicas: int | None = None, min_expiration: float | None = None,
+                  start: int = 0) -> Record | None:
         """The live value of `key`: every signature checked, expired entries dropped. With `latest`,
         ask the `replicas` nodes closest to the key (default: all that hold it) and merge what
         they hold (newest per sub-key); without, stop at the first node that has it. With
         `min_expiration`, only entries expiring at or after it (the changes since a reader's last
-        read, for a key that many peers update). None when no node has it."""
+        read, for a key that many peers update). `start`: once the key's nodes are known, ask
+        `replicas` of them beginning with the start-th closest (counting round all that hold it),
+        so that the readers of a key that hundreds of peers read spread over all its nodes
+        instead of all asking the closest. None when no node has it."""
         now = self._clock()
         local = [] if self.config.client_mode else self.storage.get(key, now)
         if min_expiration is not None:
@@ -240,7 +244,13 @@ class DHTNode:
         count = self.config.replicas if replicas is None else max(1, min(replicas, self.config.replicas))
         deadline = self._deadline(timeout)
         found = None
+        # spreading: a lookup finds all the key's nodes (not only `count`) and `count` are asked
+        known = self.config.replicas if start else count
         route = self._route(key_id, count) if latest else None
+        if route is not None and start:
+            held = self._routes[key_id][1]  # (all of them that the route holds)
+            first = start % len(held)
+            route = [*held[first:], *held[:first]][:count]
         if route is not None:
             found = await self._ask_route(route, key, deadline, min_expiration)
             if found is None:
@@ -248,7 +258,7 @@ class DHTNode:
         if found is None:
             result = await self._lookup(key_id, deadline, key=key,
                                         stop=None if latest else (lambda r: bool(r.entries)),
-                                        count=count, min_expiration=min_expiration)
+                                        count=known, min_expiration=min_expiration)
             if latest:
                 self._remember_route(key_id, result, count)
             found = [e for entries in result.entries.values() for e in entries]
