@@ -631,8 +631,11 @@ class DHTNode:
         try:
             await self._call(contact, protocol.STORE, message, self._rpc_timeout(deadline))
         except RemoteError as exc:
-            self._log.info("dht_store_refused_by_peer", peer=contact.peer_id[:12], key=entry.key,
-                           kind=exc.kind, error=exc.message)
+            # a holder that has a newer record of it already (handing records to a new node,
+            # which has just been sent the same report by its writer) is no news
+            log_refusal = self._log.debug if exc.kind == "StaleRecord" else self._log.info
+            log_refusal("dht_store_refused_by_peer", peer=contact.peer_id[:12], key=entry.key,
+                        kind=exc.kind, error=exc.message)
             return False
         except TransportError as exc:
             self._log.debug("dht_store_failed", peer=contact.peer_id[:12], error=str(exc))
