@@ -3,7 +3,8 @@ receiver allocates it: the bound used to be per link only (256 MiB each, and ide
 free), and a message left half-sent held its buffer for as long as the peer answered pings.
 Now all the links of a daemon share one budget (`InboundBudget`, TransportLimits.max_inbound_bytes)
 and a message that stops arriving part-way closes its link after `message_stall_timeout`. A large
-message's buffer takes memory only as its bytes arrive (`inbound_buffer`). Links over in-memory pipes, on virtual time."""
+message's buffer takes memory only as its bytes arrive (`inbound_buffer`). Links over in-memory
+pipes, on virtual time."""
 
 from __future__ import annotations
 
