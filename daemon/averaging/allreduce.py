@@ -36,7 +36,7 @@ from .errors import AveragingError
 from .group import Group
 from .report import AllReduceReport, PartFailure, PeerTransfer
 from .screening import ScreeningPolicy
-from .wire import METHOD, PeerFault, StreamOpen
+from .wire import METHOD, PeerFault, RoundNotStarted, StreamOpen
 
 __all__ = ["AllReduceError", "AllReduceReport", "AllReduceService", "PartFailure", "PeerTransfer"]
 
@@ -183,10 +183,12 @@ class AllReduceService:
             raise PeerFault(f"round {group_id} is over here")
         if self._waiting_by_peer[peer_id] >= _MAX_WAITING_PER_PEER:
             self.counters["streams_refused_peer_waiting"] += 1
-            raise PeerFault(f"this peer already has {_MAX_WAITING_PER_PEER} streams waiting for "
-                            "rounds that have not started here")
+            raise RoundNotStarted(f"this peer already has {_MAX_WAITING_PER_PEER} streams waiting "
+                                  "for rounds that have not started here; ask again shortly")
         if self._arrival_waiters.total() >= _MAX_WAITING_STREAMS:
-            raise PeerFault("too many streams wait for rounds that have not started")
+            self.counters["streams_refused_all_waiting"] += 1
+            raise RoundNotStarted(f"{_MAX_WAITING_STREAMS} streams already wait for rounds that "
+                                  "have not started here; ask again shortly")
         wait = min(self.arrival_grace, max(0.0, opened.deadline - timebase.now()))
         event = self._arrivals.setdefault(group_id, asyncio.Event())
         self._arrival_waiters[group_id] += 1

@@ -135,6 +135,8 @@ class Round:
         finally:
             self.closing = True
             await self.jobs.drain()
+            if self.sender.retries:
+                self.counters["streams_reopened_not_started"] += self.sender.retries
         report = self._report(timebase.monotonic() - started)
         self.log.info("allreduce_round", seconds=round(report.seconds, 4), bytes_sent=report.bytes_sent,
                       bytes_received=report.bytes_received, failed=len(report.failures),

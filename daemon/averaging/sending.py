@@ -16,7 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from ..net import Message, PeerTransport, PeerUnreachableError, Stream, TransportClosed, TransportError
+from ..net import (
+    Message,
+    PeerTransport,
+    PeerUnreachableError,
+    Stream,
+    StreamAborted,
+    TransportClosed,
+    TransportError,
+)
 from .accounts import (
     ACCOUNT_KEY,
     CLIPPED,
@@ -32,9 +40,19 @@ from .corruption import SenderCorruption
 from .group import Group
 from .jobs import ChunkJobs
 from .report import TransferLog
-from .wire import METHOD, ChunkPlan, PeerFault, StreamOpen, chunk_header, parse_chunk
+from .wire import (
+    METHOD,
+    NOT_STARTED_PATIENCE,
+    ChunkPlan,
+    PeerFault,
+    StreamOpen,
+    chunk_header,
+    parse_chunk,
+    says_not_started,
+)
 
 FAULTS = (TransportError, PeerFault, CompressionError)
+RETRY_SECONDS = (0.05, 1.0)  # the first and the longest wait before opening a refused stream again
 
 
 def leaf(error: BaseException) -> BaseException:
@@ -78,6 +96,7 @@ class PartSender:
     errors: dict[int, str] = field(default_factory=dict)
     # what we sent, until its answer is checked (lossy codecs: the reducer averaged the decoded)
     sent: dict[tuple[int, int], tuple[Buffer, Meta]] = field(default_factory=dict)
+    retries: int = 0  # streams opened again after a RoundNotStarted refusal
 
     def __post_init__(self) -> None:
         self.targets = [j for j in self.plans if j != self.index] \
@@ -92,12 +111,24 @@ class PartSender:
         return [(self.got[j][c], self.skipped.get((j, c), default)) for c in range(self.plans[j].count)]
 
     async def exchange(self, j: int) -> None:
-        """Send part j to reducer j and take its averages back."""
+        """Send part j to reducer j and take its averages back. A reducer that refuses the
+        stream because its round has not started there and it has no slot for the stream to wait
+        in (wire.RoundNotStarted) is asked again, every `RETRY_SECONDS` at most, for up to
+        `NOT_STARTED_PATIENCE` seconds."""
+        patience_ends = asyncio.get_running_loop().time() + NOT_STARTED_PATIENCE
+        delay = RETRY_SECONDS[0]
+        while not await self._exchange_once(j, patience_ends):
+            self.retries += 1
+            await asyncio.sleep(min(delay, max(0.0, self.left())))
+            delay = min(delay * 2, RETRY_SECONDS[1])
+
+    async def _exchange_once(self, j: int, patience_ends: float) -> bool:
+        """One stream to reducer j; False when it should be opened again."""
         peer = self.group.members[j].peer_id
         plan = self.plans[j]
         stream: Stream | None = None
         reason = "round over"
-        clean = False
+        clean = again = False
         try:
             opened = StreamOpen(self.group.group_id, self.index, self.weight, self.group.deadline)
             stream = await self.transport.open_stream(peer, METHOD, opened.header(), timeout=self.left())
@@ -108,15 +139,22 @@ class PartSender:
             clean = True
         except* FAULTS as errors:
             reason = describe(errors)
-            self.errors[j] = reason
-            self.log.info("allreduce_reducer_failed", reducer=peer, reason=reason)
-            if isinstance(leaf(errors), WrongAverage) and self.on_wrong_average is not None:
-                self.on_wrong_average(j, reason)
-            if isinstance(leaf(errors), TransportClosed | PeerUnreachableError):
-                self.on_link_lost(j, f"link lost: {reason}")
+            if isinstance(leaf(errors), StreamAborted) and says_not_started(leaf(errors)) \
+                    and not any(self.got[j]) and not any(key[0] == j for key in self.skipped) \
+                    and asyncio.get_running_loop().time() < patience_ends and self.left() > 0:
+                self.log.debug("allreduce_reducer_not_started", reducer=peer)
+                again = True
+            else:
+                self.errors[j] = reason
+                self.log.info("allreduce_reducer_failed", reducer=peer, reason=reason)
+                if isinstance(leaf(errors), WrongAverage) and self.on_wrong_average is not None:
+                    self.on_wrong_average(j, reason)
+                if isinstance(leaf(errors), TransportClosed | PeerUnreachableError):
+                    self.on_link_lost(j, f"link lost: {reason}")
         finally:
             if stream is not None and not clean:
                 await stream.abort(reason)
+        return not again
 
     def _encode(self, plan: ChunkPlan, c: int) -> asyncio.Future[tuple[Buffer, Meta]]:
         a, b = plan.absolute(c)

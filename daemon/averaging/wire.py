@@ -10,6 +10,11 @@ Reducer -> sender, on the same stream: the averaged chunks, in the same order an
 `compression.reply_codec` for a sparse one), then the reducer closes its side.
 A reducer that refuses a stream or excludes its sender (bad chunk, unknown group, too slow) aborts
 the stream; the abort reason says why. A sender that stops early aborts or closes its side.
+A stream that comes before its round has started at the reducer waits there for a while, in one
+of a bounded number of slots; when there is none free the reducer refuses it with
+`RoundNotStarted` (the abort reason begins with that name) and the sender opens it again shortly,
+for up to `NOT_STARTED_PATIENCE` seconds: strangers holding every waiting slot delay an honest
+sender until the round starts at the reducer, they do not take its part.
 """
 
 from __future__ import annotations
@@ -25,6 +30,19 @@ METHOD = "avg.part"
 
 class PeerFault(AveragingError):
     """A peer broke the all-reduce protocol (bad header, bad chunk, wrong order, ...)."""
+
+
+class RoundNotStarted(PeerFault):
+    """The reducer has no round of that group yet and no slot for the stream to wait in: the
+    sender may open the stream again shortly."""
+
+
+NOT_STARTED_PATIENCE = 5.0  # how long a sender keeps opening a stream refused as RoundNotStarted
+
+
+def says_not_started(error: BaseException) -> bool:
+    """Whether a stream's abort says the reducer refused it as `RoundNotStarted`."""
+    return f"{RoundNotStarted.__name__}:" in str(error)
 
 
 class ProtocolViolation(PeerFault):
