@@ -287,6 +287,7 @@ class Matchmaker:
             window_end - request.window + _latest_after(request),
             request.deadline - 3 * _grace(request)))
         tried: set[str] = set()
+        asked_again: set[str] = set()
         for _ in range(8):
             options = [pid for pid in leaders if pid not in tried]
             if not options:
@@ -304,7 +305,13 @@ class Matchmaker:
                 *(self._send_redirect(request, peer_id, leader) for peer_id in taken))
             if isinstance(outcome, Group):
                 return outcome
-            if outcome is not None and outcome not in tried:  # a redirect to the leader's leader
+            if outcome is not None and (outcome not in tried or outcome not in asked_again):
+                # a redirect to the leader's leader; one we tried already is asked once more:
+                # it refused us before it had begun (a direct round's leader that came late,
+                # after our patience), and those that follow it now say it has begun
+                if outcome in tried:
+                    tried.discard(outcome)
+                    asked_again.add(outcome)
                 leaders = [outcome, *(p for p in leaders if p != outcome)]
         return self._alone(request)
 
