@@ -47,6 +47,7 @@ from .policy import (
 from .ports import DownloadedState, ProgressBoard, RoundAverager, StateSource, Trainer, TrainerRefused
 from .progress import PeerProgress, Role
 from .round_taking import HISTORY, RoundTaking
+from .state_check import WITNESSES, Verdict, judge
 
 log = structlog.get_logger(__name__)
 
@@ -79,6 +80,8 @@ class RunProgress:
     failed_state_rounds: int = 0
     state_downloads: int = 0
     failed_state_downloads: int = 0
+    refuted_states: int = 0  # downloaded states that witnesses at their head contradicted
+    unverified_states: int = 0  # loaded with no witness able to say (none at the head)
     restarts: int = 0
     lr: float | None = None  # the learning rate of the last step
 
@@ -450,6 +453,16 @@ class RunEngine(RoundTaking):
                 raise TrainerRefused(  # it reports a head it does not hold (or went back)
                     f"the donor reported the run's head (epoch {action.head.epoch}) but sent a "
                     f"state at epoch {state.epoch}, lineage {state.lineage}")
+            verdict = await self._witnessed(state, donor, action)
+            if verdict == "refuted":
+                p.refuted_states += 1
+                raise TrainerRefused("peers at the state's head hold other parameters "
+                                     "(state_check.py): not loaded")
+            if verdict == "unanswered":
+                raise TrainerRefused("no witness at the state's head could check it (moved on, "
+                                     "busy or gone): not loaded, asking again")
+            if verdict == "unverified":
+                p.unverified_states += 1
             await self.trainer.load_state(state)
         except TrainerRefused as exc:
             p.failed_state_downloads += 1
@@ -466,6 +479,21 @@ class RunEngine(RoundTaking):
         p.state_downloads += 1
         self._schedule_look(0.0)
         self._log.info("state_downloaded", donor=donor[:12], epoch=state.epoch)
+
+    async def _witnessed(self, state: DownloadedState, donor: str, action: CatchUp) -> Verdict:
+        """Ask up to WITNESSES peers at the run's head (other than the donor, picked at random)
+        whether the downloaded state's parameters agree with theirs (state_check.py)."""
+        assert self.states is not None
+        others = sorted(set(action.donors) - {donor, self.peer_id})
+        chosen = self.donors.rng.sample(others, min(WITNESSES, len(others)))
+        if not chosen:
+            return "unverified"
+        answers = await asyncio.gather(*(self.states.witness(peer, state) for peer in chosen))
+        verdict = judge(answers)
+        if verdict != "verified":
+            self._log.info("downloaded_state_" + verdict, donor=donor[:12], epoch=state.epoch,
+                           witnesses=len(chosen), answers=[a for a in answers])
+        return verdict
 
     async def export_state(self) -> DownloadedState:
         """This peer's state, for a peer that downloads it, with the head it is at (read with no

@@ -102,6 +102,10 @@ class StateSource(Protocol):
     async def download(self, donor: str) -> DownloadedState:
         """The state `donor` holds now; StateSyncError (DonorBusy when it is busy)."""
 
+    async def witness(self, peer: str, state: DownloadedState) -> bool | None:
+        """Whether `peer`, at the state's head, holds parameters that agree with the state's
+        (state_check.py); None when it cannot say."""
+
 
 @dataclass(frozen=True)
 class Trained:

@@ -9,6 +9,11 @@ as busy); a donor in the middle of a round serves the state it steps to, once th
 (it awaits its engine's phase). Every step has a deadline; a failed download is retried after a
 backoff with another donor (`DonorChoice`).
 
+Before a receiver loads a state, it asks witnesses at the same head for a sketch of their
+parameters under a seed of its own (`SKETCH_METHOD`, state_check.py); a state they refute is not
+loaded. A peer answers `MAX_CONCURRENT_SKETCHES` at a time and one per asking peer every
+`SKETCH_INTERVAL` seconds (each costs it an export of its state).
+
 Both ends bound what a stranger can make them hold. A donor serves one stream per asking peer
 and cuts a stream slower than `MIN_SERVE_RATE` over the whole state (32 KiB/s, far below a home
 uplink shared by two readers: two readers that read a byte a second no longer keep a donor busy
@@ -20,12 +25,17 @@ more would end the daemon with SIGBUS); it gives up on a donor slower than the s
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
+import random
+import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import structlog
 
+from .. import timebase
 from ..net import Message, PeerTransport, RequestContext, Stream, TransportError
 from ..workers.buffers import SharedBuffer
 from .engine import IN_ROUND
@@ -33,6 +43,7 @@ from .errors import DonorBusy, StateSyncError
 from .lineage import is_lineage
 from .membership import MembershipRegistry, NotAMember
 from .ports import DownloadedState, StateBuffer
+from .state_check import MAX_SEED, SKETCH_BUCKETS, TOLERANCE, sketch, sketch_distance
 
 if TYPE_CHECKING:
     from .engine import RunEngine
@@ -52,6 +63,12 @@ SERVE_GRACE_SECONDS = 60.0  # on top of the state's size at MIN_SERVE_RATE
 STATE_SLOTS_PER_PARAMETER = 8  # a state holds the parameters, an optimizer's slots and buffers
 STATE_EXTRA_ELEMENTS = 1 << 20  # (scalars, small buffers)
 SHARED_MEMORY = "/dev/shm"
+SKETCH_METHOD = "collab.sketch"
+SKETCH_INTERVAL = 1.0  # seconds between two sketches for one asking peer
+MAX_CONCURRENT_SKETCHES = 2
+SKETCH_ROUND_WAIT = 5.0  # a witness mid-round answers once the round is over, waiting this long
+SKETCH_SECONDS = 120.0  # the longest a receiver waits for a witness's sketch
+MAX_SKETCH_ASKERS = 4096  # asking peers whose last sketch time is remembered
 
 
 def transfer_seconds(numel: int) -> float:
@@ -85,7 +102,65 @@ class StateSharing:
         self.refused_busy = 0
         self.cut_slow = 0  # streams cut for reading slower than MIN_SERVE_RATE
         self._serving: set[str] = set()  # the peers being served (one stream each)
+        self.sketched = 0
+        self.refused_sketches = 0
+        self._sketching = 0
+        self._sketched_for: collections.OrderedDict[str, float] = collections.OrderedDict()
         transport.add_stream_handler(METHOD, self._serve)
+        transport.add_unary_handler(SKETCH_METHOD, self._sketch)
+
+    async def _sketch(self, ctx: RequestContext, message: Message) -> Message:
+        """A witness's answer: the sketch of this peer's parameters under the asker's seed, if it
+        is at the head the asker names; otherwise only the head it is at."""
+        header = message.header
+        key, seed, count = header.get("key"), header.get("seed"), header.get("count")
+        if not isinstance(key, str) or isinstance(seed, bool) or not isinstance(seed, int) \
+                or not 0 <= seed <= MAX_SEED or isinstance(count, bool) or not isinstance(count, int) \
+                or count <= 0:
+            self.refused_sketches += 1
+            raise StateSyncError("a sketch request needs a run key, a seed in [0, 2**63) and a "
+                                 "positive count")
+        if self._membership is not None:  # a closed run's witnesses answer its members only
+            try:
+                self._membership.check_key(ctx.peer_id, key, header.get("token"), "state_download")
+            except NotAMember:
+                self.refused_sketches += 1
+                raise
+        run = self._find_run(key)
+        if run is None or run.trainer is None or run.stopping:
+            raise StateSyncError("this peer has no active run of that key")
+        now = timebase.monotonic()
+        last = self._sketched_for.get(ctx.peer_id)
+        if self._sketching >= MAX_CONCURRENT_SKETCHES \
+                or (last is not None and now - last < SKETCH_INTERVAL):
+            self.refused_sketches += 1
+            raise DonorBusy("busy with another sketch, or asked by this peer moments ago")
+        self._sketching += 1
+        self._sketched_for[ctx.peer_id] = now
+        self._sketched_for.move_to_end(ctx.peer_id)
+        while len(self._sketched_for) > MAX_SKETCH_ASKERS:
+            self._sketched_for.popitem(last=False)
+        try:
+            # mid-round its parameters are about to move on: answer with the state after the step
+            if not await run.phase.wait_until(lambda phase: phase not in IN_ROUND,
+                                              timeout=SKETCH_ROUND_WAIT):
+                raise DonorBusy("in an averaging round")
+            exported = await run.export_state()
+            try:
+                head = {"epoch": exported.epoch, "lineage": exported.lineage}
+                if header.get("epoch") != exported.epoch or header.get("lineage") != exported.lineage:
+                    return Message(head)
+                if count > exported.numel:
+                    raise StateSyncError(f"this peer's state has {exported.numel} values, fewer "
+                                         f"than the {count} asked for")
+                values = exported.buffer.array[:count]
+                found = await asyncio.to_thread(sketch, values, seed)
+            finally:
+                exported.buffer.close()
+        finally:
+            self._sketching = 0
+        self.sketched += 1
+        return Message({**head, "sketch": [float(v) for v in found]})
 
     async def _serve(self, ctx: RequestContext, stream: Stream) -> None:
         header = getattr(stream, "header", {})
@@ -215,8 +290,10 @@ class NetworkStates:
 
     def __init__(self, transport: PeerTransport, membership: MembershipRegistry, key: str,
                  allocate: Callable[[int], StateBuffer] = SharedBuffer,
-                 parameters: int | None = None) -> None:
+                 parameters: int | None = None, rng: random.Random | None = None) -> None:
         self.transport = transport
+        self.parameters = parameters
+        self.rng = rng  # the witnesses' seeds (the simulator's are seeded; by default: secrets)
         self.membership = membership
         self.key = key
         self.allocate = allocate
@@ -228,3 +305,35 @@ class NetworkStates:
         return await download_state(self.transport, donor, self.key,
                                     self.membership.credential(self.key), allocate=self.allocate,
                                     max_numel=self.max_numel, free_bytes=self.free_bytes)
+
+    async def witness(self, peer: str, state: DownloadedState) -> bool | None:
+        """Whether `peer`, at the state's head, holds parameters that agree with the state's
+        (state_check.py); None when it could not say (another head, busy, gone)."""
+        count = min(state.numel, self.parameters or state.numel)
+        seed = self.rng.randrange(MAX_SEED + 1) if self.rng is not None else secrets.randbits(63)
+        header = {"key": self.key, "seed": seed, "count": count, "epoch": state.epoch,
+                  "lineage": state.lineage}
+        token = self.membership.credential(self.key)
+        if token is not None:
+            header["token"] = token
+        try:
+            reply = await self.transport.call(peer, SKETCH_METHOD, Message(header),
+                                              timeout=SKETCH_SECONDS)
+        except (TransportError, TimeoutError) as exc:
+            log.debug("state_witness_failed", witness=peer[:12], error=str(exc))
+            return None
+        found = reply.header.get("sketch")
+        if reply.header.get("epoch") != state.epoch or reply.header.get("lineage") != state.lineage \
+                or found is None:
+            return None  # it has moved on (or was not there yet): it cannot say
+        if not isinstance(found, list) or len(found) != SKETCH_BUCKETS \
+                or not all(isinstance(v, float | int) and not isinstance(v, bool) for v in found):
+            log.info("state_witness_malformed", witness=peer[:12])
+            return None
+        own = await asyncio.to_thread(sketch, state.buffer.array[:count], seed)
+        distance = sketch_distance(own, np.asarray(found, np.float64))
+        if distance > TOLERANCE:
+            log.warning("state_witness_disagrees", witness=peer[:12], distance=round(distance, 6),
+                        epoch=state.epoch)
+            return False
+        return True

@@ -221,6 +221,10 @@ def _run(out: Exposition, run: Mapping[str, Any]) -> None:
          "a peer."),
         ("dedloc_run_failed_state_downloads_total", "failed_state_downloads", "State downloads "
          "that failed."),
+        ("dedloc_run_refuted_states_total", "refuted_states", "Downloaded states that witnesses "
+         "at their head contradicted (not loaded)."),
+        ("dedloc_run_unverified_states_total", "unverified_states", "Downloaded states loaded "
+         "with no witness able to check them."),
         ("dedloc_run_worker_restarts_total", "restarts", "Restarts of the run's worker."),
     )
     for metric, key, help_text in counters:
