@@ -58,6 +58,7 @@ Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averagi
 #: While in these phases the state is about to change: a donor serves it after the round.
 IN_ROUND: tuple[Phase, ...] = ("averaging", "stepping", "averaging_state")
 STALE_AFTER = 30.0  # seconds a progress report stays believable
+UNANSWERED_RETRY_SECONDS = 1.0  # after a state that no witness could check, before asking again
 ROSTER_POLL = 1.0  # seconds between reads of a grid round's roster while settling before it
 
 
@@ -82,6 +83,7 @@ class RunProgress:
     failed_state_downloads: int = 0
     refuted_states: int = 0  # downloaded states that witnesses at their head contradicted
     unverified_states: int = 0  # loaded with no witness able to say (none at the head)
+    unanswered_states: int = 0  # not loaded: witnesses at the head could not say (asked again)
     restarts: int = 0
     lr: float | None = None  # the learning rate of the last step
 
@@ -444,6 +446,7 @@ class RunEngine(RoundTaking):
             self._log.warning("state_download_failed", donor=donor[:12], error=str(exc),
                               retry_in=round(self.donors.wait(now), 2))
             return
+        unanswered = False
         try:
             if state.epoch < p.epoch:  # never back to an earlier epoch
                 raise TrainerRefused(f"the donor's state is at epoch {state.epoch}, behind ours "
@@ -458,9 +461,10 @@ class RunEngine(RoundTaking):
                 p.refuted_states += 1
                 raise TrainerRefused("peers at the state's head hold other parameters "
                                      "(state_check.py): not loaded")
-            if verdict == "unanswered":
-                raise TrainerRefused("no witness at the state's head could check it (moved on, "
-                                     "busy or gone): not loaded, asking again")
+            if verdict == "unanswered":  # not the donor's fault: no backoff, no avoiding it
+                p.unanswered_states += 1
+                unanswered = True
+                return
             if verdict == "unverified":
                 p.unverified_states += 1
             await self.trainer.load_state(state)
@@ -471,6 +475,8 @@ class RunEngine(RoundTaking):
             return
         finally:
             state.close()
+            if unanswered:  # (witnesses that moved on meanwhile: at the next head, they answer)
+                await self._wait(Wait(timebase.now() + UNANSWERED_RETRY_SECONDS, "state_unanswered"))
         self.donors.succeeded()
         p.epoch, p.lineage, p.accumulated = state.epoch, state.lineage, 0
         self._head_group = state.group

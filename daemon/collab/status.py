@@ -114,6 +114,7 @@ def run_status(run: Run) -> dict[str, Any]:
         "failed_state_downloads": p.failed_state_downloads,
         "refuted_states": p.refuted_states,
         "unverified_states": p.unverified_states,
+        "unanswered_states": p.unanswered_states,
         "collaborative": collaborative,
         **level,
         "last_state_round": state_round if collaborative else None,
