@@ -223,6 +223,12 @@ def load_benchmark(name: str) -> ModuleType:
     they would shadow the tests' own `dht` and `collab` packages."""
     path, modules = list(sys.path), dict(sys.modules)
     module_name = f"benchmark_{name}"
+    # A test that imported the tests' own `collab` package (a namespace package, from tests/) before
+    # would make the benchmark's `from collab import ...` find it: step the tests' modules of the
+    # benchmarks' names aside while the benchmark loads, and put them back after.
+    for sibling in BENCHMARKS.glob("*.py"):
+        for loaded in [m for m in sys.modules if m == sibling.stem or m.startswith(f"{sibling.stem}.")]:
+            del sys.modules[loaded]
     try:
         spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
         assert spec is not None and spec.loader is not None
@@ -235,6 +241,8 @@ def load_benchmark(name: str) -> ModuleType:
             if loaded != module_name and str(BENCHMARKS) in str(
                     getattr(sys.modules[loaded], "__file__", "") or ""):
                 del sys.modules[loaded]
+        for stepped_aside, module_before in modules.items():
+            sys.modules.setdefault(stepped_aside, module_before)
     return module
 
 
