@@ -25,6 +25,7 @@ from .collab.state_sync import StateSharing
 from .config import Config
 from .errors import DaemonError
 from .identity import Identity
+from .loop_watch import LoopStallWatch
 from .network import PeerNetwork
 from .sdnotify import SystemdNotifier
 from .web import Dashboard
@@ -40,6 +41,7 @@ class Node:
     def __init__(self, config: Config, notifier: SystemdNotifier | None = None) -> None:
         self.config = config
         self.notifier = notifier or SystemdNotifier()
+        self.loop_watch = LoopStallWatch()
         self.started_at = timebase.now()
         self.socket_path: Path = config.socket_path()
         self.identity = Identity.load_or_create(config.state_dir())
@@ -115,6 +117,7 @@ class Node:
                 background = [
                     tasks.create_task(self._supervised(job, name), name=name) for job, name in (
                         (self.notifier.ping_watchdog(), "watchdog"), (self._report_status(), "status"),
+                        (self.loop_watch.run(), "loop_watch"),
                         (self.runs.publish_revocations(), "revocations"),
                         (self.runs.watch_idleness(), "idleness"))]
                 autojoin = tasks.create_task(self._supervised(self.autojoin.run(), "autojoin"),

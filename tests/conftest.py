@@ -68,9 +68,22 @@ def short_tmp() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keep each phase's report on the test item (fixtures read `item.failed_call`)."""
+    report = yield
+    if report.when == "call" and report.failed:
+        item.failed_call = True  # type: ignore[attr-defined]
+    return report
+
+
+LOG_LINES_ON_FAILURE = 60
+
+
 @pytest.fixture
-async def daemon_factory(short_tmp: Path) -> AsyncIterator[Any]:
-    """Start daemons (each in its own directory); every one is stopped after the test."""
+async def daemon_factory(short_tmp: Path, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """Start daemons (each in its own directory); every one is stopped after the test. When the
+    test failed, the last log lines of each daemon go to the report (captured output)."""
     started: list[DaemonProcess] = []
     names = itertools.count()
 
@@ -82,6 +95,11 @@ async def daemon_factory(short_tmp: Path) -> AsyncIterator[Any]:
         return daemon
 
     yield start
+    if getattr(request.node, "failed_call", False):
+        for index, daemon in enumerate(started):
+            lines = daemon.log_lines[-LOG_LINES_ON_FAILURE:]
+            print(f"--- daemon {index} ({daemon.root}): last {len(lines)} log lines ---")
+            print("\n".join(lines))
     for daemon in started:
         await daemon.kill()  # also closes what a daemon that already exited left open
 
