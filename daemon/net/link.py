@@ -186,7 +186,7 @@ def inbound_buffer(total: int) -> memoryview:
     announced still counts in full against the link's and the daemon's budgets). A bytearray is
     zeroed, every page touched, at once."""
     if total >= LAZY_BUFFER_BYTES:
-        return memoryview(mmap.mmap(-1, total))
+        return memoryview(mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE))  # (shared by no child)
     return memoryview(bytearray(total)) if total else memoryview(b"")
 
 
@@ -436,6 +436,7 @@ class LinkStream:
         if self._current is not None:
             raise ProtocolViolation("a stream message began before the previous one ended")
         total = _total(frame.header, 0, frame.flags, self._link.limits.max_message_bytes)
+        self._link._reserve(total)  # (a first frame carrying no byte announces as much as any)
         self._current = _Assembly(frame.header.get("h", {}), total, inbound_buffer(total), owned=True)
         self._current_consumed = 0
 

@@ -205,14 +205,17 @@ async def test_link_survives_or_refuses(served: Served, parts: list[bytes]) -> N
         await check_session(served, parts)
 
 
+@pytest.mark.parametrize("first", [b"x", b""], ids=["carrying-a-byte", "empty"])
 @pytest.mark.parametrize("kind", ["request", "stream"])
-async def test_announcing_big_messages_is_a_limit_not_an_allocation(served: Served, kind: str) -> None:
+async def test_announcing_big_messages_is_a_limit_not_an_allocation(served: Served, kind: str,
+                                                                    first: bytes) -> None:
     """Found by reading what the fuzzer sent: a first frame saying "n": 256 MiB made the link
     allocate (and zero) 256 MiB at once, so a few 60-byte frames could exhaust a daemon's memory.
-    Announced bytes now count against `max_pending_bytes` before anything is allocated."""
+    Announced bytes now count against `max_pending_bytes` before anything is allocated. (A
+    review found that a stream message whose first frame carried no byte still skipped the count.)"""
     big = {"n": LIMITS.max_message_bytes, "h": {}}
     if kind == "request":
-        parts = [frame_bytes(FrameType.REQUEST, F_MORE, 2 + 2 * i, to_json({"m": "echo", **big}), b"x")
+        parts = [frame_bytes(FrameType.REQUEST, F_MORE, 2 + 2 * i, to_json({"m": "echo", **big}), first)
                  for i in range(LIMITS.max_pending_bytes // LIMITS.max_message_bytes + 1)]
     else:
         parts = []
@@ -220,7 +223,7 @@ async def test_announcing_big_messages_is_a_limit_not_an_allocation(served: Serv
             sid = 2 + 2 * i
             opening = to_json({"m": "stream.echo", "h": {}, "w": 8192})
             parts.append(frame_bytes(FrameType.OPEN, 0, sid, opening, b""))
-            parts.append(frame_bytes(FrameType.DATA, F_MORE, sid, to_json(big), b"x"))
+            parts.append(frame_bytes(FrameType.DATA, F_MORE, sid, to_json(big), first))
     before = served.counters.get("limits_exceeded", 0)
     link, _ = await run_session(served, parts)
     assert link.closed and link.close_reason.startswith("LimitExceeded"), link.close_reason
