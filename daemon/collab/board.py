@@ -6,14 +6,16 @@ first time a report is read is noted on this peer's clock, so that the estimate 
 report's age without trusting the reporter's clock (estimate.py).
 
 Reads are incremental: every peer of a swarm of hundreds reads this one key several times an
-epoch, so after a full read a peer asks only for the entries that expire after what it already
-holds could (the reports published since it last asked those nodes, with `SKEW_MARGIN` seconds
-to spare for clocks that are off), from `READ_REPLICAS` of the key's nodes, and merges them into
-what it holds; a full read every `FULL_READ_EVERY` seconds starts afresh. Each read asks the
-next `READ_REPLICAS` of the key's nodes in turn, from a place in their ring of its own (by its
-peer id): the readers spread over all the nodes that hold the key (when all asked the closest
-three, at 128 peers those three served every read, and the stores to them timed out), and a
-report that did not reach some of the nodes is read from the others. In a closed run every publish
+epoch, so a peer asks only for the entries that expire after what it already holds could (the
+reports published since it last asked the same nodes, with `SKEW_MARGIN` seconds to spare for
+clocks that are off), from `READ_REPLICAS` of the key's nodes, and merges them into what it
+holds. Each read asks the next `READ_REPLICAS` of the key's nodes in turn, from a place in their
+ring of its own (by its peer id): the readers spread over all the nodes that hold the key (when
+all asked the closest three, at 128 peers those three served every read, and the stores to them
+timed out), and a report that did not reach some of the nodes is read from the others. A read
+asks for everything the nodes hold (a full read) unless each of the last `READ_TURNS` reads
+succeeded, which asked every node that this one asks; every `FULL_READ_EVERY` seconds
+`READ_TURNS` full reads in a row go round all the nodes again. In a closed run every publish
 first checks this peer's own membership (the owner's revocation list, refreshed every
 `REVOCATIONS_REFRESH` seconds): a revoked or expired token raises MembershipError, which ends the
 run.
@@ -74,8 +76,8 @@ class DhtProgressBoard:
         self._revocations_checked = float("-inf")
         self._first_read: dict[str, tuple[float, float]] = {}  # peer -> (its report's time, read at)
         self._held: dict[str, PeerProgress] = {}  # the newest report of each peer read so far
-        # our wall clock at the last READ_TURNS successful reads (since the last full one)
-        self._reads: deque[float] = deque(maxlen=READ_TURNS)
+        # our wall clock at each of the last READ_TURNS reads, None for one that failed
+        self._reads: deque[float | None] = deque(maxlen=READ_TURNS)
         self._turn = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "big")
         self._last_full = float("-inf")  # monotonic
 
@@ -104,9 +106,15 @@ class DhtProgressBoard:
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         now, mono = timebase.now(), timebase.monotonic()
-        incremental = bool(self._reads) and mono - self._last_full < FULL_READ_EVERY
-        # (the oldest read of the last READ_TURNS: the last time the nodes asked now were asked)
-        since = self._reads[0] + self.report_ttl - SKEW_MARGIN if incremental else None
+        if mono - self._last_full >= FULL_READ_EVERY:
+            self._last_full = mono
+            self._reads.clear()  # (the next READ_TURNS reads are full: round all the nodes)
+        # incremental when the nodes asked now were all asked by the last READ_TURNS reads, the
+        # oldest of which was the last time some of them were: what expires after what that read
+        # could have seen is what was published since
+        oldest = self._reads[0] if len(self._reads) == READ_TURNS else None
+        since = None if oldest is None or None in self._reads \
+            else oldest + self.report_ttl - SKEW_MARGIN
         self._turn += READ_REPLICAS
         try:
             record = await self.dht.get(self.key + "/progress", timeout=DHT_TIMEOUT,
@@ -115,11 +123,8 @@ class DhtProgressBoard:
         except (TransportError, TimeoutError) as exc:
             log.debug("progress_read_failed", run=self.name, error=str(exc))
             record = None
+            self._reads.append(None)  # (those nodes' news are asked for in full later)
         else:
-            if not incremental:
-                self._last_full = mono
-                self._held = {}
-                self._reads.clear()
             self._reads.append(now)
         if record is not None and record.has_sub_keys:
             own = record.own_sub_keys  # one report per identity: not-a-peer-id sub-keys are junk
@@ -129,7 +134,9 @@ class DhtProgressBoard:
                 held = self._held.get(report.peer_id)
                 if held is None or (report.time, report.expiration) > (held.time, held.expiration):
                     self._held[report.peer_id] = report
-        self._held = {peer: r for peer, r in self._held.items() if r.expiration > now}
+        # (a report dated long ago is stale whatever its expiration says: not kept past that)
+        self._held = {peer: r for peer, r in self._held.items()
+                      if r.expiration > now and now - r.time < FULL_READ_EVERY + self.report_ttl}
         seen: dict[str, tuple[float, float]] = {}
         for report in self._held.values():
             first = self._first_read.get(report.peer_id)

@@ -8,13 +8,15 @@ never read. Here on an in-memory DHT of 12 nodes (each key held by 8), on virtua
 
 from __future__ import annotations
 
+import asyncio
 import collections
+from typing import Any
 
 import pytest
 from dht.swarm import Swarm
 
 from dedloc.daemon import timebase
-from dedloc.daemon.collab.board import READ_TURNS, DhtProgressBoard
+from dedloc.daemon.collab.board import FULL_READ_EVERY, READ_REPLICAS, READ_TURNS, DhtProgressBoard
 from dedloc.daemon.collab.manifest import RunManifest, run_key
 from dedloc.daemon.collab.membership import MembershipRegistry
 from dedloc.daemon.collab.progress import PeerProgress
@@ -62,12 +64,65 @@ async def test_a_report_missing_from_the_closest_nodes_is_still_read(swarm: Swar
     await _publish(late)
     for node in holders[:3]:
         node.storage.remove(KEY, late.peer_id)
+    _ask_the_closest_next(reader)
     seen = []
-    for _ in range(READ_TURNS + 1):  # (the reader's turn begins anywhere in the ring)
+    for _ in range(READ_TURNS):
         reports, _ = await reader.read()
         seen.append(late.peer_id in {p.peer_id for p in reports})
+    assert seen[0] is False  # the closest three were asked first
     assert any(seen), "asking the closest three every time never reads it"
     assert seen[-1]  # and once read, it is held
+
+
+def _ask_the_closest_next(board: DhtProgressBoard) -> None:
+    """The board's next read asks the key's closest `READ_REPLICAS` nodes (its turn in their
+    ring begins where its peer id says otherwise)."""
+    board._turn = 8 * 1000 - READ_REPLICAS
+
+
+async def test_a_full_read_goes_round_all_the_nodes(swarm: Swarm) -> None:
+    # A review found: every minute the full read asked three of the eight nodes and forgot what the
+    # board held, and the reads after it asked the other nodes only for what was published since;
+    # a report published earlier that the full read's three nodes lacked was lost until republished.
+    holders = _holders(swarm)
+    others = [n for n in swarm.nodes if n not in holders]
+    reader, writer = (_board(n) for n in others[:2])
+    await reader.read()  # t=0: a full read, by a lookup
+    await asyncio.sleep(35)
+    await reader.read()  # t=35: the key's route is looked up again (kept 30 s), known till t=65
+    await asyncio.sleep(10)
+    await _publish(writer)  # t=45: expires at t=75; only the nodes but the closest three hold it
+    for node in holders[:3]:
+        node.storage.remove(KEY, writer.peer_id)
+    await asyncio.sleep(FULL_READ_EVERY + 1 - 45)
+    _ask_the_closest_next(reader)
+    seen = []
+    for _ in range(READ_TURNS):  # t=61: the full read asks the closest three, then the others
+        reports, _ = await reader.read()
+        seen.append(writer.peer_id in {p.peer_id for p in reports})
+    assert seen[0] is False
+    assert seen[-1], "the reads after the full one asked only for what was published since it"
+
+
+async def test_a_failed_read_makes_the_next_reads_full(swarm: Swarm) -> None:
+    reader = _board(swarm.nodes[0])
+    asked: list[Any] = []
+    get = reader.dht.get
+
+    async def recording_get(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs["min_expiration"])
+        if len(asked) == 2 * READ_TURNS + 1:
+            raise TimeoutError("the nodes asked did not answer")
+        return await get(*args, **kwargs)
+
+    reader.dht.get = recording_get  # type: ignore[method-assign]
+    for _ in range(4 * READ_TURNS):
+        await reader.read()
+        await asyncio.sleep(1)
+    full = [since is None for since in asked]
+    # READ_TURNS full reads round the nodes, incremental ones, the failure; then full ones again
+    assert full == [True] * READ_TURNS + [False] * READ_TURNS + [False] + [True] * READ_TURNS \
+        + [False] * (READ_TURNS - 1), full
 
 
 async def test_the_readers_of_a_key_spread_over_all_its_nodes(swarm: Swarm) -> None:
