@@ -151,6 +151,28 @@ async def test_replicas_follow_applied_parameters(worker: tuple[Any, JsonRpcClie
     assert not array.any()
 
 
+async def test_batches_every_rank_skipped_are_counted_and_give_no_samples(
+        worker: tuple[Any, JsonRpcClient], buffers: Any) -> None:
+    _, client = worker
+    described = await load(client, "cpu,cpu")
+    numel = described["total_numel"]
+    name, array = buffers.make(numel)
+    await client.call("worker.export", {"what": "parameters", "buffer": name, "numel": numel})
+    good = array.copy()
+    array[:] = 3e38  # finite parameters whose loss is not: every batch of every rank is skipped
+    await client.call("worker.apply", {"what": "parameters", "buffer": name, "numel": numel})
+    # (a time limit ends the call after its first batch on each rank: 8 in a row fail training)
+    trained = await client.call("worker.train", {"samples": 128, "max_seconds": 1e-6})
+    assert trained["samples"] == 0 and trained["loss"] == 0.0, trained
+    assert [rank["samples"] for rank in trained["ranks"]] == [0, 0]
+    assert trained["skipped_batches"] == 2, trained  # one on each rank (rank 0's alone said 1)
+    assert trained["accumulated_samples"] == 0
+    array[:] = good  # the model is usable again, and the count covers every call
+    await client.call("worker.apply", {"what": "parameters", "buffer": name, "numel": numel})
+    trained = await client.call("worker.train", {"samples": 64})
+    assert trained["samples"] == 64 and trained["skipped_batches"] == 2, trained
+
+
 async def test_reload_on_one_device_stops_the_replicas(worker: tuple[Any, JsonRpcClient]) -> None:
     process, client = worker
     await load(client, "cpu,cpu")
