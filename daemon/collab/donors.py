@@ -4,6 +4,7 @@ again after a failure. Pure: time is passed in."""
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["DonorChoice"]
@@ -11,10 +12,13 @@ __all__ = ["DonorChoice"]
 
 @dataclass
 class DonorChoice:
-    """Which peer to download the state from: a random one among those at the run's epoch (so
-    newcomers spread over the donors), skipping donors that failed in the last `avoid_seconds`,
-    and waiting `backoff` seconds (doubling per failure in a row, at most `max_backoff`) after a
-    failure before trying again."""
+    """Which peer to download the state from: of two drawn at random among those at the run's
+    epoch, the one that says it has served fewer downloads (the power of two choices: newcomers
+    spread over the donors, and the most any donor serves stays near the mean, where a single
+    random draw gives some donor several times the mean), skipping donors that failed in the last
+    `avoid_seconds`, and waiting `backoff` seconds (doubling per failure in a row, at most
+    `max_backoff`) after a failure before trying again. A donor that understates what it served
+    is drawn as often as the others and wins its pairs: it serves up to twice its share."""
 
     avoid_seconds: float = 60.0
     backoff: float = 0.5
@@ -24,13 +28,18 @@ class DonorChoice:
     _failures_in_a_row: int = 0
     _not_before: float = 0.0
 
-    def pick(self, donors: list[str], now: float) -> str | None:
+    def pick(self, donors: list[str], now: float,
+             served: Mapping[str, int] | None = None) -> str | None:
+        """A donor, or None while backing off. `served`: what each donor says it has served."""
         if now < self._not_before or not donors:
             return None
         fresh = [d for d in donors if now - self._failed_at.get(d, float("-inf")) >= self.avoid_seconds]
         if not fresh:  # every donor failed lately: the one that failed longest ago
             fresh = [min(donors, key=lambda d: self._failed_at[d])]
-        return self.rng.choice(sorted(fresh))
+        drawn = self.rng.sample(sorted(set(fresh)), min(2, len(set(fresh))))
+        if served is None:
+            return drawn[0]
+        return min(drawn, key=lambda d: served.get(d, 0))  # (a tie: the first drawn)
 
     def failed(self, donor: str, now: float) -> None:
         self._failed_at[donor] = now

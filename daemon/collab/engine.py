@@ -84,6 +84,7 @@ class RunProgress:
     refuted_states: int = 0  # downloaded states that witnesses at their head contradicted
     unverified_states: int = 0  # loaded with no witness able to say (none at the head)
     unanswered_states: int = 0  # not loaded: witnesses at the head could not say (asked again)
+    states_served: int = 0  # downloads of our state that we served to others (published)
     restarts: int = 0
     lr: float | None = None  # the learning rate of the last step
 
@@ -254,7 +255,8 @@ class RunEngine(RoundTaking):
                             now, now + STALE_AFTER, self.role, samples, self.step_overhead,
                             started_at=min(self.started_at, now), lineage=p.lineage,
                             planned=None if planned is None else max(planned, accumulated),
-                            stepped=self.role == "trainer" and self._stepped_in == self.head)
+                            stepped=self.role == "trainer" and self._stepped_in == self.head,
+                            served=p.states_served)
 
     async def _publish(self, action: Action) -> None:
         accumulated = self.progress.accumulated if self.role == "trainer" else 0
@@ -428,7 +430,8 @@ class RunEngine(RoundTaking):
         assert self.trainer is not None
         p = self.progress
         now = timebase.monotonic()
-        donor = self.donors.pick(list(action.donors), now)
+        served = {report.peer_id: report.served for report in self._reports}
+        donor = self.donors.pick(list(action.donors), now, served)
         if donor is None or self.states is None:  # every donor failed lately: wait a little
             self.phase.set("waiting")
             await self._wait(Wait(timebase.now() + min(1.0, self.donors.wait(now)), "backoff"))

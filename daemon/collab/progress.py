@@ -89,6 +89,9 @@ class PeerProgress:
     # it came to its head by stepping in the round that made it (not by a download or a restart):
     # the run's next grid round gives its cells to these (grid.py), a list every reader agrees on
     stepped: bool = False
+    # state downloads this peer has served in the run: newcomers prefer the less loaded of two
+    # donors (donors.py); a lie costs no one more than being asked twice as often
+    served: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not self.peer_id:
@@ -98,6 +101,7 @@ class PeerProgress:
         _check_int("epoch", self.epoch, MAX_EPOCH)
         _check_int("samples_accumulated", self.samples_accumulated, MAX_SAMPLES)
         _check_int("total_samples", self.total_samples, MAX_SAMPLES)
+        _check_int("served", self.served, MAX_SAMPLES)
         # floats are normalised so that 3 and 3.0 compare and encode alike
         object.__setattr__(self, "samples_per_second",
                            _check_float("samples_per_second", self.samples_per_second,
@@ -151,6 +155,7 @@ class PeerProgress:
             "lineage": self.lineage,
             "planned": self.planned,
             "stepped": self.stepped,
+            "served": self.served,
         })
 
     @classmethod
@@ -180,7 +185,8 @@ class PeerProgress:
                    started_at=payload.get("started_at"),
                    lineage=payload.get("lineage"),
                    planned=payload.get("planned"),
-                   stepped=payload.get("stepped", False))
+                   stepped=payload.get("stepped", False),
+                   served=payload.get("served", 0))
 
 
 def reports_from_sub_keys(values: Mapping[str, bytes]) -> tuple[list[PeerProgress], dict[str, str]]:

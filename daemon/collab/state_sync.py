@@ -223,6 +223,7 @@ class StateSharing:
                 view.release()
             await stream.close()
             self.served += 1
+            run.progress.states_served += 1
             log.info("state_served", peer=ctx.peer_id[:12], run=key, epoch=exported.epoch)
         finally:
             exported.buffer.close()

@@ -33,6 +33,36 @@ def test_picks_spread_over_the_donors(seed: int) -> None:
         assert 70 <= counts[donor] <= 130, counts  # a fair share of 100 each
 
 
+def _most_over_mean(served: Counter[str]) -> float:
+    """What the simulator reports: the most one donor served over the mean of those that did."""
+    return max(served.values()) / (sum(served.values()) / len(served))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_less_loaded_of_two_donors_serves(seed: int) -> None:
+    # 256 donors, 360 downloads (a 256-peer simulation's): a random donor per download gave some
+    # donor 3.2 times the mean of those that served (the bound users were promised: 3)
+    donors = [f"donor-{i:03d}" for i in range(256)]
+    served: Counter[str] = Counter()
+    random_served: Counter[str] = Counter()
+    chooser, random_chooser = choice(seed), choice(seed)
+    for i in range(360):
+        served[chooser.pick(donors, float(i), served)] += 1  # type: ignore[index]
+        random_served[random_chooser.pick(donors, float(i))] += 1  # type: ignore[index]
+    assert _most_over_mean(served) <= 2.5 and max(served.values()) <= 4, served.most_common(3)
+    assert _most_over_mean(random_served) > 3  # (what one random draw gave with these seeds)
+
+
+def test_a_donor_that_says_it_served_nothing_serves_at_most_about_twice_its_share() -> None:
+    donors = [f"donor-{i:02d}" for i in range(20)]
+    chooser = choice(3)
+    served: Counter[str] = Counter()
+    for i in range(4000):
+        said = {**served, "donor-00": 0}  # it never says it served
+        served[chooser.pick(donors, float(i), said)] += 1  # type: ignore[index]
+    assert served["donor-00"] <= 2.3 * 4000 / 20, served["donor-00"]
+
+
 def test_pick_does_not_depend_on_the_order_of_the_list() -> None:
     one, other = choice(7), choice(7)
     for i in range(50):

@@ -47,6 +47,7 @@ progress_reports = st.builds(
     expiration=st.floats(2e9, 3e9),
     role=st.sampled_from(["trainer", "aux"]),
     total_samples=st.integers(0, MAX_SAMPLES),
+    served=st.integers(0, MAX_SAMPLES),
 )
 
 
@@ -87,6 +88,9 @@ def _payload(**changes: object) -> bytes:
     ("role", "boss"),
     ("total_samples", -1),
     ("total_samples", [1]),
+    ("served", -1),
+    ("served", 2.5),
+    ("served", MAX_SAMPLES + 1),
     ("peer_id", "someone-else"),
 ])
 def test_validation_names_the_field(field: str, value: object) -> None:

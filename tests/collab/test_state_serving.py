@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dedloc.daemon.collab import state_sync
-from dedloc.daemon.collab.engine import PhaseCell
+from dedloc.daemon.collab.engine import PhaseCell, RunProgress
 from dedloc.daemon.collab.errors import DonorBusy, StateSyncError
 from dedloc.daemon.collab.lineage import initial_lineage, next_lineage
 from dedloc.daemon.collab.ports import DownloadedState
@@ -37,6 +37,7 @@ class Donor:
         self.epoch, self.lineage = 3, L0
         self.values = np.arange(size, dtype=np.float32)
         self.exports = 0
+        self.progress = RunProgress()  # (its states_served is published: donors.py)
 
     async def export_state(self) -> DownloadedState:
         self.exports += 1
@@ -205,6 +206,7 @@ def test_a_slow_reader_is_cut_off_and_holds_one_slot_only() -> None:
         assert [("busy" in f.header) for f in firsts if f is not None] == [False, True]
         state = await download_state(honest, serving.peer_id, KEY, allocate=ArrayBuffer)
         assert state.numel == 16 << 20 and sharing.served == 1
+        assert donor.progress.states_served == 1  # what its next report says
         # the attacker's first stream sits unread: cut within the transfer's allowance
         await asyncio.sleep(state_sync.transfer_seconds(16 << 20) + 30)  # (virtual time)
         assert sharing.cut_slow == 1

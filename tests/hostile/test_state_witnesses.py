@@ -97,10 +97,11 @@ class PoisonerFirst(DonorChoice):
 
     poisoner: str = ""
 
-    def pick(self, donors: list[str], now: float) -> str | None:
+    def pick(self, donors: list[str], now: float,
+             served: Mapping[str, int] | None = None) -> str | None:
         if self.poisoner in donors and now - self._failed_at.get(self.poisoner, -1e9) >= self.avoid_seconds:
             return self.poisoner
-        return super().pick(donors, now)
+        return super().pick(donors, now, served)
 
 
 def test_a_doctored_state_is_refuted_by_witnesses_and_an_honest_one_is_loaded() -> None:
