@@ -221,14 +221,13 @@ def load_benchmark(name: str) -> ModuleType:
     """benchmarks/<name>.py as the module `benchmark_<name>`, without leaving benchmarks/ on
     sys.path nor the modules it imports from there (its `collab`, `dht`) in sys.modules: there
     they would shadow the tests' own `dht` and `collab` packages."""
-    path, modules = list(sys.path), dict(sys.modules)
+    path = list(sys.path)
     module_name = f"benchmark_{name}"
     # A test that imported the tests' own `collab` package (a namespace package, from tests/) before
     # would make the benchmark's `from collab import ...` find it: step the tests' modules of the
     # benchmarks' names aside while the benchmark loads, and put them back after.
-    for sibling in BENCHMARKS.glob("*.py"):
-        for loaded in [m for m in sys.modules if m == sibling.stem or m.startswith(f"{sibling.stem}.")]:
-            del sys.modules[loaded]
+    stems = {sibling.stem for sibling in BENCHMARKS.glob("*.py")}
+    stepped_aside = {m: sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] in stems}
     try:
         spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
         assert spec is not None and spec.loader is not None
@@ -237,12 +236,11 @@ def load_benchmark(name: str) -> ModuleType:
         spec.loader.exec_module(module)
     finally:
         sys.path[:] = path
-        for loaded in set(sys.modules) - set(modules):
-            if loaded != module_name and str(BENCHMARKS) in str(
+        for loaded in list(sys.modules):  # the benchmark's own imports from benchmarks/
+            if loaded.split(".")[0] in stems and str(BENCHMARKS) in str(
                     getattr(sys.modules[loaded], "__file__", "") or ""):
                 del sys.modules[loaded]
-        for stepped_aside, module_before in modules.items():
-            sys.modules.setdefault(stepped_aside, module_before)
+        sys.modules.update(stepped_aside)
     return module
 
 

@@ -52,6 +52,7 @@ READ_REPLICAS = 3  # of the DHT's 8 per read: each publish reaches all 8, so any
 READ_TURNS = 3
 FULL_READ_EVERY = 60.0
 SKEW_MARGIN = 10.0
+KEEP_SECONDS = FULL_READ_EVERY + 30.0  # the longest a report is held after it was first read
 
 
 class DhtProgressBoard:
@@ -124,8 +125,8 @@ class DhtProgressBoard:
             log.debug("progress_read_failed", run=self.name, error=str(exc))
             record = None
             self._reads.append(None)  # (those nodes' news are asked for in full later)
-        else:
-            self._reads.append(now)
+        else:  # (a read some of whose nodes did not answer counts as failed for them)
+            self._reads.append(now if record is None or record.complete else None)
         if record is not None and record.has_sub_keys:
             own = record.own_sub_keys  # one report per identity: not-a-peer-id sub-keys are junk
             reports, rejected = reports_from_sub_keys({sub: entry.value for sub, entry in own.items()})
@@ -134,15 +135,17 @@ class DhtProgressBoard:
                 held = self._held.get(report.peer_id)
                 if held is None or (report.time, report.expiration) > (held.time, held.expiration):
                     self._held[report.peer_id] = report
-        # (a report dated long ago is stale whatever its expiration says: not kept past that)
-        self._held = {peer: r for peer, r in self._held.items()
-                      if r.expiration > now and now - r.time < FULL_READ_EVERY + self.report_ttl}
         seen: dict[str, tuple[float, float]] = {}
         for report in self._held.values():
             first = self._first_read.get(report.peer_id)
             seen[report.peer_id] = first if first is not None and first[0] == report.time \
                 else (report.time, now)
-        self._first_read = seen  # only the peers held: bounded by the record
+        # a report is kept while it lives, and not past KEEP_SECONDS after it was first read on
+        # our clock, whatever it says of itself (one dated in the future would stay for ever;
+        # an honest peer publishes a new one every few seconds)
+        self._held = {peer: r for peer, r in self._held.items()
+                      if r.expiration > now and now - seen[peer][1] < KEEP_SECONDS}
+        self._first_read = {peer: seen[peer] for peer in self._held}  # bounded as _held is
         return list(self._held.values()), {peer: read_at for peer, (_, read_at) in seen.items()}
 
     async def leave(self, report: PeerProgress) -> None:

@@ -251,6 +251,7 @@ class DHTNode:
             held = self._routes[key_id][1]  # (all of them that the route holds)
             first = start % len(held)
             route = [*held[first:], *held[:first]][:count]
+        complete = True
         if route is not None:
             found = await self._ask_route(route, key, deadline, min_expiration)
             if found is None:
@@ -262,9 +263,10 @@ class DHTNode:
             if latest:
                 self._remember_route(key_id, result, count)
             found = [e for entries in result.entries.values() for e in entries]
+            complete = result.finished  # (nodes that failed in it are taken for gone)
         gathered = [*local, *found]
         merged = merge_entries(gathered, self._clock())
-        return Record(key, tuple(merged)) if merged else None
+        return Record(key, tuple(merged), complete) if merged else None
 
     async def _ask_route(self, route: list[Contact], key: str, deadline: float,
                          min_expiration: float | None) -> list[Entry] | None:

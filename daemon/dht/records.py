@@ -122,10 +122,12 @@ def validate(entry: Entry, now: float, limits: RecordLimits) -> None:
 @dataclass(frozen=True)
 class Record:
     """What `DHTNode.get` returns: the live entries of one key, either one plain entry or the
-    sub-key entries (at most one per sub-key)."""
+    sub-key entries (at most one per sub-key). `complete`: False when the read's lookup was cut
+    short by its deadline (nodes it meant to ask were not asked: what they hold is missing)."""
 
     key: str
     entries: tuple[Entry, ...]
+    complete: bool = True
 
     @property
     def has_sub_keys(self) -> bool:

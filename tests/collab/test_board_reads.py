@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 from typing import Any
 
 import pytest
 from dht.swarm import Swarm
 
 from dedloc.daemon import timebase
-from dedloc.daemon.collab.board import FULL_READ_EVERY, READ_REPLICAS, READ_TURNS, DhtProgressBoard
+from dedloc.daemon.collab.board import (
+    FULL_READ_EVERY,
+    KEEP_SECONDS,
+    READ_REPLICAS,
+    READ_TURNS,
+    DhtProgressBoard,
+)
 from dedloc.daemon.collab.manifest import RunManifest, run_key
 from dedloc.daemon.collab.membership import MembershipRegistry
 from dedloc.daemon.collab.progress import PeerProgress
@@ -104,16 +111,22 @@ async def test_a_full_read_goes_round_all_the_nodes(swarm: Swarm) -> None:
     assert seen[-1], "the reads after the full one asked only for what was published since it"
 
 
-async def test_a_failed_read_makes_the_next_reads_full(swarm: Swarm) -> None:
+@pytest.mark.parametrize("failure", ["raised", "cut-short"])
+async def test_a_failed_read_makes_the_next_reads_full(swarm: Swarm, failure: str) -> None:
     reader = _board(swarm.nodes[0])
+    await _publish(_board(swarm.nodes[1]))
     asked: list[Any] = []
     get = reader.dht.get
 
     async def recording_get(*args: Any, **kwargs: Any) -> Any:
         asked.append(kwargs["min_expiration"])
+        record = await get(*args, **kwargs)
         if len(asked) == 2 * READ_TURNS + 1:
-            raise TimeoutError("the nodes asked did not answer")
-        return await get(*args, **kwargs)
+            if failure == "raised":
+                raise TimeoutError("the nodes asked did not answer")
+            assert record is not None
+            return dataclasses.replace(record, complete=False)  # a lookup the deadline cut short
+        return record
 
     reader.dht.get = recording_get  # type: ignore[method-assign]
     for _ in range(4 * READ_TURNS):
@@ -141,3 +154,20 @@ async def test_the_readers_of_a_key_spread_over_all_its_nodes(swarm: Swarm) -> N
     assert sum(served.values()) <= reads  # locally, not by a call)
     assert min(served.values()) > 0, served  # every holder served some
     assert max(served.values()) <= 2 * reads / len(holders), served  # none served most
+
+
+async def test_a_report_dated_in_the_future_is_not_held_for_ever(swarm: Swarm) -> None:
+    # A review found: what the board held was pruned by the reports' own dates, so identities that
+    # published reports dated hours ahead stayed in every reader's memory long after the DHT
+    # dropped them (a stream of new identities grew it without bound).
+    reader, liar = (_board(n) for n in swarm.nodes[:2])
+    now = timebase.now()
+    await liar.publish(PeerProgress(liar.peer_id, 3, 100, 50.0, now + 3600, now + 3630))
+    await reader.read()
+    assert liar.peer_id in reader._held
+    for node in swarm.nodes:  # the DHT forgets it (evicted, or its nodes left)
+        node.storage.remove(KEY, liar.peer_id)
+    for _ in range(int(KEEP_SECONDS / 10) + 2):
+        await asyncio.sleep(10)
+        await reader.read()
+    assert liar.peer_id not in reader._held and liar.peer_id not in reader._first_read
