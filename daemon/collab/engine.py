@@ -145,7 +145,7 @@ class RunEngine(RoundTaking):
         # a local-update run that trains on while its pseudo-gradient is averaged (the worker
         # carries those inner steps over onto the new outer parameters: plugins/worker/outer.py)
         self.overlap = overlap
-        self._weight_cap = max_weight  # (default: _max_weight's)
+        self._weight_cap = max_weight  # (default: _weight_ceiling's)
         self.timing = timing or Timing()
         self.collaborative = collaborative
         self._blocked = blocked or (lambda: None)

@@ -35,6 +35,7 @@ from .policy import (
     round_key,
     state_round_due,
     step_allowed,
+    weight_caps,
 )
 from .ports import RoundAverager, Trainer
 from .progress import Role
@@ -86,14 +87,19 @@ class RoundTaking:
     _count: Callable[[int, float, float | None], None]
     _save_checkpoint: Callable[[], Awaitable[None]]
 
-    def _max_weight(self) -> float:
-        """The most samples a member of this run's gradient rounds may claim: an honest trainer
-        stops at the target, overshooting by at most one of its batches (WEIGHT_SLACK covers a
-        batch of up to 7 targets); a claim of 1e15 is refused, not averaged. The run may say
-        (RunManifest.max_weight: a local-update run's epoch is H target batches)."""
+    def _weight_ceiling(self) -> float:
+        """The most samples a member of this run's gradient rounds may ever claim: an honest
+        trainer stops at the target, overshooting by at most one of its batches (WEIGHT_SLACK
+        covers a batch of up to 7 targets); a claim of 1e15 is refused, not averaged. The run may
+        say (RunManifest.max_weight: a local-update run's epoch is H target batches)."""
         if self._weight_cap is not None:
             return float(self._weight_cap)
         return float(WEIGHT_SLACK * self.schedule.target_batch_size)
+
+    def _weight_caps(self, action: Average) -> tuple[float, float]:
+        """(what this trainer claims at most, what the round accepts from a member): a round of
+        many trainers bounds each to a few fair shares of the epoch (policy.weight_caps)."""
+        return weight_caps(self.schedule.target_batch_size, action.trainers, self._weight_ceiling())
 
     async def _average(self, action: Average) -> None:
         """A gradient round at the head, then the step if the round allows it."""
@@ -103,7 +109,8 @@ class RoundTaking:
         self.phase.set("averaging")
         vector = await self.trainer.export_gradients()
         # (an honest trainer far ahead of a round that keeps failing would pass the bound)
-        weight = min(float(p.accumulated), self._max_weight())
+        claim_cap, accept_cap = self._weight_caps(action)
+        weight = min(float(p.accumulated), claim_cap)
         finite = await asyncio.to_thread(lambda: bool(np.isfinite(vector).all()))
         if not finite:  # take part with nothing: the others' step is ours too
             p.skipped_steps += 1
@@ -123,7 +130,7 @@ class RoundTaking:
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),
                                               aux=self._aux_peers(),
-                                              max_weight=self._max_weight(),
+                                              max_weight=accept_cap,
                                               settled=self._settled())
         report = await (self._train_while(averaged) if self.overlap and weight > 0 else averaged)
         if report is not None:
@@ -251,6 +258,7 @@ class RoundTaking:
             "group_size": report.group_size, "trainers": report.trainers,
             "senders": report.senders, "round_seconds": report.seconds,
             "matchmaking_seconds": report.matchmaking_seconds, "stages": report.stages,
+            "weight": report.weight,
         })
 
     async def _average_state(self, round_: AveragingReport) -> None:
@@ -295,7 +303,7 @@ class RoundTaking:
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),
                                               aux=self._aux_peers(),
-                                              max_weight=self._max_weight(),
+                                              max_weight=self._weight_caps(action)[1],
                                               settled=self._settled())
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))

@@ -17,6 +17,8 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   epochs (flat: about 1);
 - `parameter_spread`: over the live trainers at the end, the largest deviation of a parameter
   from their mean, over the largest mean parameter (relative);
+- `max_round_weight`: the most weight (samples) a round an honest trainer stepped on averaged,
+  in target batches (about 1; a liar's claimed weight would show);
 - `partition` also: `epochs_to_reconcile` (after the heal, epochs until every live trainer holds
   the same parameters) and `epoch_went_backwards`.
 """
@@ -29,14 +31,14 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dedloc.daemon.collab.policy import Timing
 
 from .network import LinkProfile
-from .swarm import PeerSpec, RunSpec, SimPeer, Swarm
+from .swarm import Lie, PeerSpec, RunSpec, SimPeer, Swarm
 
 __all__ = ["SCENARIOS", "Result", "run_scenario"]
 
@@ -66,6 +68,8 @@ class Result:
     epochs_to_reconcile: int | None = None
     epoch_went_backwards: bool | None = None
     parameter_spread: float = 0.0  # relative, over live trainers at the end
+    # the most weight a round an honest trainer stepped on averaged, in target batches
+    max_round_weight: float = 0.0
     errors: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -95,6 +99,7 @@ class Observer:
         self.participants: dict[tuple[int, str], int] = defaultdict(int)
         self.live_at_round: dict[tuple[int, str], int] = {}
         self.max_spread = 0
+        self.max_round_weight = 0.0  # samples
         self.backwards = False
         self.excluded_epochs: set[int] = set()  # stepped during a partition: not split brain
         self.excluding = False
@@ -153,6 +158,8 @@ class Observer:
             self.live_at_round[key] = sum(
                 1 for p in self.established() if p.synced_at is not None
                 and p.synced_at <= entry["target_reached_at"] - _unix_offset(self.swarm))
+        if peer.spec.lie is None:
+            self.max_round_weight = max(self.max_round_weight, float(entry.get("weight", 0.0)))
         if entry["samples"] > 0 and peer.index not in self._first_contribution:
             self._first_contribution[peer.index] = epoch
 
@@ -236,12 +243,12 @@ Script = Callable[[Swarm, Observer, Result], Awaitable[None]]
 
 
 async def _start(swarm: Swarm, peers: int, aux: int, observer: Observer,
-                 liars: int = 0) -> None:
+                 liars: int = 0, lies: Sequence[Lie] = ("epoch", "samples")) -> None:
     for index in range(peers):
         spec = _spec(swarm)
         if index < liars:
             spec = PeerSpec(spec.role, spec.samples_per_second, spec.link, spec.skew,
-                            lie="epoch" if index % 2 == 0 else "samples")
+                            lie=lies[index % len(lies)])
         await swarm.add(spec)
     for _ in range(aux):
         await swarm.add(PeerSpec("aux", link=LinkProfile(upload=12.5e6, download=12.5e6)))
@@ -315,9 +322,12 @@ async def _partition(swarm: Swarm, observer: Observer, result: Result, epochs: i
     await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
 
 
-async def _liars(swarm: Swarm, observer: Observer, result: Result, epochs: int) -> None:
+async def _liars(swarm: Swarm, observer: Observer, result: Result, epochs: int,
+                 lies: Sequence[Lie] = ("epoch", "samples")) -> None:
+    """5 % of the trainers lie, in turn as `lies` says: "epoch" (far ahead, colluding),
+    "samples" (a full batch, fast), "weight" (WEIGHT_LIE_TARGETS target batches in rounds)."""
     liars = max(1, round(0.05 * result.peers))
-    await _start(swarm, result.peers, result.aux, observer, liars=liars)
+    await _start(swarm, result.peers, result.aux, observer, liars=liars, lies=lies)
     start = _run_epoch(swarm)
     await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
                    until=lambda: _run_epoch(swarm) >= start + epochs)
@@ -370,6 +380,7 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
         result.memory_growth = round(observer.rss[-1][1] / max(1, first), 2)
         result.rss_per_peer_bytes = observer.rss[-1][1]
     result.epoch_went_backwards = observer.backwards if result.scenario == "partition" else None
+    result.max_round_weight = round(observer.max_round_weight / swarm.run.target_batch_size, 3)
     trainers = [p for p in swarm.live if p.trainer is not None]
     if trainers:
         import numpy as np

@@ -43,7 +43,9 @@ log = structlog.get_logger(__name__)
 
 __all__ = ["Lie", "PeerSpec", "RunSpec", "SimPeer", "Swarm"]
 
-Lie = Literal["epoch", "samples"]
+Lie = Literal["epoch", "samples", "weight"]
+#: what a "weight" liar claims as its averaging weight, in target batches (it reports honestly)
+WEIGHT_LIE_TARGETS = 4
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,10 @@ class SimPeer:
         manifest = run.manifest()
         board = DhtProgressBoard(self.dht, self.identity, self.membership, "sim", manifest,
                                  self.spec.role, run.size)
-        published = board if self.spec.lie is None else _LyingBoard(board, self.spec.lie,
-                                                                    run.target_batch_size)
+        published = board if self.spec.lie in (None, "weight") \
+            else _LyingBoard(board, self.spec.lie, run.target_batch_size)
+        if self.spec.lie == "weight":  # it claims samples it never computed in every round
+            self.averager._claimed_weight = float(WEIGHT_LIE_TARGETS * run.target_batch_size)
         self.sharing = StateSharing(self.transport, self._find_engine, self.membership)
         await self.dht.start(bootstrap, wait=True)
         if self.spec.role == "trainer":
