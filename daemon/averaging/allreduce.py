@@ -96,22 +96,27 @@ class AllReduceService:
 
     # --- rounds ---------------------------------------------------------------------------------
     async def run(self, group: Group, my_index: int, vector: np.ndarray, weight: float, *,
-                  finite_checked: bool = False) -> AllReduceReport:
+                  finite_checked: bool = False, weight_budget: float | None = None) -> AllReduceReport:
         """Average `vector` (float32, 1-D, `group.size` long; changed in place) with the group.
 
         Member `my_index` sends its vector with `weight` (> 0) if it is a sender and reduces its
         part `group.part_bounds[my_index]`. Parts (or chunks of them) that could not be averaged
         keep their local values and are listed in the report's `failed_parts`. `finite_checked`:
-        the caller has already made sure the vector holds no NaN or Inf."""
+        the caller has already made sure the vector holds no NaN or Inf. `weight_budget`: what the
+        senders weigh at most together (`Group.bounded_weights`; None: each as claimed)."""
         self._check(group, my_index, vector, weight)
+        weights = group.bounded_weights(weight_budget)
         if not group.members[my_index].sends:
             weight = 0.0
-        elif not finite_checked:
-            await self._check_finite(vector)
+        else:
+            if weight == group.members[my_index].weight:  # (the group's bound on its claim)
+                weight = weights[my_index]
+            if not finite_checked:
+                await self._check_finite(vector)
         if group.group_id in self._rounds:
             raise AllReduceError(f"a round of group {group.group_id} is already running")
         self.counters["rounds"] += 1
-        round_ = Round(self.transport, group, my_index, vector, weight, pool=self._pool,
+        round_ = Round(self.transport, group, my_index, vector, weight, weights=weights, pool=self._pool,
                        stall_timeout=self.stall_timeout, inline_elements=self.inline_elements,
                        counters=self.counters, on_open=self._open, policy=self.policy, bans=self.bans,
                        corruption=self.corruption.next_round() if self.corruption else None,

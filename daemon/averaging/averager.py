@@ -14,7 +14,7 @@ import asyncio
 import collections
 import contextlib
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,9 @@ class RoundOptions:
     represents: int = 1  # trainers this peer's vector stands for (Member.represents)
     max_represents: int = 1  # what any member's claim counts for, at most (Group.averaged)
     max_weight: float | None = None  # the most weight a member may claim (RoundRequest.max_weight)
+    # what the round's senders weigh at most together, shared by the trainers each stands for
+    # (Group.bounded_weights; None: each as claimed)
+    weight_budget: float | None = None
     staged: bool = False  # a later stage's peers may be on their way (RoundRequest.staged)
 
 
@@ -160,6 +163,7 @@ class Averager:
         role: Role = options.role
         weight = 0.0 if role == "aux" else options.weight
         max_weight = options.max_weight
+        budget = options.weight_budget
         if self._claimed_weight is not None and weight > 0:  # a test's hostile peer (corruption.py)
             weight, max_weight = self._claimed_weight, None
         if role != "client" and not self.reachable:
@@ -188,11 +192,12 @@ class Averager:
         report: AllReduceReport | None = None
         if len(group.members) > 1:
             report = await self.allreduce.run(group, group.index_of(self.peer_id), vector, weight,
-                                              finite_checked=True)
+                                              finite_checked=True, weight_budget=budget)
             self._learn_bandwidth(report)
             self._learn_peer_rates(group, report)
         finished = timebase.now()
-        summary = self._summarise(options, group, report, started, matched, finished)
+        summary = self._summarise(options, group, report, started, matched, finished,
+                                  group.bounded_weights(budget))
         self.history.append(summary.to_json())
         self.counters["rounds"] += 1
         self.counters["rounds_failed" if summary.failed_parts else "rounds_ok"] += 1
@@ -223,10 +228,11 @@ class Averager:
                          measured=round(rate, 1))
 
     def _summarise(self, options: RoundOptions, group: Group, report: AllReduceReport | None,
-                   started: float, matched: float, finished: float) -> AveragingReport:
+                   started: float, matched: float, finished: float,
+                   weights: Sequence[float]) -> AveragingReport:
         index = group.index_of(self.peer_id)
         weight, represented = group.averaged(report.senders_excluded if report else (),
-                                             options.max_represents)
+                                             options.max_represents, weights)
         return AveragingReport(
             key=options.key,
             group_id=group.group_id,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any
 
@@ -56,7 +56,8 @@ log = structlog.get_logger(__name__)
 
 class Round:
     def __init__(self, transport: PeerTransport, group: Group, index: int, vector: np.ndarray,
-                 weight: float, *, pool: concurrent.futures.Executor, stall_timeout: float,
+                 weight: float, *, weights: Sequence[float] | None = None,
+                 pool: concurrent.futures.Executor, stall_timeout: float,
                  inline_elements: int, counters: Counter[str], on_open: Callable[[Round], None],
                  policy: ScreeningPolicy, bans: BanList, corruption: str | None = None,
                  wrong_answers: str | None = None) -> None:
@@ -65,6 +66,8 @@ class Round:
         self.index = index
         self.vector = vector
         self.weight = weight
+        # what each member's vector is averaged with (Group.bounded_weights)
+        self.weights = tuple(m.weight for m in group.members) if weights is None else tuple(weights)
         self.codec = get_codec(group.compression)
         self.reply = reply_codec(self.codec)  # what the averages go back in
         self.stall_timeout = stall_timeout
@@ -108,7 +111,7 @@ class Round:
                                  self.jobs, self.traffic, self._left, self._exclude, self.log,
                                  corruption, check=policy.check_answers,
                                  accept_clipped=policy.robust == "centered_clip",
-                                 on_wrong_average=self._wrong_average)
+                                 on_wrong_average=self._wrong_average, weights=self.weights)
 
     # --- the round ------------------------------------------------------------------------------
     async def execute(self) -> AllReduceReport:
@@ -174,8 +177,9 @@ class Round:
             return f"member {i} was excluded: {self.excluded[i]}"
         if i in self.adopted:
             return f"member {i} already has a stream open"
-        if opened.weight != members[i].weight:
-            reason = f"member {i} sends with weight {opened.weight:g}, the group says {members[i].weight:g}"
+        weight = self.weights[i]  # (its claim, within the round's bound)
+        if opened.weight != weight:
+            reason = f"member {i} sends with weight {opened.weight:g}, the group says {weight:g}"
             self._exclude(i, reason, "protocol")
             return reason
         return None

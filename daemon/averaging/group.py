@@ -7,7 +7,7 @@ load balancing fills `part_bounds`; the all-reduce reads it. Pure data, JSON-abl
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -85,13 +85,31 @@ class Group:
                 return index
         raise KeyError(f"{peer_id} is not a member of group {self.group_id}")
 
-    def averaged(self, excluded: Collection[str] = (), max_represents: int = 1) -> tuple[float, int]:
-        """The total weight of the senders whose vectors were averaged (all but `excluded`) and
-        how many trainers they stand for, each member's claim (`Member.represents`) counted at
-        most `max_represents` (what the caller knows a member of this round can stand for)."""
-        averaged = [m for m in self.members if m.sends and m.peer_id not in excluded]
-        return (float(sum(m.weight for m in averaged)),
-                sum(min(m.represents, max_represents) for m in averaged))
+    def bounded_weights(self, budget: float | None) -> tuple[float, ...]:
+        """The weight each member's vector is averaged with: its claim, but a sender at most its
+        share of `budget` by the trainers it stands for (`Member.represents`) among those the
+        group's senders stand for. A run's gradient rounds give WEIGHT_SLACK target batches
+        (its manifest's: the same on every peer), so every member computes the same from the
+        group, whatever it believes of the run: an identity claiming samples it never computed
+        weighs at most budget / (n + 1) beside n honest senders, and an honest sender that did
+        more than its share is leaned on less, never refused. None: each as claimed."""
+        if budget is None:
+            return tuple(m.weight for m in self.members)
+        stand_for = sum(max(1, m.represents) for m in self.members if m.sends)
+        return tuple(min(m.weight, budget * max(1, m.represents) / stand_for) if m.sends
+                     else m.weight for m in self.members)
+
+    def averaged(self, excluded: Collection[str] = (), max_represents: int = 1,
+                 weights: Sequence[float] | None = None) -> tuple[float, int]:
+        """The total weight (`weights`: the members' claims unless given) of the senders whose
+        vectors were averaged (all but `excluded`) and how many trainers they stand for, each
+        member's claim (`Member.represents`) counted at most `max_represents` (what the caller
+        knows a member of this round can stand for)."""
+        weights = [m.weight for m in self.members] if weights is None else weights
+        averaged = [(m, w) for m, w in zip(self.members, weights, strict=True)
+                    if m.sends and m.peer_id not in excluded]
+        return (float(sum(w for _, w in averaged)),
+                sum(min(m.represents, max_represents) for m, _ in averaged))
 
     def to_json(self) -> dict[str, Any]:
         return {"group_id": self.group_id, "key": self.key,

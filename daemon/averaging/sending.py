@@ -10,7 +10,7 @@ thread pool's jobs; this is only the sending half of its state.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +89,7 @@ class PartSender:
     check: bool = False  # check each answer against its reducer's account before applying it
     accept_clipped: bool = False  # take answers aggregated by centered clipping (not checkable)
     on_wrong_average: Callable[[int, str], None] | None = None  # reducer j contradicted its account
+    weights: Sequence[float] | None = None  # each member's weight in the round (its claim if None)
     # the reducers we send to, which averaged chunks came back, why others did not
     targets: list[int] = field(init=False)
     got: dict[int, list[bool]] = field(init=False)
@@ -222,7 +223,8 @@ class PartSender:
             sent = self.sent.pop((j, c), None)
             values = self.vector[a:b] if sent is None else self.codec.decode(*sent, b - a)
             mine = measure(r, values, parts)
-        check_answer(entries, errors, weights=[m.weight for m in members],
+        check_answer(entries, errors, weights=[m.weight for m in members] if self.weights is None
+                     else list(self.weights),
                      sends=[m.sends for m in members], me=self.index, mine=mine,
                      answer_projections=projections, answer_norm=norm,
                      answer_bound=self.reply.error_bound(answer), parts=parts)

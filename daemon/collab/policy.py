@@ -54,9 +54,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from .estimate import SHARE_CAP, GlobalProgress, Head, next_report_delay
+from .estimate import GlobalProgress, Head, next_report_delay
 
 __all__ = [
+    "WEIGHT_BUDGET",
     "WEIGHT_SLACK",
     "Action",
     "Average",
@@ -75,13 +76,16 @@ __all__ = [
     "round_key",
     "state_round_due",
     "step_allowed",
-    "weight_caps",
 ]
 
 Role = Literal["trainer", "aux"]
 # a member of a gradient round claims at most this many target batches: an honest trainer stops
 # at the target, overshooting by one of its batches (one of up to 7 targets)
 WEIGHT_SLACK = 8
+# what a gradient round's senders weigh at most together, in epochs' samples, shared by the
+# trainers each stands for (Group.bounded_weights): one identity's claim of samples it never
+# computed counts at most 16 / (n + 1) epochs beside n honest trainers
+WEIGHT_BUDGET = 2 * WEIGHT_SLACK
 
 
 @dataclass(frozen=True)
@@ -299,19 +303,6 @@ class RoundResult:
 def needed_trainers(action: Average, schedule: Schedule) -> int:
     """The fewest trainers a round of `action` may be stepped on with (`step_allowed`)."""
     return max(1, schedule.min_peers, action.trainers // 2 + 1)
-
-
-def weight_caps(epoch_samples: int, trainers: int, ceiling: float) -> tuple[float, float]:
-    """What a member of a round of `trainers` trainers claims at most (an honest trainer's own
-    cap) and what the round accepts from a member: `SHARE_CAP` fair shares of the epoch's samples
-    (the most the run counts for one peer, estimate.py), and twice that (views of how many
-    trainers there are differ between peers), both at most `ceiling` (the run's bound on a
-    member's weight). A trainer faster than `SHARE_CAP` times its share weighs as that much (its
-    gradients are a mean: the round leans less on it, nothing is lost); an identity that claims
-    samples it never computed weighs at most `2 * SHARE_CAP / (n + 2 * SHARE_CAP)` of a round
-    of n honest trainers that reached the target (it was `WEIGHT_SLACK / (1 + WEIGHT_SLACK)`)."""
-    fair = epoch_samples / max(1, trainers)
-    return min(ceiling, SHARE_CAP * fair), min(ceiling, 2 * SHARE_CAP * fair)
 
 
 def step_allowed(result: RoundResult | None, action: Average, schedule: Schedule) -> bool:

@@ -53,14 +53,16 @@ class RoundAverager(Protocol):
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
                       aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
-                      max_weight: float | None = None,
+                      max_weight: float | None = None, weight_budget: float | None = None,
                       settled: tuple[str, ...] = ()) -> AveragingReport | None:
         """Average `vector` (float32, in place) with the peers averaging under the run's `key`,
         waiting (a while) for at least `min_trainers` trainers; `peers` are the ones expected
         (no search for them is needed; `aux`: which of them are aux peers), `leaders` those
         that may lead first, and `cells` the trainers that hold the cells of a grid round (a
         list every peer agrees on; default: `leaders`); no member may claim a weight over
-        `max_weight` (what an honest peer of the round can have: the target batch). `settled`:
+        `max_weight` (what an honest peer of the round can have: the target batch), and each
+        member's vector weighs at most its share of `weight_budget` by the trainers it stands for
+        (Group.bounded_weights; None: as claimed). `settled`:
         the trainers this peer has seen at the head for a while (itself included when it has
         been there as long): when neither `cells` nor `leaders` are known, a grid round's cells
         go to a roster drawn from them (roster.py). The round's report, or None if no round

@@ -26,6 +26,7 @@ from ..averaging.report import AveragingReport
 from .estimate import GlobalProgress, Head
 from .lineage import next_lineage
 from .policy import (
+    WEIGHT_BUDGET,
     WEIGHT_SLACK,
     Average,
     RoundResult,
@@ -35,7 +36,6 @@ from .policy import (
     round_key,
     state_round_due,
     step_allowed,
-    weight_caps,
 )
 from .ports import RoundAverager, Trainer
 from .progress import Role
@@ -96,10 +96,13 @@ class RoundTaking:
             return float(self._weight_cap)
         return float(WEIGHT_SLACK * self.schedule.target_batch_size)
 
-    def _weight_caps(self, action: Average) -> tuple[float, float]:
-        """(what this trainer claims at most, what the round accepts from a member): a round of
-        many trainers bounds each to a few fair shares of the epoch (policy.weight_caps)."""
-        return weight_caps(self.schedule.target_batch_size, action.trainers, self._weight_ceiling())
+    def _weight_budget(self) -> float:
+        """What a gradient round's senders weigh at most together, shared by the trainers each
+        stands for (Group.bounded_weights): WEIGHT_BUDGET times the epoch's samples (a
+        local-update run's H target batches), the same on every peer. An honest round weighs
+        about one (up to 3.5 with a tiny target that the trainers overshoot while a round forms:
+        the equivalence test), so an honest member of 3 keeps its whole claim up to 5.3 epochs."""
+        return float(WEIGHT_BUDGET * self.schedule.target_batch_size)
 
     async def _average(self, action: Average) -> None:
         """A gradient round at the head, then the step if the round allows it."""
@@ -109,8 +112,7 @@ class RoundTaking:
         self.phase.set("averaging")
         vector = await self.trainer.export_gradients()
         # (an honest trainer far ahead of a round that keeps failing would pass the bound)
-        claim_cap, accept_cap = self._weight_caps(action)
-        weight = min(float(p.accumulated), claim_cap)
+        weight = min(float(p.accumulated), self._weight_ceiling())
         finite = await asyncio.to_thread(lambda: bool(np.isfinite(vector).all()))
         if not finite:  # take part with nothing: the others' step is ours too
             p.skipped_steps += 1
@@ -130,7 +132,8 @@ class RoundTaking:
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),
                                               aux=self._aux_peers(),
-                                              max_weight=accept_cap,
+                                              max_weight=self._weight_ceiling(),
+                                              weight_budget=self._weight_budget(),
                                               settled=self._settled())
         report = await (self._train_while(averaged) if self.overlap and weight > 0 else averaged)
         if report is not None:
@@ -303,7 +306,8 @@ class RoundTaking:
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),
                                               aux=self._aux_peers(),
-                                              max_weight=self._weight_caps(action)[1],
+                                              max_weight=self._weight_ceiling(),
+                                              weight_budget=self._weight_budget(),
                                               settled=self._settled())
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))

@@ -70,7 +70,7 @@ class NetworkRounds:
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
                       aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
-                      max_weight: float | None = None,
+                      max_weight: float | None = None, weight_budget: float | None = None,
                       settled: tuple[str, ...] = ()) -> AveragingReport | None:
         trainers = [p for p in peers if p not in aux]
         layout = self.grid.layout(key, trainers, aux, role, cells or leaders) if peers else None
@@ -94,7 +94,8 @@ class NetworkRounds:
         if layout is None:
             return await self._round(vector, key, weight=weight, expected=expected, role=role,
                                      compression=compression, min_trainers=min_trainers,
-                                     peers=peers, leaders=leaders, max_weight=max_weight)
+                                     peers=peers, leaders=leaders, max_weight=max_weight,
+                                     weight_budget=weight_budget)
 
         async def stage(part: np.ndarray, label: str, stage_weight: float, represents: int,
                         max_represents: int, stage_peers: tuple[str, ...],
@@ -110,7 +111,8 @@ class NetworkRounds:
                                      max_represents=max_represents,
                                      # a stage's vector stands for its slice's trainers
                                      max_weight=None if max_weight is None
-                                     else max_weight * max_represents, staged=True)
+                                     else max_weight * max_represents,
+                                     weight_budget=weight_budget, staged=True)
 
         def coming(labels: Iterable[str]) -> AbstractContextManager[None]:
             return self.averager.coming(f"{self.run_key}/{key}/{label}" for label in labels)
@@ -127,13 +129,14 @@ class NetworkRounds:
                      role: Role, compression: str, min_trainers: int, peers: tuple[str, ...],
                      leaders: tuple[str, ...], represents: int = 1,
                      max_represents: int = 1, max_weight: float | None = None,
+                     weight_budget: float | None = None,
                      staged: bool = False) -> AveragingReport | None:
         options = RoundOptions(key=f"{self.run_key}/{key}", weight=weight, role=role,
                                deadline=timebase.now() + ROUND_TIMEOUT, expected=expected,
                                compression=compression, min_trainers=min_trainers,
                                peers=peers, leaders=leaders, represents=represents,
                                max_represents=max_represents, max_weight=max_weight,
-                               staged=staged)
+                               weight_budget=weight_budget, staged=staged)
         try:
             return await self.averager.average(vector, options)
         except AveragingError as exc:
@@ -157,7 +160,7 @@ class SoloRounds:
                       role: Role, compression: str = "none", min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
                       aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
-                      max_weight: float | None = None,
+                      max_weight: float | None = None, weight_budget: float | None = None,
                       settled: tuple[str, ...] = ()) -> AveragingReport | None:
         now = timebase.now()
         return AveragingReport(key=key, group_id=f"local/{key}", members=(self.peer_id,),

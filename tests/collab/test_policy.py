@@ -26,7 +26,6 @@ from dedloc.daemon.collab.policy import (
     round_key,
     state_round_due,
     step_allowed,
-    weight_caps,
 )
 from dedloc.daemon.collab.progress import PeerProgress
 
@@ -415,14 +414,3 @@ def test_a_first_grid_round_waits_for_the_view_of_the_head_to_settle(
             assert action.settling  # (the engine watches for the round's roster meanwhile)
             assert action.until <= NOW + 0.5  # it looks again soon: the view may settle any time
 
-
-@pytest.mark.parametrize(("trainers", "claim", "accept"), [
-    (1, 8 * 4096.0, 8 * 4096.0),  # alone: the run's ceiling
-    (2, 8 * 2048.0, 8 * 4096.0),
-    (16, 8 * 256.0, 16 * 256.0),  # 8 and 16 fair shares of the target
-    (256, 8 * 16.0, 16 * 16.0),
-    (0, 8 * 4096.0, 8 * 4096.0),  # (nobody seen at the head yet)
-])
-def test_a_members_weight_is_bounded_by_fair_shares_of_the_target(
-        trainers: int, claim: float, accept: float) -> None:
-    assert weight_caps(4096, trainers, ceiling=8 * 4096.0) == (claim, accept)
