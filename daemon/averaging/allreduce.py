@@ -96,16 +96,18 @@ class AllReduceService:
 
     # --- rounds ---------------------------------------------------------------------------------
     async def run(self, group: Group, my_index: int, vector: np.ndarray, weight: float, *,
-                  finite_checked: bool = False, weight_budget: float | None = None) -> AllReduceReport:
+                  finite_checked: bool = False, weight_budget: float | None = None,
+                  max_represents: int = 1) -> AllReduceReport:
         """Average `vector` (float32, 1-D, `group.size` long; changed in place) with the group.
 
         Member `my_index` sends its vector with `weight` (> 0) if it is a sender and reduces its
         part `group.part_bounds[my_index]`. Parts (or chunks of them) that could not be averaged
         keep their local values and are listed in the report's `failed_parts`. `finite_checked`:
         the caller has already made sure the vector holds no NaN or Inf. `weight_budget`: what the
-        senders weigh at most together (`Group.bounded_weights`; None: each as claimed)."""
+        senders weigh at most together (`Group.bounded_weights`, each member's count of the trainers
+        it stands for taken at most `max_represents`; None: each as claimed)."""
         self._check(group, my_index, vector, weight)
-        weights = group.bounded_weights(weight_budget)
+        weights = group.bounded_weights(weight_budget, max_represents)
         if not group.members[my_index].sends:
             weight = 0.0
         else:

@@ -192,12 +192,13 @@ class Averager:
         report: AllReduceReport | None = None
         if len(group.members) > 1:
             report = await self.allreduce.run(group, group.index_of(self.peer_id), vector, weight,
-                                              finite_checked=True, weight_budget=budget)
+                                              finite_checked=True, weight_budget=budget,
+                                              max_represents=options.max_represents)
             self._learn_bandwidth(report)
             self._learn_peer_rates(group, report)
         finished = timebase.now()
         summary = self._summarise(options, group, report, started, matched, finished,
-                                  group.bounded_weights(budget))
+                                  group.bounded_weights(budget, options.max_represents))
         self.history.append(summary.to_json())
         self.counters["rounds"] += 1
         self.counters["rounds_failed" if summary.failed_parts else "rounds_ok"] += 1

@@ -20,8 +20,9 @@ round, whatever it measured (claims.py bounds what others believe of it).
 
 DEDLOC_TEST_CLAIMED_WEIGHT=F makes this daemon claim an averaging weight of F in every round it
 sends in (weight > 0), whatever it accumulated, and weight its contribution by F (as if it had
-computed F samples), ignoring the bound its run sets on its own weight (the leaders and followers
-of honest peers enforce that bound on it: matchmaking.py).
+computed F samples) as far as the round's weight budget lets it (Group.bounded_weights), ignoring
+the bound its run sets on its own claim (the leaders and followers of honest peers enforce that
+bound on it: matchmaking.py).
 
 Each switch is refused unless DEDLOC_TESTING=1 is set as well (logged as an error, and ignored):
 a production daemon never corrupts anything because of a stray variable.

@@ -85,19 +85,22 @@ class Group:
                 return index
         raise KeyError(f"{peer_id} is not a member of group {self.group_id}")
 
-    def bounded_weights(self, budget: float | None) -> tuple[float, ...]:
+    def bounded_weights(self, budget: float | None, max_represents: int = 1) -> tuple[float, ...]:
         """The weight each member's vector is averaged with: its claim, but a sender at most its
-        share of `budget` by the trainers it stands for (`Member.represents`) among those the
-        group's senders stand for. A run's gradient rounds give WEIGHT_SLACK target batches
-        (its manifest's: the same on every peer), so every member computes the same from the
-        group, whatever it believes of the run: an identity claiming samples it never computed
-        weighs at most budget / (n + 1) beside n honest senders, and an honest sender that did
-        more than its share is leaned on less, never refused. None: each as claimed."""
+        share of `budget` by the trainers it stands for (`Member.represents`, counted at most
+        `max_represents`: what the round allows, alike for its members; a member's own count is
+        its word) among those the group's senders stand for. A run's gradient rounds give
+        WEIGHT_BUDGET epochs' samples (its manifest's: the same on every peer), so every member
+        computes the same from the group, whatever it believes of the run: an identity claiming
+        samples it never computed weighs at most budget / (n + 1) beside n honest senders of a
+        flat round, and an honest sender that did more than its share is leaned on less, never
+        refused. None: each as claimed."""
         if budget is None:
             return tuple(m.weight for m in self.members)
-        stand_for = sum(max(1, m.represents) for m in self.members if m.sends)
-        return tuple(min(m.weight, budget * max(1, m.represents) / stand_for) if m.sends
-                     else m.weight for m in self.members)
+        counts = [max(1, min(m.represents, max_represents)) for m in self.members]
+        stand_for = sum(c for m, c in zip(self.members, counts, strict=True) if m.sends)
+        return tuple(min(m.weight, budget * c / stand_for) if m.sends else m.weight
+                     for m, c in zip(self.members, counts, strict=True))
 
     def averaged(self, excluded: Collection[str] = (), max_represents: int = 1,
                  weights: Sequence[float] | None = None) -> tuple[float, int]:

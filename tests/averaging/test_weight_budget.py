@@ -1,6 +1,6 @@
 """A sender's weight in a round is bounded by the round's budget (Group.bounded_weights): at most
-its share of the budget by the trainers it stands for. A run's gradient rounds give WEIGHT_SLACK
-target batches, the same on every peer (the manifest's), so every member computes the same
+its share of the budget by the trainers it stands for. A run's gradient rounds give WEIGHT_BUDGET
+(16) epochs' samples, the same on every peer (the manifest's), so every member computes the same
 weights from the group whatever it believes of the run. An identity claiming samples it never
 computed (identities cost nothing) made the weighted mean its own vector up to 8 target batches,
 8/9 of a round. Two first tries were dropped: a bound by fair shares of the target as each peer
@@ -47,8 +47,20 @@ def test_a_sender_weighs_at_most_its_share_of_the_budget(
 
 def test_a_grid_stage_shares_the_budget_by_the_trainers_a_member_stands_for() -> None:
     # a stage of a grid round: one member's vector averages a slice of 4 trainers, two of 1
-    assert _group([4.0, 1.0, 1.0], represents=[4, 1, 1]).bounded_weights(12.0) == (4.0, 1.0, 1.0)
-    assert _group([400.0, 1.0, 1.0], represents=[4, 1, 1]).bounded_weights(12.0) == (8.0, 1.0, 1.0)
+    group = _group([4.0, 1.0, 1.0], represents=[4, 1, 1])
+    assert group.bounded_weights(12.0, max_represents=4) == (4.0, 1.0, 1.0)
+    group = _group([400.0, 1.0, 1.0], represents=[4, 1, 1])
+    assert group.bounded_weights(12.0, max_represents=4) == (8.0, 1.0, 1.0)
+
+
+def test_a_member_that_says_it_stands_for_many_trainers_counts_as_many_as_the_round_allows() -> None:
+    # A review found: the count was the member's word, so one that said 65536 took 99.95 % of a
+    # flat round's budget (16 honest members were left 0.00024 targets each)
+    claims, represents = [256.0] * 16 + [32768.0], [1] * 16 + [65536]
+    weights = _group(claims, represents=represents).bounded_weights(16 * 4096.0)
+    assert weights[:16] == (256.0,) * 16 and weights[16] == 16 * 4096.0 / 17
+    staged = _group([400.0, 1.0, 1.0], represents=[65536, 1, 1]).bounded_weights(12.0, 4)
+    assert staged == (8.0, 1.0, 1.0)
 
 
 def test_aux_peers_and_the_averaged_total_follow_the_bound() -> None:
