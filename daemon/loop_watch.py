@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -16,8 +17,10 @@ __all__ = ["LoopStallWatch"]
 
 
 class LoopStallWatch:
-    def __init__(self, interval: float = 1.0, threshold: float = 2.0) -> None:
+    def __init__(self, interval: float = 1.0, threshold: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
+        self.clock = clock
         self.threshold = threshold
         self.stalls = 0
         self.longest = 0.0  # seconds
@@ -25,9 +28,9 @@ class LoopStallWatch:
     async def run(self) -> None:
         """Watch until cancelled."""
         while True:
-            before = time.monotonic()
+            before = self.clock()
             await asyncio.sleep(self.interval)
-            late = time.monotonic() - before - self.interval
+            late = self.clock() - before - self.interval
             if late > self.threshold:
                 self.stalls += 1
                 self.longest = max(self.longest, late)
