@@ -16,7 +16,14 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
 - `memory_growth`: resident memory per live peer at the end over the same after the first
   epochs (flat: about 1);
 - `parameter_spread`: over the live trainers at the end, the largest deviation of a parameter
-  from their mean, over the largest mean parameter (relative);
+  from their mean, over the largest mean parameter (relative); trainers one epoch apart count
+  too, so it includes one step's difference;
+- `step_spread`: the same over the trainers that stepped one epoch on one lineage, each taken
+  right after its step (a grid round's slices: 0 where every slice averaged everyone, more
+  where a slice lost a member), the largest over the epochs;
+- `state_round_spread`: the same over the trainers that averaged their state at one epoch, each
+  taken right after that round, the largest over the epochs ("parameters agree after state
+  averaging");
 - `max_round_weight`: the most weight (samples) a round an honest trainer stepped on averaged,
   in target batches (about 1; a liar's claimed weight would show);
 - `partition` also: `epochs_to_reconcile` (after the heal, epochs until every live trainer holds
@@ -68,6 +75,8 @@ class Result:
     epochs_to_reconcile: int | None = None
     epoch_went_backwards: bool | None = None
     parameter_spread: float = 0.0  # relative, over live trainers at the end
+    step_spread: float = 0.0  # relative, over the trainers of one step, the largest
+    state_round_spread: float = 0.0  # relative, over the trainers of one state round, the largest
     # the most weight a round an honest trainer stepped on averaged, in target batches
     max_round_weight: float = 0.0
     errors: list[str] = field(default_factory=list)
@@ -83,6 +92,17 @@ class Result:
 def _digest(peer: SimPeer) -> bytes:
     assert peer.trainer is not None
     return hashlib.blake2b(peer.trainer.parameters.tobytes(), digest_size=8).digest()
+
+
+def _spread(states: Sequence[Any]) -> float:
+    """The largest deviation of a parameter from the states' mean, over the largest mean
+    parameter (relative)."""
+    if len(states) < 2:
+        return 0.0
+    import numpy as np
+    stacked = np.stack(states)
+    mean = stacked.mean(axis=0)
+    return float(np.abs(stacked - mean).max() / max(1e-12, np.abs(mean).max()))
 
 
 def _rss() -> int:
@@ -106,6 +126,12 @@ class Observer:
         self._seen_rounds: dict[int, int] = {}
         self._last_epoch: dict[int, int] = {}
         self._first_contribution: dict[int, int] = {}
+        self._seen_state_rounds: dict[int, int] = {}
+        # parameters right after a step (epoch, lineage) and right after a state round (epoch)
+        self.stepped: dict[tuple[int, str], list[Any]] = defaultdict(list)
+        self.state_averaged: dict[int, list[Any]] = defaultdict(list)
+        self._step_spread = 0.0  # of the steps folded (their states dropped)
+        self._state_round_spread = 0.0
         self.rss: list[tuple[float, int]] = []
         # memory per peer is compared with the sample at this index (a scenario that grows the
         # swarm moves it past the growth: a peer's links grow with the swarm, not with time)
@@ -128,11 +154,19 @@ class Observer:
                 self.backwards = True
             self._last_epoch[peer.index] = progress.epoch
             new = progress.rounds - self._seen_rounds.get(peer.index, 0)
+            state_new = progress.state_rounds - self._seen_state_rounds.get(peer.index, 0)
             if new > 0:
                 history = list(engine.epoch_history)[-new:]
                 for entry in history:
-                    self._record_step(peer, entry)
+                    self._record_step(peer, entry, state_averaged=state_new > 0)
                 self._seen_rounds[peer.index] = progress.rounds
+            if state_new > 0:
+                # a state round follows its step: the parameters are the round's if nothing
+                # else happened since the last sample
+                if state_new == 1 and new <= 1 and peer.trainer is not None:
+                    self.state_averaged[progress.epoch].append(peer.trainer.parameters.copy())
+                self._seen_state_rounds[peer.index] = progress.state_rounds
+        self._fold(max(self._last_epoch.values(), default=0) - 3)
         live = self.established()
         if live and not self.excluding:
             epochs = [p.engine.progress.epoch for p in live if p.engine is not None]
@@ -140,13 +174,15 @@ class Observer:
         if int(now) % 10 == 0:
             self.rss.append((now, _rss() // max(1, len(self.swarm.live))))
 
-    def _record_step(self, peer: SimPeer, entry: dict[str, Any]) -> None:
+    def _record_step(self, peer: SimPeer, entry: dict[str, Any], *, state_averaged: bool) -> None:
         epoch, lineage = entry["epoch"], entry["lineage"]
         assert peer.trainer is not None
         # the parameters the step produced: the trainer's at the time of this sample only if it
         # has not moved on since; a later step's state is recorded by that step
-        digest = _digest(peer) if peer.engine is not None and peer.engine.progress.epoch == epoch + 1 \
-            else b""
+        current = peer.engine is not None and peer.engine.progress.epoch == epoch + 1
+        digest = _digest(peer) if current else b""
+        if current and not state_averaged:
+            self.stepped[(epoch, lineage)].append(peer.trainer.parameters.copy())
         # a grid round's slices average in another order: the same state up to float rounding,
         # not to the bit (parameter_spread measures it)
         self.steps[epoch][lineage].add(digest if entry.get("stages", 1) == 1 else b"")
@@ -172,6 +208,23 @@ class Observer:
             if any(len({d for d in digests if d}) > 1 for digests in lineages.values()):
                 return True
         return False
+
+    def _fold(self, before: int) -> None:
+        """Measure the steps and state rounds of epochs before `before` and drop their states
+        (memory stays flat)."""
+        for key in [k for k in self.stepped if k[0] < before]:
+            self._step_spread = max(self._step_spread, _spread(self.stepped.pop(key)))
+        for epoch in [e for e in self.state_averaged if e < before]:
+            self._state_round_spread = max(self._state_round_spread,
+                                           _spread(self.state_averaged.pop(epoch)))
+
+    def step_spread(self) -> float:
+        self._fold(2**62)
+        return self._step_spread
+
+    def state_round_spread(self) -> float:
+        self._fold(2**62)
+        return self._state_round_spread
 
     def min_participation(self) -> float:
         shares = []
@@ -381,10 +434,8 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
         result.rss_per_peer_bytes = observer.rss[-1][1]
     result.epoch_went_backwards = observer.backwards if result.scenario == "partition" else None
     result.max_round_weight = round(observer.max_round_weight / swarm.run.target_batch_size, 3)
-    trainers = [p for p in swarm.live if p.trainer is not None]
-    if trainers:
-        import numpy as np
-        stacked = np.stack([p.trainer.parameters for p in trainers if p.trainer is not None])
-        mean = stacked.mean(axis=0)
-        result.parameter_spread = float(np.abs(stacked - mean).max() / max(1e-12, np.abs(mean).max()))
+    result.parameter_spread = _spread([p.trainer.parameters for p in swarm.live
+                                       if p.trainer is not None])
+    result.step_spread = observer.step_spread()
+    result.state_round_spread = observer.state_round_spread()
     result.errors = [f"peer {p.index}: {p.error!r}" for p in swarm.peers if p.error is not None]

@@ -46,6 +46,9 @@ async def test_more_trainers_than_a_group_holds_still_train_one_model() -> None:
     assert result.failed_rounds <= result.aux, result.to_json()
     assert result.state_downloads == 0, result.to_json()  # nobody fell off the head
     assert result.parameter_spread <= 1e-5, result.to_json()  # a partly filled grid is exact too
+    # every slice of every grid round averaged all its trainers: all stepped to one state
+    assert result.step_spread <= 1e-5, result.to_json()
+    assert result.state_round_spread <= 1e-5, result.to_json()
 
 
 async def test_peers_that_lie_about_their_epoch_or_samples_change_nothing() -> None:
@@ -93,6 +96,22 @@ async def test_churn_replaces_trainers_and_the_run_goes_on() -> None:
     assert result.epochs >= 6, result.to_json()
     assert result.newcomer_epochs_to_contribute <= 2, result.to_json()
     assert result.min_round_participation >= 0.9, result.to_json()
+
+
+def test_the_observer_measures_how_far_apart_one_steps_states_are() -> None:
+    import numpy as np
+
+    from dedloc.sim.scenarios import Observer
+
+    observer = Observer(None)  # type: ignore[arg-type]  # (the swarm is only sampled)
+    base = np.ones(8, dtype=np.float32)
+    observer.stepped[(0, "a")] += [base, base.copy()]
+    observer.stepped[(0, "b")] += [base * 2]  # another lineage: not compared with "a"
+    observer.stepped[(1, "a")] += [base, base + np.eye(8, dtype=np.float32)[3] * 0.01]
+    observer.state_averaged[1] += [base, base * 1.5]
+    assert observer.step_spread() == pytest.approx(0.005 / 1.005, rel=1e-4)
+    assert observer.state_round_spread() == pytest.approx(0.25 / 1.25, rel=1e-4)
+    assert not observer.stepped and not observer.state_averaged  # measured, then dropped
 
 
 def test_an_unknown_scenario_is_named() -> None:
