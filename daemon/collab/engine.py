@@ -30,6 +30,7 @@ from ..averaging.report import AveragingReport
 from .donors import DonorChoice
 from .errors import DonorBusy, StateSyncError
 from .estimate import GlobalProgress, Head, estimate_global
+from .pace import EpochPace
 from .policy import (
     Action,
     Average,
@@ -84,6 +85,7 @@ class RunProgress:
     refuted_states: int = 0  # downloaded states that witnesses at their head contradicted
     unverified_states: int = 0  # loaded with no witness able to say (none at the head)
     unanswered_states: int = 0  # not loaded: witnesses at the head could not say (asked again)
+    reports_beyond_pace: int = 0  # peers seen claiming an epoch our pace of the run rules out
     states_served: int = 0  # downloads of our state that we served to others (published)
     restarts: int = 0
     lr: float | None = None  # the learning rate of the last step
@@ -157,6 +159,8 @@ class RunEngine(RoundTaking):
         self.last_round: AveragingReport | None = None
         self.last_state_round: AveragingReport | None = None
         self.epoch_history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.pace = EpochPace()  # what we saw of the run's pace: the epochs we believe
+        self._beyond_pace: frozenset[str] = frozenset()
         self.step_overhead: float | None = None
         self.paused_reason: str | None = None
         self.donors = donors or DonorChoice()
@@ -286,8 +290,10 @@ class RunEngine(RoundTaking):
             self._received = dict(received)
         now = timebase.now()
         run = estimate_global(self._reports, target_batch_size=self.schedule.target_batch_size,
-                              now=now, own=own, stale_after=STALE_AFTER, received=self._received)
+                              now=now, own=own, stale_after=STALE_AFTER, received=self._received,
+                              max_epoch=self.pace.bound(now))
         self.global_progress = run
+        self._note_beyond_pace(run, now)
         if self.role == "aux":  # an aux peer is where it last saw the run
             self.progress.epoch, self.progress.lineage = run.epoch, run.lineage
         if run.ready and run.head == self.head and (
@@ -317,6 +323,18 @@ class RunEngine(RoundTaking):
         view = View(local, run, self.schedule, now, self.timing, blocked, self._finished_at,
                     self._averaged)
         return view, read
+
+    def _note_beyond_pace(self, run: GlobalProgress, now: float) -> None:
+        """Count and log the peers whose reported epoch our pace rules out, once each time
+        they come to claim one."""
+        beyond = frozenset(run.beyond_pace)
+        new = beyond - self._beyond_pace
+        self._beyond_pace = beyond
+        if new:
+            self.progress.reports_beyond_pace += len(new)
+            self._log.warning("reports_beyond_pace", peers=sorted(p[:12] for p in new),
+                              max_epoch=self.pace.bound(now), epoch=self.progress.epoch,
+                              epoch_seconds=self.pace.epoch_seconds)
 
     def _note_head(self, run: GlobalProgress, now: float) -> float:
         """When the set of trainers seen at the run's head last grew (its first sight counts)."""
@@ -454,6 +472,10 @@ class RunEngine(RoundTaking):
             if state.epoch < p.epoch:  # never back to an earlier epoch
                 raise TrainerRefused(f"the donor's state is at epoch {state.epoch}, behind ours "
                                      f"({p.epoch})")
+            if state.epoch > action.head.epoch + 1:  # (it may have stepped since it reported)
+                raise TrainerRefused(
+                    f"the donor reported the run's head (epoch {action.head.epoch}) but sent a "
+                    f"state at epoch {state.epoch}")
             if state.epoch < action.head.epoch or (state.epoch == action.head.epoch
                                                    and state.lineage != action.head.lineage):
                 raise TrainerRefused(  # it reports a head it does not hold (or went back)
@@ -482,6 +504,7 @@ class RunEngine(RoundTaking):
                 await self._wait(Wait(timebase.now() + UNANSWERED_RETRY_SECONDS, "state_unanswered"))
         self.donors.succeeded()
         p.epoch, p.lineage, p.accumulated = state.epoch, state.lineage, 0
+        self.pace.loaded(state.epoch, timebase.now())
         self._head_group = state.group
         self._stepped_in = None
         self._epoch_loss = (0.0, 0)

@@ -9,7 +9,9 @@ Pure: no I/O, time is passed in.
   (`received`), when that is known, so that peers' clocks may be off by seconds. Per peer the
   latest report wins (by `time`, then `expiration`). `own`, the local peer's freshest state,
   replaces whatever the DHT holds for that peer and is never stale. A peer whose latest report
-  is its farewell (`left`) is not live.
+  is its farewell (`left`) is not live. A report of an epoch past `max_epoch` (the most this
+  peer's own pace of the run makes believable, pace.py) is not counted at all: not for the
+  head, the quorum or the samples (`beyond_pace` names its writers).
 - **Heads.** A peer's head is its (epoch, lineage): where its state is. Live trainers at the same
   head hold the same state and average together. Fresh trainers (epoch 0, no samples at all: a
   newcomer, or a run not started) carry no evidence and are not counted, unless no other trainer
@@ -103,6 +105,7 @@ class GlobalProgress:
     quorum: int = 1
     confirmed: bool = True  # the head has a quorum (else: the best there is)
     donors: tuple[str, ...] = ()  # live trainers at the head, other than `own`
+    beyond_pace: tuple[str, ...] = ()  # live peers whose epoch is past `max_epoch`: not counted
 
     @property
     def head(self) -> Head:
@@ -128,9 +131,11 @@ def _choose_head(holders: Mapping[Head, int], counted: int, fresh: int) -> tuple
 
 def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, now: float,
                     own: PeerProgress | None = None, stale_after: float,
-                    received: Mapping[str, float] | None = None) -> GlobalProgress:
+                    received: Mapping[str, float] | None = None,
+                    max_epoch: int | None = None) -> GlobalProgress:
     """Fold the peers' reports into the run's progress at `now` (rules in the module docstring).
-    `received` maps a peer id to when (on our clock) its report was first read."""
+    `received` maps a peer id to when (on our clock) its report was first read; `max_epoch`:
+    the highest epoch this peer believes (pace.py), None: any."""
     if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) \
             or target_batch_size < 1:
         raise ValueError(f"target_batch_size must be a positive integer, got {target_batch_size!r}")
@@ -157,6 +162,12 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
     if own is not None:
         latest[own.peer_id] = own
     latest = {peer_id: r for peer_id, r in latest.items() if not r.left}
+    beyond: tuple[str, ...] = ()
+    if max_epoch is not None:
+        beyond = tuple(sorted(peer_id for peer_id, r in latest.items()
+                              if r.epoch > max_epoch and r is not own))
+        for peer_id in beyond:
+            del latest[peer_id]
 
     trainers = [r for r in latest.values() if r.role == "trainer"]
     aux = [r for r in latest.values() if r.role == "aux"]
@@ -222,6 +233,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         quorum=quorum(len(base), waiting),
         confirmed=confirmed,
         donors=tuple(sorted(r.peer_id for r in at_head if r.peer_id != own_id)),
+        beyond_pace=beyond,
         live_peers=[{"peer_id": peer_id, "role": r.role, "epoch": r.epoch, "lineage": r.lineage,
                      "samples_per_second": r.samples_per_second, "total_samples": r.total_samples,
                      "started_at": r.started_at, "reported_at": r.time, "stepped": r.stepped}

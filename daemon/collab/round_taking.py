@@ -25,6 +25,7 @@ from ..averaging.error_feedback import unconveyed
 from ..averaging.report import AveragingReport
 from .estimate import GlobalProgress, Head
 from .lineage import next_lineage
+from .pace import EpochPace
 from .policy import (
     WEIGHT_BUDGET,
     WEIGHT_SLACK,
@@ -70,6 +71,7 @@ class RoundTaking:
     last_round: AveragingReport | None
     last_state_round: AveragingReport | None
     epoch_history: deque[dict[str, Any]]
+    pace: EpochPace
     step_overhead: float | None
     _weight_cap: float | None
     _stop: asyncio.Event
@@ -252,6 +254,7 @@ class RoundTaking:
             del p.epoch_losses[: max(0, len(p.epoch_losses) - HISTORY)]
         self._epoch_loss = (0.0, 0)
         applied_at = timebase.now()
+        self.pace.stepped(p.epoch, applied_at)
         reached = self._target_reached[1] if self._target_reached is not None else applied_at
         overhead = round(max(0.0, applied_at - reached), 4)
         self.step_overhead = overhead
@@ -317,6 +320,7 @@ class RoundTaking:
                 and report.group_size > 1:
             self.progress.rounds += 1
             self._averaged = action.head
+            self.pace.stepped(action.head.epoch + 1, timebase.now())
             stepped_to = Head(action.head.epoch + 1,
                               next_lineage(action.head.lineage or "", report.group_id))
             self._aux_group = (stepped_to, report.members)

@@ -115,6 +115,7 @@ def run_status(run: Run) -> dict[str, Any]:
         "refuted_states": p.refuted_states,
         "unverified_states": p.unverified_states,
         "unanswered_states": p.unanswered_states,
+        "reports_beyond_pace": p.reports_beyond_pace,
         "states_served": p.states_served,
         "collaborative": collaborative,
         **level,

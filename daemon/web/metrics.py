@@ -225,6 +225,8 @@ def _run(out: Exposition, run: Mapping[str, Any]) -> None:
          "at their head contradicted (not loaded)."),
         ("dedloc_run_unverified_states_total", "unverified_states", "Downloaded states loaded "
          "with no witness able to check them."),
+        ("dedloc_run_reports_beyond_pace_total", "reports_beyond_pace", "Peers seen reporting "
+         "an epoch the run's pace rules out (not counted for its head)."),
         ("dedloc_run_states_served_total", "states_served", "Downloads of this peer's state "
          "that it served to others."),
         ("dedloc_run_worker_restarts_total", "restarts", "Restarts of the run's worker."),

@@ -68,6 +68,7 @@ class Result:
     max_donor_load_ratio: float = 0.0
     state_downloads: int = 0
     failed_rounds: int = 0
+    reports_beyond_pace: int = 0  # peers' far epochs the others did not believe (pace.py)
     memory_growth: float = 1.0
     rss_per_peer_bytes: int = 0
     simulated_seconds: float = 0.0
@@ -376,11 +377,22 @@ async def _partition(swarm: Swarm, observer: Observer, result: Result, epochs: i
 
 
 async def _liars(swarm: Swarm, observer: Observer, result: Result, epochs: int,
-                 lies: Sequence[Lie] = ("epoch", "samples")) -> None:
-    """5 % of the trainers lie, in turn as `lies` says: "epoch" (far ahead, colluding),
-    "samples" (a full batch, fast), "weight" (WEIGHT_LIE_TARGETS target batches in rounds)."""
-    liars = max(1, round(0.05 * result.peers))
-    await _start(swarm, result.peers, result.aux, observer, liars=liars, lies=lies)
+                 lies: Sequence[Lie] = ("epoch", "samples"), share: float = 0.05,
+                 arrive_after: int = 0) -> None:
+    """`share` of the trainers (5 %) lie, in turn as `lies` says: "epoch" (far ahead,
+    colluding), "samples" (a full batch, fast), "weight" (WEIGHT_LIE_TARGETS target batches in
+    rounds); from the start, or arriving once the run has stepped `arrive_after` epochs."""
+    liars = max(1, round(share * result.peers))
+    if arrive_after > 0:
+        await _start(swarm, result.peers - liars, result.aux, observer)
+        await _run_for(swarm, observer, (arrive_after + 2) * EPOCH_SECONDS * 3,
+                       until=lambda: _all_at(swarm, arrive_after))
+        for index in range(liars):
+            spec = _spec(swarm)
+            await swarm.add(PeerSpec(spec.role, spec.samples_per_second, spec.link, spec.skew,
+                                     lie=lies[index % len(lies)]))
+    else:
+        await _start(swarm, result.peers, result.aux, observer, liars=liars, lies=lies)
     start = _run_epoch(swarm)
     await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
                    until=lambda: _run_epoch(swarm) >= start + epochs)
@@ -428,6 +440,8 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
                                  if p.engine is not None)
     result.failed_rounds = sum(p.engine.progress.failed_rounds for p in swarm.peers
                                if p.engine is not None)
+    result.reports_beyond_pace = sum(p.engine.progress.reports_beyond_pace for p in swarm.peers
+                                     if p.engine is not None)
     if len(observer.rss) >= 2:
         first = observer.rss[min(observer.rss_baseline, len(observer.rss) - 1)][1]
         result.memory_growth = round(observer.rss[-1][1] / max(1, first), 2)

@@ -58,6 +58,19 @@ async def test_peers_that_lie_about_their_epoch_or_samples_change_nothing() -> N
     assert result.min_round_participation >= 0.9, result.to_json()
 
 
+async def test_a_third_of_the_identities_claiming_a_far_epoch_do_not_move_the_run() -> None:
+    # 5 identities join a run of 7 trainers that has stepped 2 epochs and report epoch +10000
+    # on one lineage of their own: 5 of 12 is more than the third that confirms a head
+    # (estimate.py), so every honest trainer took that for the run's head and tried to catch up
+    # with them. No honest peer's pace makes such an epoch believable (pace.py): the run goes on
+    result = await run_scenario("liars", 12, aux=1, epochs=3,
+                                script={"lies": ("epoch",), "share": 0.4, "arrive_after": 2})
+    _healthy(result)
+    assert result.epochs >= 5, result.to_json()
+    assert result.reports_beyond_pace >= 7, result.to_json()  # each honest peer saw them
+    assert result.min_round_participation >= 0.9, result.to_json()
+
+
 async def test_an_identity_claiming_samples_it_never_computed_weighs_its_share_of_the_budget() -> None:
     # 1 liar in 16 claims 4 target batches in every round (it trains and reports honestly): a
     # member's weight was bounded by 8 target batches, so every round it joined averaged 4.94

@@ -1,0 +1,91 @@
+"""The run's pace as one peer saw it, and the epochs it makes believable (collab/pace.py), with
+the estimate that leaves out reports past them (collab/estimate.py's `max_epoch`). Pure."""
+
+from __future__ import annotations
+
+from dedloc.daemon.collab.estimate import estimate_global
+from dedloc.daemon.collab.pace import PACE_SLACK, EpochPace
+from dedloc.daemon.collab.progress import PeerProgress
+
+NOW = 1_700_000_000.0
+
+
+def report(peer_id: str, epoch: int, *, lineage: str | None = None, samples: int = 10,
+           total: int = 100) -> PeerProgress:
+    return PeerProgress(peer_id=peer_id, epoch=epoch, samples_accumulated=samples,
+                        samples_per_second=1.0, time=NOW, expiration=NOW + 60, role="trainer",
+                        total_samples=total, lineage=None if lineage is None else lineage * 32)
+
+
+def paced(steps: list[tuple[int, float]]) -> EpochPace:
+    pace = EpochPace()
+    for epoch, at in steps:
+        pace.stepped(epoch, at)
+    return pace
+
+
+def test_no_pace_no_bound() -> None:
+    assert EpochPace().bound(NOW) is None
+    one = paced([(3, NOW)])  # one step: no duration yet
+    assert one.bound(NOW + 1000) is None
+    loaded = EpochPace()
+    loaded.loaded(40, NOW)
+    assert loaded.bound(NOW + 1000) is None
+
+
+def test_the_bound_is_one_epoch_ahead_then_grows_with_the_pace() -> None:
+    pace = paced([(1, NOW - 200), (2, NOW - 100), (3, NOW)])  # epochs of 100 s
+    assert pace.epoch_seconds == 100
+    assert pace.bound(NOW) == 4  # the next step is always believable
+    assert pace.bound(NOW + 99) == 4 + int(PACE_SLACK * 99 / 100)
+    assert pace.bound(NOW + 1000) == 4 + int(PACE_SLACK * 10)
+    assert pace.bound(NOW - 50) == 4  # (a clock that went back does not lower it)
+
+
+def test_the_fastest_recent_epoch_sets_the_pace() -> None:
+    pace = paced([(1, NOW - 130), (2, NOW - 30), (3, NOW - 20), (4, NOW)])
+    assert pace.epoch_seconds == 10
+    pace = paced([(e, NOW - 100 * (10 - e)) for e in range(1, 11)] + [(11, NOW + 1)])
+    assert pace.epoch_seconds == 1  # the last epoch was fast: a flash crowd came
+
+
+def test_a_jump_or_a_download_moves_the_anchor_without_a_duration() -> None:
+    pace = paced([(1, NOW - 200), (2, NOW - 100)])
+    pace.loaded(9, NOW)  # caught up: the epoch is evidence, the 100 s are not one epoch
+    assert pace.epoch_seconds == 100
+    assert pace.bound(NOW) == 10
+    pace.stepped(12, NOW + 1)  # (a step of more than one epoch measures nothing)
+    assert pace.epoch_seconds == 100
+    pace.loaded(5, NOW + 2)  # never back
+    assert pace.bound(NOW + 1) == 13
+
+
+def test_reports_past_the_bound_count_for_nothing() -> None:
+    honest = [report(f"h{i}", 7, lineage="a") for i in range(4)]
+    liars = [report(f"l{i}", 10**12, lineage="f", samples=1000) for i in range(3)]
+    # 3 of 7 hold the far head: more than the quorum of a third, so it is the run's head
+    free = estimate_global(honest + liars, target_batch_size=1000, now=NOW, stale_after=30)
+    assert free.epoch == 10**12 and free.confirmed
+    bounded = estimate_global(honest + liars, target_batch_size=1000, now=NOW, stale_after=30,
+                              max_epoch=9)
+    assert (bounded.epoch, bounded.lineage) == (7, "a" * 32) and bounded.confirmed
+    assert bounded.beyond_pace == ("l0", "l1", "l2")
+    assert bounded.live_trainers == 4 and bounded.highest_epoch == 7
+    assert bounded.samples_accumulated == 40  # the liars' full batches count for nothing
+
+
+def test_own_report_is_never_beyond_the_bound() -> None:
+    own = report("me", 12, lineage="b")
+    run = estimate_global([report("h0", 12, lineage="b")], target_batch_size=1000, now=NOW,
+                          stale_after=30, own=own, max_epoch=8)
+    assert run.beyond_pace == ("h0",)
+    assert run.epoch == 12 and run.live_trainers == 1
+
+
+def test_a_peer_ahead_within_the_bound_is_followed() -> None:
+    # a peer whose round failed sees the others one or more epochs on: it catches up, as before
+    reports = [report(f"h{i}", 9, lineage="c") for i in range(5)]
+    own = report("me", 7, lineage="a")
+    run = estimate_global(reports, target_batch_size=1000, now=NOW, stale_after=30, own=own,
+                          max_epoch=9)
+    assert run.epoch == 9 and run.beyond_pace == ()
