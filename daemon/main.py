@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     configure_logging(config.log.level, config.log.format)
     log = structlog.get_logger("dedloc.daemon")
+    stacks = _dump_stacks_on_sigusr1(config.runtime_dir() / STACKS_FILE)
     try:
         node = Node(config)
         asyncio.run(node.run())
@@ -80,7 +83,26 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         log.exception("dedlocd_crashed")
         return EXIT_CRASH
+    finally:
+        if stacks is not None:
+            faulthandler.unregister(signal.SIGUSR1)
+            stacks.close()
     return EXIT_OK
+
+
+#: `kill -USR1 <pid>` writes every thread's stack here (in `node.runtime_dir`): what a daemon
+#: that stopped answering is doing, even when its event loop is blocked (a bug report's best
+#: evidence; the log may be what blocks).
+STACKS_FILE = "stacks.txt"
+
+
+def _dump_stacks_on_sigusr1(path: Path) -> typing.TextIO | None:
+    try:  # (a directory that does not exist yet is the control socket's to create, with its mode)
+        file = open(path, "w")  # noqa: SIM115  (held open for the process's life)
+    except OSError:
+        return None
+    faulthandler.register(signal.SIGUSR1, file=file, all_threads=True)
+    return file
 
 
 if __name__ == "__main__":

@@ -100,6 +100,8 @@ async def daemon_factory(short_tmp: Path, request: pytest.FixtureRequest) -> Asy
             lines = daemon.log_lines[-LOG_LINES_ON_FAILURE:]
             print(f"--- daemon {index} ({daemon.root}): last {len(lines)} log lines ---")
             print("\n".join(lines))
+            print(f"--- daemon {index}: its threads' stacks now ---")
+            print(await daemon.dump_stacks())
     for daemon in started:
         await daemon.kill()  # also closes what a daemon that already exited left open
 

@@ -20,6 +20,7 @@ import orjson
 from dedloc.rpc import JsonRpcClient
 
 START_TIMEOUT = 60.0
+LOG_LINE_LIMIT = 1 << 20  # bytes of one log line the tests read whole (asyncio: 64 KiB)
 
 
 class NotifyListener:
@@ -78,7 +79,7 @@ class DaemonProcess:
             "--node.runtime_dir", str(root), "--log.format", "json", "--log.level", "debug",
             "--net.listen", listen, *args,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, env=full_env)
+            stderr=asyncio.subprocess.PIPE, env=full_env, limit=LOG_LINE_LIMIT)
         daemon = cls(root, process, notify)
         try:
             await daemon.wait_ready()
@@ -88,9 +89,34 @@ class DaemonProcess:
         return daemon
 
     async def _collect_stderr(self) -> None:
+        """Read the daemon's log for as long as it writes: a reader that stopped would leave the
+        daemon blocked on a full pipe (its whole event loop, since logging is synchronous)."""
         assert self.process.stderr is not None
-        while line := await self.process.stderr.readline():
+        while True:
+            try:
+                line = await self.process.stderr.readline()
+            except ValueError:  # a line past LOG_LINE_LIMIT: take it in pieces
+                line = await self.process.stderr.read(LOG_LINE_LIMIT)
+                self.log_lines.append(f"[a log line over {LOG_LINE_LIMIT} bytes, cut] "
+                                      + line[:400].decode(errors="replace"))
+                continue
+            if not line:
+                return
             self.log_lines.append(line.decode(errors="replace").rstrip())
+
+    async def dump_stacks(self, wait: float = 1.0) -> str:
+        """Every thread's stack of a daemon still running (daemon/main.py: SIGUSR1 writes them to
+        `stacks.txt`), for a failed test's report: what a daemon that stopped answering does."""
+        if self.process.returncode is not None:
+            return f"(exited with {self.process.returncode})"
+        path = self.root / "stacks.txt"
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGUSR1)
+        await asyncio.sleep(wait)
+        try:
+            return path.read_text(errors="replace")[-8000:]
+        except OSError as exc:
+            return f"(no stacks: {exc})"
 
     def events(self) -> list[dict[str, Any]]:
         events = []

@@ -124,7 +124,10 @@ async def test_a_trainer_killed_mid_round_a_newcomer_and_a_restart_end_on_the_sa
         assert any(bool(saved["outer"]["residual"].abs().sum() > 0) for saved in final)
         # what a step's exchange sent, by a trainer whose last outer round had partners (as with
         # the residual above: one that averaged alone at the end sent nothing then)
-        sync = max((s["sync"] for s in statuses), key=lambda sync: sync["bytes_sent_per_step"])
+        # (None: a trainer that has made no exchange since it started, e.g. one back from a
+        # restart or a download when the others had finished)
+        sync = max((s["sync"] for s in statuses),
+                   key=lambda sync: sync["bytes_sent_per_step"] or 0)
         assert sync["compression_ratio"] > 50
         assert 0 < sync["bytes_sent_per_step"] < 4 * statuses[0]["parameters"] / 2
     finally:

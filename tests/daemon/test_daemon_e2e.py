@@ -96,3 +96,16 @@ async def test_restart_of_the_daemon_resumes_the_run(daemon_factory) -> None:  #
     finally:
         if second.process.returncode is None:
             await second.kill()
+
+
+async def test_sigusr1_writes_every_threads_stack_and_the_daemon_goes_on(daemon) -> None:  # type: ignore[no-untyped-def]
+    # what a daemon that stopped answering is doing, even with its event loop blocked
+    await daemon.dump_stacks(wait=0)
+    await wait_until(lambda: _read(daemon.root / "stacks.txt"), timeout=30)
+    stacks = (daemon.root / "stacks.txt").read_text()
+    assert "base_events.py" in stacks and "run_forever" in stacks, stacks  # the event loop's
+    assert (await daemon.call("node.info"))["peer_id"]
+
+
+async def _read(path) -> bool:  # type: ignore[no-untyped-def]
+    return path.exists() and "most recent call first" in path.read_text()
