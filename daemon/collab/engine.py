@@ -6,7 +6,9 @@ through the ports (ports.py): train the `Trainer`, average through the `RoundAve
 and average the state when due), download a state from the `StateSource`, wait, or leave.
 Trainers and aux peers, collaborative and local runs are the same engine with other ports.
 Taking part in a round (the `Average` action: export, average, step, the state round, an
-aux peer's reduction) is in round_taking.py, a part of the engine kept apart.
+aux peer's reduction) is in round_taking.py, and catching up (a state download checked by
+witnesses) in catching_up.py: parts of the engine kept apart; what it has done and its phase
+are in run_progress.py.
 
 Its `phase` is awaitable (`PhaseCell.wait_until`): a donor asked for the state mid-round waits
 for the round to end on it, nobody polls. Everything this peer has done is in `progress`
@@ -20,15 +22,15 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 
 from .. import timebase
 from ..averaging.report import AveragingReport
+from .catching_up import CatchingUp
 from .donors import DonorChoice
-from .errors import DonorBusy, StateSyncError
+from .errors import StateSyncError
 from .estimate import GlobalProgress, Head, estimate_global
 from .pace import EpochPace
 from .policy import (
@@ -45,77 +47,20 @@ from .policy import (
     decide,
     round_key,
 )
-from .ports import DownloadedState, ProgressBoard, RoundAverager, StateSource, Trainer, TrainerRefused
+from .ports import DownloadedState, ProgressBoard, RoundAverager, StateSource, Trainer
 from .progress import PeerProgress, Role
 from .round_taking import HISTORY, RoundTaking
-from .state_check import WITNESSES, Verdict, judge
+from .run_progress import IN_ROUND, Phase, PhaseCell, RunProgress
 
 log = structlog.get_logger(__name__)
 
 __all__ = ["IN_ROUND", "STALE_AFTER", "Phase", "PhaseCell", "RunEngine", "RunProgress"]
 
-Phase = Literal["idle", "training", "syncing", "averaging", "stepping", "averaging_state",
-                "downloading_state", "checkpointing", "paused", "lingering", "waiting"]
-#: While in these phases the state is about to change: a donor serves it after the round.
-IN_ROUND: tuple[Phase, ...] = ("averaging", "stepping", "averaging_state")
 STALE_AFTER = 30.0  # seconds a progress report stays believable
-UNANSWERED_RETRY_SECONDS = 1.0  # after a state that no witness could check, before asking again
 ROSTER_POLL = 1.0  # seconds between reads of a grid round's roster while settling before it
 
 
-@dataclass
-class RunProgress:
-    """What this peer has done in the run (checkpointed with the model)."""
-
-    epoch: int = 0
-    lineage: str | None = None
-    samples: int = 0
-    accumulated: int = 0
-    loss_first: float | None = None
-    loss_last: float | None = None
-    samples_per_second: float | None = None
-    epoch_losses: list[float] = field(default_factory=list)
-    skipped_steps: int = 0
-    rounds: int = 0
-    failed_rounds: int = 0
-    state_rounds: int = 0
-    failed_state_rounds: int = 0
-    state_downloads: int = 0
-    failed_state_downloads: int = 0
-    refuted_states: int = 0  # downloaded states that witnesses at their head contradicted
-    unverified_states: int = 0  # loaded with no witness able to say (none at the head)
-    unanswered_states: int = 0  # not loaded: witnesses at the head could not say (asked again)
-    reports_beyond_pace: int = 0  # peers seen claiming an epoch our pace of the run rules out
-    states_served: int = 0  # downloads of our state that we served to others (published)
-    restarts: int = 0
-    lr: float | None = None  # the learning rate of the last step
-
-
-class PhaseCell:
-    """A phase that can be awaited: `wait_until(predicate)` returns once it holds."""
-
-    def __init__(self, value: Phase = "idle") -> None:
-        self.value: Phase = value
-        self._changed = asyncio.Event()
-
-    def set(self, value: Phase) -> None:
-        if value != self.value:
-            self.value = value
-            self._changed.set()
-            self._changed = asyncio.Event()
-
-    async def wait_until(self, predicate: Callable[[Phase], bool], timeout: float) -> bool:
-        """True once `predicate(phase)` holds, False if it did not within `timeout` seconds."""
-        try:
-            async with asyncio.timeout(timeout):
-                while not predicate(self.value):
-                    await self._changed.wait()
-        except TimeoutError:
-            return False
-        return True
-
-
-class RunEngine(RoundTaking):
+class RunEngine(RoundTaking, CatchingUp):
     """One run on one peer (see the module docstring). `run()` returns why it left ("finished"
     or "stopped"); an error of a port (a dead worker, a revoked membership) propagates."""
 
@@ -442,90 +387,6 @@ class RunEngine(RoundTaking):
             await self.trainer.zero_grad()
             self.progress.accumulated = 0
         self._log.info("run_resumed", epoch=self.progress.epoch)
-
-    async def _catch_up(self, action: CatchUp) -> None:
-        """Load the state of a peer at the run's head (this peer is new, or fell behind)."""
-        assert self.trainer is not None
-        p = self.progress
-        now = timebase.monotonic()
-        served = {report.peer_id: report.served for report in self._reports}
-        donor = self.donors.pick(list(action.donors), now, served)
-        if donor is None or self.states is None:  # every donor failed lately: wait a little
-            self.phase.set("waiting")
-            await self._wait(Wait(timebase.now() + min(1.0, self.donors.wait(now)), "backoff"))
-            return
-        self.phase.set("downloading_state")
-        try:
-            state = await self.states.download(donor)
-        except DonorBusy as exc:  # mid-round: its state is about to move on; ask again soon
-            self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
-            self._schedule_look(0.0)
-            return
-        except StateSyncError as exc:
-            p.failed_state_downloads += 1
-            self.donors.failed(donor, now)
-            self._log.warning("state_download_failed", donor=donor[:12], error=str(exc),
-                              retry_in=round(self.donors.wait(now), 2))
-            return
-        unanswered = False
-        try:
-            if state.epoch < p.epoch:  # never back to an earlier epoch
-                raise TrainerRefused(f"the donor's state is at epoch {state.epoch}, behind ours "
-                                     f"({p.epoch})")
-            if state.epoch > action.head.epoch + 1:  # (it may have stepped since it reported)
-                raise TrainerRefused(
-                    f"the donor reported the run's head (epoch {action.head.epoch}) but sent a "
-                    f"state at epoch {state.epoch}")
-            if state.epoch < action.head.epoch or (state.epoch == action.head.epoch
-                                                   and state.lineage != action.head.lineage):
-                raise TrainerRefused(  # it reports a head it does not hold (or went back)
-                    f"the donor reported the run's head (epoch {action.head.epoch}) but sent a "
-                    f"state at epoch {state.epoch}, lineage {state.lineage}")
-            verdict = await self._witnessed(state, donor, action)
-            if verdict == "refuted":
-                p.refuted_states += 1
-                raise TrainerRefused("peers at the state's head hold other parameters "
-                                     "(state_check.py): not loaded")
-            if verdict == "unanswered":  # not the donor's fault: no backoff, no avoiding it
-                p.unanswered_states += 1
-                unanswered = True
-                return
-            if verdict == "unverified":
-                p.unverified_states += 1
-            await self.trainer.load_state(state)
-        except TrainerRefused as exc:
-            p.failed_state_downloads += 1
-            self.donors.failed(donor, now)
-            self._log.warning("downloaded_state_refused", donor=donor[:12], error=str(exc))
-            return
-        finally:
-            state.close()
-            if unanswered:  # (witnesses that moved on meanwhile: at the next head, they answer)
-                await self._wait(Wait(timebase.now() + UNANSWERED_RETRY_SECONDS, "state_unanswered"))
-        self.donors.succeeded()
-        p.epoch, p.lineage, p.accumulated = state.epoch, state.lineage, 0
-        self.pace.loaded(state.epoch, timebase.now())
-        self._head_group = state.group
-        self._stepped_in = None
-        self._epoch_loss = (0.0, 0)
-        p.state_downloads += 1
-        self._schedule_look(0.0)
-        self._log.info("state_downloaded", donor=donor[:12], epoch=state.epoch)
-
-    async def _witnessed(self, state: DownloadedState, donor: str, action: CatchUp) -> Verdict:
-        """Ask up to WITNESSES peers at the run's head (other than the donor, picked at random)
-        whether the downloaded state's parameters agree with theirs (state_check.py)."""
-        assert self.states is not None
-        others = sorted(set(action.donors) - {donor, self.peer_id})
-        chosen = self.donors.rng.sample(others, min(WITNESSES, len(others)))
-        if not chosen:
-            return "unverified"
-        answers = await asyncio.gather(*(self.states.witness(peer, state) for peer in chosen))
-        verdict = judge(answers)
-        if verdict != "verified":
-            self._log.info("downloaded_state_" + verdict, donor=donor[:12], epoch=state.epoch,
-                           witnesses=len(chosen), answers=[a for a in answers])
-        return verdict
 
     async def export_state(self) -> DownloadedState:
         """This peer's state, for a peer that downloads it, with the head it is at (read with no

@@ -44,7 +44,7 @@ from .progress import Role
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
-    from .engine import PhaseCell, RunProgress
+    from .run_progress import PhaseCell, RunProgress
 
 __all__ = ["HISTORY", "RoundTaking"]
 
