@@ -39,6 +39,11 @@ so a d spread over the chunk passes only if it passes in every segment (about th
 segments' chances: 0.3 per segment gives 7e-5 per chunk of 8), and a d in one segment is checked
 against that segment's codec error alone, never more than the chunk's.
 
+Under the norm-clipped mean (aggregation.py, a run's default) the answer is
+sum_i w_i s_i x_i / sum_i w_i with s_i from the norms the account states: a member derives the
+same s_i and checks (3) and (4) against the entries scaled by them (`effective`): the bounds are
+those of a weighted mean of the scaled contributions (their rounding scales with s_i ||x_i||).
+
 A wrong answer (zeros, a scaled average, a vector of the reducer's choosing, another sender's
 contribution dropped or counted twice) with an honest account fails (3) or (4); an account that
 misstates the member's own contribution fails (1). Not covered (docs/security.md): a reducer that
