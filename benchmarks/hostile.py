@@ -64,8 +64,9 @@ An honest run that fails, crashes or does not finish within --max-seconds is rep
 `clean` is the clean run (4 honest peers): rounds, wall seconds, peer_spread and (unless
 --clean-repeats 1) repeat_distance. `robust_aggregation` times one all-reduce of 4 x 64 MiB in
 one process (benchmarks/allreduce_inproc.py: TLS on loopback, the reducers' accounts on), best of
---robust-rounds, with the weighted mean and with centered clipping (averaging.robust_aggregation
-= "centered_clip"), and their ratio.
+--robust-rounds, with the weighted mean, the norm-clipped mean (a run's default aggregation) and
+centered clipping (averaging.robust_aggregation = "centered_clip"), their rounds taking turns,
+and the ratios to the mean (`ratio`: centered clipping's; `norm_clip_ratio`).
 
 --quick is a smoke run: 2 epochs, target batch 128, identities 1, one clean run, robust
 aggregation on 4 x 4 MiB with 1 round. Every daemon is stopped (run.stop, node.shutdown, then
@@ -280,14 +281,21 @@ def clean_entry(runs: Sequence[RunResult]) -> dict[str, Any]:
 
 
 def robust_entry(plain: Mapping[str, Any] | None, robust: Mapping[str, Any] | None,
-                 peers: int, mib: int, rounds: int) -> dict[str, Any]:
+                 peers: int, mib: int, rounds: int,
+                 norm_clip: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if plain is None or robust is None:
         return {"skipped": True}
     mean, clipped = plain["seconds_best"], robust["seconds_best"]
-    return {"peers": peers, "mib": mib, "rounds": rounds, "mean_seconds_best": mean,
-            "centered_clip_seconds_best": clipped,
-            "ratio": round(clipped / mean, 3) if mean > 0 else None,
-            "mean_max_error": plain["max_error"], "centered_clip_max_error": robust["max_error"]}
+    entry = {"peers": peers, "mib": mib, "rounds": rounds, "mean_seconds_best": mean,
+             "centered_clip_seconds_best": clipped,
+             "ratio": round(clipped / mean, 3) if mean > 0 else None,
+             "mean_max_error": plain["max_error"], "centered_clip_max_error": robust["max_error"]}
+    if norm_clip is not None:
+        entry.update({"norm_clip_seconds_best": norm_clip["seconds_best"],
+                      "norm_clip_ratio": round(norm_clip["seconds_best"] / mean, 3) if mean > 0
+                      else None,
+                      "norm_clip_max_error": norm_clip["max_error"]})
+    return entry
 
 
 def assemble(args: argparse.Namespace, clean: dict[str, Any], attacks: list[dict[str, Any]],
@@ -488,13 +496,13 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
 async def robust_timing(args: argparse.Namespace) -> dict[str, Any]:
     import allreduce_inproc
 
-    results = []
-    for robust in (False, True):
-        bench_args = argparse.Namespace(peers=HONEST, mib=args.robust_mib, chunk_mib=4,
-                                        rounds=args.robust_rounds, compression="none", plain=False,
-                                        no_check=False, robust=robust, codecs=False)
-        results.append(await allreduce_inproc.bench(bench_args))
-    return robust_entry(results[0], results[1], HONEST, args.robust_mib, args.robust_rounds)
+    bench_args = argparse.Namespace(peers=HONEST, mib=args.robust_mib, chunk_mib=4,
+                                    rounds=args.robust_rounds, compression="none", plain=False,
+                                    no_check=False, aggregation=list(allreduce_inproc.AGGREGATIONS),
+                                    codecs=False)
+    modes = (await allreduce_inproc.bench(bench_args))["modes"]
+    return robust_entry(modes["mean"], modes["centered_clip"], HONEST, args.robust_mib,
+                        args.robust_rounds, norm_clip=modes["norm_clip"])
 
 
 async def benchmark(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:

@@ -273,10 +273,15 @@ async def _run(args: argparse.Namespace, socket: Path) -> int:
 
 
 def add_sync_options(parser: argparse.ArgumentParser) -> None:
-    """How a run syncs (`dedloc start`, `dedloc run create`): compression and local updates."""
+    """How a run syncs (`dedloc start`, `dedloc run create`): compression, aggregation and local
+    updates."""
     parser.add_argument("--compression", choices=("none", "fp16", "uint8", "quantile8", "topk"),
                         help="compression of the gradients in averaging rounds (topk: --sync "
                              "local only)")
+    parser.add_argument("--aggregation", choices=("norm_clip", "mean"),
+                        help="how the reducers combine contributions: norm_clip (the default: "
+                             "each clipped to 4 times its chunk's median norm, then the "
+                             "weighted mean) or mean")
     parser.add_argument("--sync", choices=("gradients", "local"),
                         help="how the run syncs: gradients (DeDLOC, the default) or local "
                              "(DiLoCo: inner steps, then an outer step; needs --inner-steps)")
@@ -308,7 +313,8 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] 
     if args.command == "start":
         params: dict[str, Any] = {"workload": args.workload, "config": dict(args.config)}
         for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device", "min_peers",
-                       "average_state_every", "compression", "sync", "inner_steps", "outer_lr",
+                       "average_state_every", "compression", "aggregation", "sync", "inner_steps",
+                       "outer_lr",
                        "outer_momentum", "overlap", "outer_clip", "inner_lr_scale"):
             if getattr(args, option) is not None:
                 params[option] = getattr(args, option)

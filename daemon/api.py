@@ -178,6 +178,10 @@ class ControlApi:
         compression: Annotated[Literal["none", "fp16", "uint8", "quantile8", "topk"],
                                "Compression of the gradients in averaging rounds (topk: "
                                "local-update runs only, with error feedback)."] = "none",
+        aggregation: Annotated[Literal["norm_clip", "mean"], "How the reducers of the run's rounds "
+                               "combine contributions: norm_clip (each clipped to 4 times the "
+                               "median norm of its chunk, then the weighted mean: honest rounds "
+                               "are the weighted mean) or mean (the weighted mean alone)."] = "norm_clip",
         closed: Annotated[bool, "Create a closed run owned by this daemon: only peers holding a "
                           "token it issued (token.issue) may take part."] = False,
         token: Annotated[str | None, "Join the closed run this token (issued by its owner to this "
@@ -206,12 +210,12 @@ class ControlApi:
         """Start a run, or join a collaborative one; answers once the worker has loaded it.
 
         The manifest (workload, config with its defaults filled in, target_batch_size, epochs,
-        min_peers, average_state_every, compression, and for a local-update run sync, inner_steps,
-        outer_lr, outer_momentum, overlap, outer_clip and inner_lr_scale) identifies a collaborative
-        run together with its name: peers with the same name and manifest train together, and a
-        run started with only a name (no workload) joins the run its peers publish under that
-        name. A run of the same name and manifest that stopped resumes from its last intact
-        checkpoint.
+        min_peers, average_state_every, compression, aggregation, and for a local-update run
+        sync, inner_steps, outer_lr, outer_momentum, overlap, outer_clip and inner_lr_scale)
+        identifies a collaborative run together with its name: peers with the same name and
+        manifest train together, and a run started with only a name (no workload) joins the run
+        its peers publish under that name. A run of the same name and manifest that stopped
+        resumes from its last intact checkpoint.
         """
         if name is not None and not RUN_NAME.match(name):
             raise InvalidParams("name", "1-64 letters, digits, '_', '.' or '-', starting with a "
@@ -225,7 +229,8 @@ class ControlApi:
         return await self._node.runs.start(workload, dict(config), name, target_batch_size, epochs,
                                            checkpoint_every, device, collaborative, min_peers,
                                            role, average_state_every, compression, closed, token,
-                                           sync={k: v for k, v in local.items() if v is not None})
+                                           sync={k: v for k, v in local.items() if v is not None},
+                                           aggregation=aggregation)
 
     @rpc_method("run.status", errors=(ErrorCode.UNKNOWN_RUN,))
     async def run_status(

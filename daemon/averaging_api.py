@@ -45,6 +45,10 @@ class AveragingApi:
                                   "seen.", {"minimum": 1}] = None,
         compression: Annotated[Literal["none", "fp16", "uint8", "quantile8", "topk"], "Per-chunk wire "
                                "compression."] = "none",
+        aggregation: Annotated[Literal["mean", "norm_clip"], "How the reducers combine the "
+                               "contributions (every peer of the round must ask for the same): "
+                               "mean (weighted) or norm_clip (each clipped to 4 times the median "
+                               "norm of its chunk, then the weighted mean)."] = "mean",
         window: Annotated[float | None, "Seconds matchmaking gathers peers (default: "
                           "averaging.window).", {"exclusiveMinimum": 0}] = None,
     ) -> Annotated[dict[str, Any], "The round: group_id, group_size, members, shares, seconds, "
@@ -54,7 +58,8 @@ class AveragingApi:
         """Average a shared-memory vector with the peers averaging under the same key."""
         averager = self._network.require_averager()
         options = RoundOptions(key=key, weight=weight, role=role, deadline=timebase.now() + timeout,
-                               compression=compression, expected=expected_peers, window=window)
+                               compression=compression, aggregation=aggregation,
+                               expected=expected_peers, window=window)
         with attach(buffer, length, dtype) as vector:
             return (await averager.average(vector, options)).to_json()
 

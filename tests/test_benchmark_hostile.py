@@ -106,6 +106,11 @@ def test_entries_and_the_json_object() -> None:
     robust = hostile.robust_entry({"seconds_best": 1.0, "max_error": 1e-7},
                                   {"seconds_best": 1.5, "max_error": 2e-7}, 4, 64, 3)
     assert robust["ratio"] == 1.5 and hostile.robust_entry(None, None, 4, 64, 3) == {"skipped": True}
+    assert "norm_clip_ratio" not in robust
+    norm = hostile.robust_entry({"seconds_best": 1.0, "max_error": 1e-7},
+                                {"seconds_best": 1.5, "max_error": 2e-7}, 4, 64, 3,
+                                norm_clip={"seconds_best": 1.1, "max_error": 1e-7})
+    assert norm["norm_clip_ratio"] == 1.1 and norm["ratio"] == 1.5
     args = hostile.parse_args(["--quick"])
     document = hostile.assemble(args, clean, [entry, poisoned, unfinished, broken], robust, 61.0)
     decoded = orjson.loads(orjson.dumps(document))

@@ -39,6 +39,11 @@ so a d spread over the chunk passes only if it passes in every segment (about th
 segments' chances: 0.3 per segment gives 7e-5 per chunk of 8), and a d in one segment is checked
 against that segment's codec error alone, never more than the chunk's.
 
+Under the norm-clipped mean (aggregation.py, a run's default) the answer is
+sum_i w_i s_i x_i / sum_i w_i with s_i from the norms the account states: a member derives the
+same s_i and checks (3) and (4) against the entries scaled by them (`effective`): the bounds are
+those of a weighted mean of the scaled contributions (their rounding scales with s_i ||x_i||).
+
 A wrong answer (zeros, a scaled average, a vector of the reducer's choosing, another sender's
 contribution dropped or counted twice) with an honest account fails (3) or (4); an account that
 misstates the member's own contribution fails (1). Not covered (docs/security.md): a reducer that
@@ -57,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from .aggregation import Aggregation, clip_scales, l2_norm
 from .wire import PeerFault
 
 Z = 8.0  # Hoeffding: P(false alarm per segment) <= 2 exp(-Z^2 / 2) < 3e-14
@@ -108,16 +114,20 @@ def signs(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any], payl
     return signs_
 
 
+def project(r: np.ndarray, values: np.ndarray, parts: Sequence[tuple[int, int]]) -> tuple[float, ...]:
+    """<r, values> over each segment of `parts`, summed in float64. No BLAS: it runs in many
+    threads at once, and a threaded BLAS call from each of them oversubscribes the cores
+    (measured: 130 ms instead of 0.6 ms for 1M values on 2 cores). The products by +-1 are exact
+    in float32."""
+    product = np.multiply(values, r)
+    return tuple(float(product[a:b].sum(dtype=np.float64)) for a, b in parts)
+
+
 def measure(r: np.ndarray, values: np.ndarray, parts: Sequence[tuple[int, int]]
             ) -> tuple[tuple[float, ...], float]:
-    """(<r, values> over each segment of `parts`, ||values||_2), summed in float64. No BLAS: it
-    runs in many threads at once, and a threaded BLAS call from each of them oversubscribes the
-    cores (measured: 130 ms instead of 0.6 ms for 1M values on 2 cores). The products by +-1 are
-    exact in float32; the squares are off by at most 2^-24 each, relative."""
-    product = np.multiply(values, r)
-    projections = tuple(float(product[a:b].sum(dtype=np.float64)) for a, b in parts)
-    np.multiply(values, values, out=product)
-    return projections, math.sqrt(float(product.sum(dtype=np.float64)))
+    """(`project`, ||values||_2 as aggregation.l2_norm sums it: the norm a reducer states and
+    clips by)."""
+    return project(r, values, parts), l2_norm(values)
 
 
 def codec_errors(decoded: np.ndarray, average: np.ndarray, parts: Sequence[tuple[int, int]]
@@ -192,14 +202,27 @@ def norm_bound(entries: Sequence[Entry], n: int, codec_error: float) -> float:
     return (mean + rounding + codec_error) * (1 + 8 * FLOAT32_UNIT + 2 * n * FLOAT64_UNIT) + 1e-30
 
 
+def effective(entries: Sequence[Entry], aggregation: Aggregation) -> list[Entry]:
+    """The entries as the rule weighs them: under `norm_clip`, each contribution's projections
+    and norm times its scale s_i (aggregation.clip_scales, from the stated norms), its weight
+    unchanged (the answer is sum_i w_i s_i x_i / sum_i w_i). The tolerances then follow as for a
+    weighted mean of the scaled contributions: the float32 rounding and float64 sums scale with
+    s_i ||x_i||, and the codec's error is the answer's, stated apart."""
+    if aggregation == "mean":
+        return list(entries)
+    scales = clip_scales([e.weight for e in entries], [e.norm for e in entries])
+    return [e if s == 1.0 else Entry(e.sender, e.weight, tuple(s * p for p in e.projections), s * e.norm)
+            for e, s in zip(entries, scales, strict=True)]
+
+
 def check_answer(entries: Sequence[Entry], errors: Sequence[float], *, weights: Sequence[float],
                  sends: Sequence[bool], me: int, mine: tuple[Sequence[float], float] | None,
                  answer_projections: Sequence[float], answer_norm: float, answer_bound: float,
-                 parts: Sequence[tuple[int, int]]) -> None:
+                 parts: Sequence[tuple[int, int]], aggregation: Aggregation = "mean") -> None:
     """WrongAverage unless the answer (its projections onto r per segment of `parts`, its norm,
-    its codec's per-element bound) agrees with the account. `weights`/`sends`: the group's
-    members; `mine`: this member's own (projections, norm) of the chunk it sent, or None if it
-    sent none."""
+    its codec's per-element bound) agrees with the account under the round's `aggregation`.
+    `weights`/`sends`: the group's members; `mine`: this member's own (projections, norm) of the
+    chunk it sent, or None if it sent none."""
     n = parts[-1][1]
     sizes = [b - a for a, b in parts]
     seen: set[int] = set()
@@ -228,6 +251,7 @@ def check_answer(entries: Sequence[Entry], errors: Sequence[float], *, weights: 
         if any(abs(stated - p) > slack for stated, p in zip(own.projections, projections, strict=True)) \
                 or abs(own.norm - norm) > 4 * FLOAT32_UNIT * norm + slack:
             raise WrongAverage("the account misstates this member's own contribution")
+    entries = effective(entries, aggregation)
     total = sum(e.weight for e in entries)
     largest = norm_bound(entries, n, math.sqrt(sum(e * e for e in errors)))
     if not answer_norm <= largest:

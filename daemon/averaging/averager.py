@@ -25,6 +25,7 @@ from .. import timebase
 from ..dht import DHTNode
 from ..net import PeerTransport
 from . import corruption
+from .aggregation import Aggregation
 from .allreduce import AllReduceError, AllReduceReport, AllReduceService, check_finite
 from .bandwidth import BandwidthEstimator, PeerRates, measured_rates
 from .bans import BanList
@@ -50,6 +51,7 @@ class RoundOptions:
     role: Role
     deadline: float  # unix time
     compression: str = "none"
+    aggregation: Aggregation = "mean"  # how the reducers combine contributions (aggregation.py)
     expected: int | None = None
     window: float | None = None
     min_trainers: int = 1  # matchmaking waits past its window for this many (RoundRequest)
@@ -176,6 +178,7 @@ class Averager:
         request = RoundRequest(options.key, member, size=int(vector.size),
                                chunk_elements=self.chunk_elements(int(vector.size)),
                                compression=options.compression,
+                               aggregation=options.aggregation,
                                window=window, deadline=options.deadline, expected=options.expected,
                                max_group_size=self.config.max_group_size,
                                min_trainers=options.min_trainers, peers=options.peers,
@@ -206,6 +209,8 @@ class Averager:
         self.counters["round_milliseconds"] += round(1000 * (finished - started))
         self.counters["bytes_sent"] += summary.bytes_sent
         self.counters["bytes_received"] += summary.bytes_received
+        if summary.contributions_clipped:
+            self.counters["contributions_clipped"] += summary.contributions_clipped
         log.info("averaging_round", key=options.key, group_size=summary.group_size,
                  seconds=summary.seconds, failed_parts=len(summary.failed_parts))
         return summary
@@ -255,6 +260,8 @@ class Averager:
             part_bounds=tuple(group.part_bounds),
             chunk_elements=group.chunk_elements if report is not None else 0,
             compression=group.compression,
+            aggregation=group.aggregation,
+            contributions_clipped=report.contributions_clipped if report else 0,
         )
 
     def status(self) -> dict[str, Any]:

@@ -38,7 +38,8 @@ import structlog
 
 from .. import timebase
 from ..net import Message, PeerTransport, Stream
-from .accounts import ACCOUNT_KEY, CLIPPED, Entry, account_header, codec_errors, measure, segments, signs
+from .accounts import ACCOUNT_KEY, CLIPPED, Entry, account_header, codec_errors, project, segments, signs
+from .aggregation import l2_norm
 from .bans import BanList
 from .claims import stall_allowance
 from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
@@ -86,8 +87,8 @@ class Round:
         self.own = own = self.plans.get(index)
         senders = [i for i, m in enumerate(members) if m.sends]
         self.senders = len(senders)
-        self.reducer = PartReducer(own, senders, policy=policy,
-                                   own=index if self.sends else None) if own else None
+        self.reducer = PartReducer(own, senders, policy=policy, own=index if self.sends else None,
+                                   aggregation=group.aggregation) if own else None
         count = own.count if own else 0
         self.results: list[tuple[Buffer, Meta, Any] | None] = [None] * count
         self.unaveraged: dict[int, str] = {}
@@ -100,6 +101,7 @@ class Round:
         self.serving: dict[int, asyncio.Task[None]] = {}
         self.excluded: dict[int, str] = {}
         self.offences: dict[int, OffenceKind] = {}
+        self.clipped = 0  # contributions the round's rule scaled down (aggregation.py)
         # shared
         self.traffic = TransferLog()
         self.jobs = ChunkJobs(pool, inline_elements)
@@ -111,6 +113,7 @@ class Round:
                                  self.jobs, self.traffic, self._left, self._exclude, self.log,
                                  corruption, check=policy.check_answers,
                                  accept_clipped=policy.robust == "centered_clip",
+                                 aggregation=group.aggregation,
                                  on_wrong_average=self._wrong_average, weights=self.weights)
 
     # --- the round ------------------------------------------------------------------------------
@@ -297,7 +300,8 @@ class Round:
         a, b = self.own.absolute(c)
         rejected: dict[int, str] = {}
         try:
-            rejected = await self.jobs.run(b - a, self._average, c)
+            rejected, clipped = await self.jobs.run(b - a, self._average, c)
+            self.clipped += clipped
         except CompressionError as exc:  # the average overflowed float32
             self.unaveraged[c] = describe(exc)
         for i, reason in rejected.items():
@@ -308,14 +312,14 @@ class Round:
         if not self.remaining:
             self.reduced.set()
 
-    def _average(self, c: int) -> dict[int, str]:
+    def _average(self, c: int) -> tuple[dict[int, str], int]:
         """Average chunk c into our vector and encode it for the senders; the senders the norm
-        rule rejected in it."""
+        rule rejected in it, and how many contributions the round's rule clipped."""
         assert self.own is not None and self.reducer is not None
         average, rejected, used = self.reducer.average(c)
         if average is None:
             self.unaveraged[c] = "no sender's contribution was accepted"
-            return rejected
+            return rejected, 0
         if self.wrong_answers is not None:
             wrong_answer(self.wrong_answers, average)
         payload, meta = self.reply.encode(average)
@@ -328,9 +332,10 @@ class Round:
             errors = [0.0] * len(parts) if self.reply.name == "none" else codec_errors(
                 self.vector[a:b], average, parts)
             account = CLIPPED if self.policy.robust == "centered_clip" else account_header(
-                [Entry(i, w, *measure(r, values, parts)) for i, w, values in used], errors)
+                [Entry(u.sender, u.weight, project(r, u.values, parts),
+                       l2_norm(u.values) if u.norm is None else u.norm) for u in used], errors)
         self.results[c] = (payload, meta, account)
-        return rejected
+        return rejected, sum(1 for u in used if u.scale < 1.0)
 
     async def _answer(self, stream: Stream, peer: str) -> None:
         assert self.own is not None
@@ -418,5 +423,6 @@ class Round:
                 (plan.absolute(c), ok, reason) for c, (ok, reason) in enumerate(done)]
         excluded = {self.group.members[i].peer_id: r for i, r in sorted(self.excluded.items())}
         rejected = {self.group.members[i].peer_id: k for i, k in sorted(self.offences.items())}
-        return build_report(self.group.group_id, seconds, outcomes, self.traffic, excluded, rejected)
+        return build_report(self.group.group_id, seconds, outcomes, self.traffic, excluded, rejected,
+                            self.clipped)
 

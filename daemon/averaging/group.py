@@ -11,6 +11,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from .aggregation import Aggregation, check_aggregation
+
 Role = Literal["trainer", "aux", "client"]
 ROLES: tuple[Role, ...] = ("trainer", "aux", "client")
 MAX_REPRESENTS = 1 << 16  # trainers one member's vector may stand for (a grid round's stage)
@@ -68,7 +70,8 @@ class Member:
 class Group:
     """One averaging round's group. `part_bounds[i]` is the half-open element range that member i
     reduces (empty when it reduces nothing); the ranges tile [0, size) in member order and are
-    multiples of `chunk_elements` except at the end of the vector."""
+    multiples of `chunk_elements` except at the end of the vector. `aggregation`: how its
+    reducers combine a chunk's contributions (aggregation.py), which its members check."""
 
     group_id: str
     key: str
@@ -78,6 +81,7 @@ class Group:
     chunk_elements: int
     compression: str
     deadline: float  # unix time by which the round is over, success or not
+    aggregation: Aggregation = "mean"
 
     def index_of(self, peer_id: str) -> int:
         for index, member in enumerate(self.members):
@@ -119,14 +123,16 @@ class Group:
                 "members": [m.to_json() for m in self.members], "size": self.size,
                 "part_bounds": [list(b) for b in self.part_bounds],
                 "chunk_elements": self.chunk_elements, "compression": self.compression,
-                "deadline": self.deadline}
+                "deadline": self.deadline, "aggregation": self.aggregation}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Group:
         members = tuple(Member.from_json(m) for m in data["members"])
         bounds = tuple((int(a), int(b)) for a, b in data["part_bounds"])
         group = cls(str(data["group_id"]), str(data["key"]), members, int(data["size"]), bounds,
-                    int(data["chunk_elements"]), str(data["compression"]), float(data["deadline"]))
+                    int(data["chunk_elements"]), str(data["compression"]), float(data["deadline"]),
+                    # (a leader of an earlier version names none: it averages by the mean)
+                    check_aggregation(data.get("aggregation", "mean")))
         group.check()
         return group
 

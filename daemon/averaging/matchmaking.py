@@ -67,6 +67,7 @@ from ..net import (
     RequestContext,
     TransportError,
 )
+from .aggregation import Aggregation
 from .bans import BanList
 from .claims import share_refusal
 from .errors import LeaderComing, MatchmakingError, NotGathering
@@ -130,10 +131,14 @@ class RoundRequest:
     # and the leader asks the missing ones whether they come (see the module docstring); other
     # direct rounds close at their window as before.
     staged: bool = False
+    # How the group's reducers combine contributions (aggregation.py); the members check it. A
+    # peer of an earlier version states none: it averages by the mean.
+    aggregation: Aggregation = "mean"
 
     def compatible(self, other: dict[str, Any]) -> bool:
         return (other.get("size") == self.size and other.get("compression") == self.compression
-                and other.get("chunk_elements") == self.chunk_elements)
+                and other.get("chunk_elements") == self.chunk_elements
+                and other.get("aggregation", "mean") == self.aggregation)
 
 
 @dataclass
@@ -223,7 +228,7 @@ class Matchmaker:
 
     async def _announce(self, request: RoundRequest, window_end: float) -> None:
         info = {**request.member.to_json(), "size": request.size, "compression": request.compression,
-                "chunk_elements": request.chunk_elements,
+                "chunk_elements": request.chunk_elements, "aggregation": request.aggregation,
                 # how to reach us: a candidate may never have met us (a newcomer, a big swarm)
                 "addresses": [str(a) for a in self._transport.listen_addresses()[:MAX_ADDRESSES]]}
         try:
@@ -319,7 +324,8 @@ class Matchmaker:
         """Ask `leader` to take us; the group, a redirect (a peer id), or None if it failed."""
         request = gathering.request
         header = {"key": request.key, "member": request.member.to_json(), "size": request.size,
-                  "compression": request.compression, "chunk_elements": request.chunk_elements}
+                  "compression": request.compression, "chunk_elements": request.chunk_elements,
+                  "aggregation": request.aggregation}
         if request.peers:
             header["direct"] = True
         access = self._dht.access  # a closed run's rounds need our membership token
@@ -493,7 +499,7 @@ class Matchmaker:
         # The load balancer's LP runs in a thread: the event loop never waits on it.
         bounds = await asyncio.to_thread(self._planner, ordered, request.size, request.chunk_elements)
         group = Group(digest, request.key, ordered, request.size, bounds, request.chunk_elements,
-                      request.compression, request.deadline)
+                      request.compression, request.deadline, request.aggregation)
         group.check()
         return group
 
@@ -501,7 +507,7 @@ class Matchmaker:
         log.info("matchmaking_alone", key=request.key)
         return Group("solo-" + self._nonce(8).hex(), request.key, (request.member,), request.size,
                      ((0, request.size),), request.chunk_elements, request.compression,
-                     request.deadline)
+                     request.deadline, request.aggregation)
 
     # The leader's side of avg.join ---------------------------------------------------------
 
@@ -541,8 +547,8 @@ class Matchmaker:
                                    f"{limit:g}")
         if not gathering.request.compatible(header):
             gathering.refuse(ctx.peer_id)
-            raise MatchmakingError("this round averages a vector of another size, chunking or "
-                                   "compression")
+            raise MatchmakingError("this round averages a vector of another size, chunking, "
+                                   "compression or aggregation")
         if gathering.closed:
             raise MatchmakingError("the group is already formed")
         if len(gathering.joiners) + 1 >= gathering.request.max_group_size:
@@ -615,17 +621,17 @@ def _ack_seconds(request: RoundRequest) -> float:
 def group_refusal(group: Group, request: RoundRequest, now: float) -> str | None:
     """Why a follower refuses the group its leader sent (None: it takes it). A leader is just
     another peer: its group must be the round the follower asked for (vector, chunking,
-    compression), hold the follower as it joined (its weight, role and links unchanged: a
-    leader that rewrote them would get honest members banned for a stream that does not match),
-    name each member once, fit the size asked for, and end no later than twice the time the
-    follower was prepared to give the round (a deadline of 1e308 would freeze it), and give
-    no member more of the vector than the public rule on bandwidth claims allows (claims.py: at
-    most SHARE_MULTIPLE equal shares, one chunk more for rounding), which every honest leader's
-    split keeps by construction."""
-    if (group.size, group.chunk_elements, group.compression) != (
-            request.size, request.chunk_elements, request.compression):
+    compression, and aggregation: the rule the answers are checked against), hold the follower
+    as it joined (its weight, role and links unchanged: a leader that rewrote them would get
+    honest members banned for a stream that does not match), name each member once, fit the
+    size asked for, and end no later than twice the time the follower was prepared to give the
+    round (a deadline of 1e308 would freeze it), and give no member more of the vector than the
+    public rule on bandwidth claims allows (claims.py: at most SHARE_MULTIPLE equal shares, one
+    chunk more for rounding), which every honest leader's split keeps by construction."""
+    if (group.size, group.chunk_elements, group.compression, group.aggregation) != (
+            request.size, request.chunk_elements, request.compression, request.aggregation):
         return (f"it averages {group.size} elements in chunks of {group.chunk_elements} with "
-                f"{group.compression!r}, not what was asked")
+                f"{group.compression!r} by {group.aggregation!r}, not what was asked")
     ids = [m.peer_id for m in group.members]
     if len(set(ids)) != len(ids):
         return "it names a member twice"

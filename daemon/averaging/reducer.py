@@ -9,10 +9,12 @@ value there). Every contribution is screened as it is added (screening.py: the h
 Two ways to hold the contributions:
 - running sums (`keep` False): sums[chunk] += weight * values as each arrives; one part-sized
   array whatever the number of senders;
-- kept (`keep` True, when the norm rule or centered clipping needs them, screening.py): each
-  sender's chunk is kept in a row of a (senders x chunk) array until the chunk settles; then the
-  norm outliers are rejected and the rest averaged (a weighted mean, or centered clipping). A
-  sender left out for an offence (`discard`) is removed from every chunk not settled yet.
+- kept (`keep` True, when the norm rule, the answers' accounts or the aggregation need them:
+  screening.py, aggregation.py): each sender's chunk is kept in a row of a (senders x chunk)
+  array until the chunk settles; then the norm outliers are rejected and the rest aggregated by
+  the round's rule (`aggregation`: the weighted mean or the norm-clipped mean), or by centered
+  clipping where this daemon opts in (`policy.robust`). A sender left out for an offence
+  (`discard`) is removed from every chunk not settled yet.
 
 The bookkeeping (`take`, `added`, `released`, `drop`, `discard`) runs on the event loop; `add`,
 `average` and `row` may run in worker threads (numpy releases the GIL): they take the chunk's lock
@@ -23,24 +25,41 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
+import structlog
 
+from .aggregation import MIN_CLIP_SENDERS, Aggregation, clip_scales, l2_norm, weighted_mean
 from .clipping import centered_clip
 from .screening import ScreeningPolicy, norm_outliers, screen
 from .wire import ChunkPlan
 
-Contribution = tuple[int, float, np.ndarray]  # sender, weight, its decoded chunk
+log = structlog.get_logger(__name__)
+
+
+class Contribution(NamedTuple):
+    """A sender's chunk as it went into an answer."""
+
+    sender: int
+    weight: float
+    values: np.ndarray  # as the reducer decoded it
+    norm: float | None  # its l2_norm (None where neither the account nor the rule needs it)
+    scale: float = 1.0  # s_i of the norm-clipped mean (1: not clipped)
 
 
 class PartReducer:
     def __init__(self, plan: ChunkPlan, senders: Iterable[int], *,
-                 policy: ScreeningPolicy | None = None, own: int | None = None) -> None:
+                 policy: ScreeningPolicy | None = None, own: int | None = None,
+                 aggregation: Aggregation = "mean") -> None:
         self.plan = plan
         self.policy = policy or ScreeningPolicy()
         self.own = own  # the reducer's own sender index: never rejected by the norm rule
         self.senders = sorted(frozenset(senders))
-        self.keep = self.policy.keeps(len(self.senders))
+        # the round's rule (aggregation.py); this daemon's centered clipping overrides it
+        self.aggregation: Aggregation = aggregation
+        self.keep = self.policy.keeps(len(self.senders)) or (
+            aggregation == "norm_clip" and len(self.senders) >= MIN_CLIP_SENDERS)
         self._row = {sender: row for row, sender in enumerate(self.senders)}
         # running sums, averaged in place; when kept, the averages only (the payloads sent back)
         self.sums = np.empty(plan.size, dtype=np.float32)
@@ -151,7 +170,7 @@ class PartReducer:
     def average(self, index: int) -> tuple[np.ndarray | None, dict[int, str], list[Contribution]]:
         """The settled chunk's average (a view of `sums`; None if no contribution is left), the
         senders rejected now by the norm rule, with why, and (kept mode) the contributions that
-        went into it (sender, weight, values), for the answer's account (accounts.py)."""
+        went into it, for the answer's account (accounts.py) and the counters."""
         first, last = self.plan.relative(index)
         out = self.sums[first:last]
         if not self.keep:
@@ -171,16 +190,21 @@ class PartReducer:
         if not accepted or rows is None:
             return None, rejected, []
         weights = [kept[s][0] for s in accepted]
-        used = [(s, w, rows[self._row[s]]) for s, w in zip(accepted, weights, strict=True)]
+        chosen = [rows[self._row[s]] for s in accepted]
         if self.policy.robust == "centered_clip":
-            chosen = rows if len(accepted) == len(self.senders) else rows[[self._row[s] for s in accepted]]
-            centered_clip(chosen, weights, self.policy.clip_radius, self.policy.clip_iterations, out)
-            return out, rejected, used
-        total = float(sum(weights))
-        product = np.empty_like(out)
-        for position, (sender, weight) in enumerate(zip(accepted, weights, strict=True)):
-            scaled = out if position == 0 else product
-            np.multiply(rows[self._row[sender]], np.float32(weight / total), out=scaled)
-            if position:
-                np.add(out, product, out=out)
+            matrix = rows if len(accepted) == len(self.senders) else rows[[self._row[s] for s in accepted]]
+            centered_clip(matrix, weights, self.policy.clip_radius, self.policy.clip_iterations, out)
+            return out, rejected, [Contribution(s, w, row, None)
+                                   for s, w, row in zip(accepted, weights, chosen, strict=True)]
+        clipping = self.aggregation == "norm_clip"
+        norms = [l2_norm(row) for row in chosen] if clipping or self.policy.check_answers else None
+        scales = clip_scales(weights, norms) if clipping and norms is not None \
+            else (1.0,) * len(chosen)
+        weighted_mean(chosen, weights, out, scales)
+        used = [Contribution(*fields) for fields in zip(
+            accepted, weights, chosen, norms or [None] * len(chosen), scales, strict=True)]
+        if norms is not None and any(scale < 1.0 for scale in scales):
+            log.debug("contributions_clipped", chunk=index,
+                      clipped={c.sender: round(c.scale, 6) for c in used if c.scale < 1.0},
+                      norms=[round(n, 6) for n in norms])
         return out, rejected, used

@@ -37,7 +37,9 @@ class AllReduceReport:
     counts the whole vector); `failures` says, per reducer, which ranges failed and why;
     `senders_excluded` maps the peer id of every sender this member's reducer left out (from the
     chunks it had not delivered) to the reason; `senders_rejected` maps those of them whose
-    contribution was rejected (an offence, screening.py) to the kind of offence."""
+    contribution was rejected (an offence, screening.py) to the kind of offence;
+    `contributions_clipped`: the contributions this member's reducer scaled down (aggregation.py:
+    one per sender and chunk)."""
 
     group_id: str
     seconds: float
@@ -49,6 +51,7 @@ class AllReduceReport:
     failures: tuple[PartFailure, ...]
     senders_excluded: dict[str, str]
     senders_rejected: dict[str, str] = field(default_factory=dict)
+    contributions_clipped: int = 0
 
     @property
     def ok(self) -> bool:
@@ -66,6 +69,7 @@ class AllReduceReport:
                          for f in self.failures],
             "senders_excluded": dict(self.senders_excluded),
             "senders_rejected": dict(self.senders_rejected),
+            "contributions_clipped": self.contributions_clipped,
         }
 
 
@@ -103,6 +107,8 @@ class AveragingReport:
     part_bounds: tuple[tuple[int, int], ...] = ()
     chunk_elements: int = 0
     compression: str = "none"  # ... and the codec it went out in
+    aggregation: str = "mean"  # the group's rule (aggregation.py; a reducer's centered clipping aside)
+    contributions_clipped: int = 0  # by this peer's reducer (AllReduceReport)
 
     @property
     def group_size(self) -> int:
@@ -124,6 +130,7 @@ class AveragingReport:
             "senders_excluded": dict(self.senders_excluded),
             "senders_rejected": dict(self.senders_rejected), "finished_at": self.finished_at,
             "weight": self.weight, "represented": self.represented, "stages": self.stages,
+            "aggregation": self.aggregation, "contributions_clipped": self.contributions_clipped,
         }
 
 
@@ -176,7 +183,8 @@ class TransferLog:
 
 def build_report(group_id: str, seconds: float,
                  outcomes: dict[str, list[tuple[tuple[int, int], bool, str]]], traffic: TransferLog,
-                 excluded: dict[str, str], rejected: Mapping[str, str] | None = None) -> AllReduceReport:
+                 excluded: dict[str, str], rejected: Mapping[str, str] | None = None,
+                 clipped: int = 0) -> AllReduceReport:
     """The report from each reducer's chunks: (element range, averaged?, why not) in order."""
     reduced: list[tuple[int, int]] = []
     failures: list[PartFailure] = []
@@ -196,4 +204,5 @@ def build_report(group_id: str, seconds: float,
         bytes_received=sum(t.bytes_received for t in transfers.values()),
         transfers=transfers, parts_reduced=merge_ranges(reduced),
         failed_parts=merge_ranges((f.start, f.end) for f in failures), failures=tuple(failures),
-        senders_excluded=excluded, senders_rejected=dict(rejected or {}))
+        senders_excluded=excluded, senders_rejected=dict(rejected or {}),
+        contributions_clipped=clipped)

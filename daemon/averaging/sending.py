@@ -35,6 +35,7 @@ from .accounts import (
     segments,
     signs,
 )
+from .aggregation import Aggregation
 from .compression import Buffer, Codec, CompressionError, Meta
 from .corruption import SenderCorruption
 from .group import Group
@@ -88,6 +89,7 @@ class PartSender:
     corruption: str | None = None  # tests only (corruption.py): how our chunks go out bad
     check: bool = False  # check each answer against its reducer's account before applying it
     accept_clipped: bool = False  # take answers aggregated by centered clipping (not checkable)
+    aggregation: Aggregation = "mean"  # the round's rule, which the answers are checked against
     on_wrong_average: Callable[[int, str], None] | None = None  # reducer j contradicted its account
     weights: Sequence[float] | None = None  # each member's weight in the round (its claim if None)
     # the reducers we send to, which averaged chunks came back, why others did not
@@ -227,4 +229,5 @@ class PartSender:
                      else list(self.weights),
                      sends=[m.sends for m in members], me=self.index, mine=mine,
                      answer_projections=projections, answer_norm=norm,
-                     answer_bound=self.reply.error_bound(answer), parts=parts)
+                     answer_bound=self.reply.error_bound(answer), parts=parts,
+                     aggregation=self.aggregation)

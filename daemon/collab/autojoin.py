@@ -205,6 +205,7 @@ class RunAutoJoin:
                 checkpoint_every=10, device=device, collaborative=True,
                 min_peers=manifest.min_peers, average_state_every=manifest.average_state_every,
                 compression=manifest.compression, closed=manifest.closed,
+                aggregation=manifest.aggregation,
                 sync=manifest.sync_fields())
         # What run.start does when given only a name (or a token): the manifest comes from peers.
         name = (s.join or None) if target.token else target.name  # a token names its run

@@ -60,7 +60,8 @@ class AuxRun:
         return RunEngine(peer_id=self.network.identity.peer_id, role="aux",
                          schedule=schedule_of(self.manifest), board=self.board,
                          averaging=self.rounds, parameters=self.parameters,
-                         compression=self.manifest.compression, name=self.name)
+                         compression=self.manifest.compression,
+                         aggregation=self.manifest.aggregation, name=self.name)
 
     @property
     def key(self) -> str:

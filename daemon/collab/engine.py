@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 
 from .. import timebase
+from ..averaging.aggregation import DEFAULT_RUN_AGGREGATION
 from ..averaging.report import AveragingReport
 from .catching_up import CatchingUp
 from .donors import DonorChoice
@@ -67,7 +68,8 @@ class RunEngine(RoundTaking, CatchingUp):
     def __init__(self, *, peer_id: str, role: Role, schedule: Schedule, board: ProgressBoard,
                  averaging: RoundAverager, states: StateSource | None = None,
                  trainer: Trainer | None = None, progress: RunProgress | None = None,
-                 parameters: int = 0, compression: str = "none", timing: Timing | None = None,
+                 parameters: int = 0, compression: str = "none",
+                 aggregation: str = DEFAULT_RUN_AGGREGATION, timing: Timing | None = None,
                  blocked: Callable[[], str | None] | None = None,
                  checkpoint: Callable[[], Awaitable[None]] | None = None,
                  checkpoint_every: int = 0, collaborative: bool = True, name: str = "",
@@ -86,6 +88,7 @@ class RunEngine(RoundTaking, CatchingUp):
         self.progress = progress or RunProgress()
         self.parameters = parameters
         self.compression = compression
+        self.aggregation = aggregation  # the run's (manifest.py): every round's reducers use it
         # a local-update run with a lossy codec: what a round did not convey of this peer's
         # vector goes back to the trainer, which adds it to the next one (_settle_residual)
         self.error_feedback = error_feedback and compression != "none"

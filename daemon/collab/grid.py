@@ -245,7 +245,8 @@ def grid_report(key: str, stages: Sequence[AveragingReport], everyone: Sequence[
         weight=last.weight, represented=represented, stages=len(stages),
         # our own vector went out in the first stage we were not alone in
         part_bounds=stages[0].part_bounds, chunk_elements=stages[0].chunk_elements,
-        compression=stages[0].compression)
+        compression=stages[0].compression, aggregation=stages[0].aggregation,
+        contributions_clipped=sum(r.contributions_clipped for r in stages))
 
 
 # One stage: (vector, key suffix, weight, represents, max_represents, peers, min_trainers,

@@ -2,12 +2,13 @@
 
 The manifest names the workload and its full config, the target batch size, the optimizer-step
 schedule (`epochs`), when parameters and optimizer state are averaged, the gradient compression,
-the initialisation seed, and how the run syncs: `sync = "gradients"` (DeDLOC: every global batch's
-gradients are averaged) or `sync = "local"` (the DiLoCo family: `inner_steps` global batches of
-local optimizer steps, then the pseudo-gradients are averaged and one outer step of Nesterov SGD
-with `outer_lr` and `outer_momentum` is taken, optionally `overlap`ped with the next inner steps;
-an epoch is then one outer step; the inner steps take the workload's learning rate times
-`inner_lr_scale`).
+how the reducers aggregate (`aggregation`: the norm-clipped mean by default, or the plain mean;
+averaging/aggregation.py), the initialisation seed, and how the run syncs: `sync = "gradients"`
+(DeDLOC: every global batch's gradients are averaged) or `sync = "local"` (the DiLoCo family:
+`inner_steps` global batches of local optimizer steps, then the pseudo-gradients are averaged
+and one outer step of Nesterov SGD with `outer_lr` and `outer_momentum` is taken, optionally
+`overlap`ped with the next inner steps; an epoch is then one outer step; the inner steps take
+the workload's learning rate times `inner_lr_scale`).
 Its hash (the fingerprint) is part of the run's key in the DHT: peers
 whose manifests differ in anything never meet, even under the same run name.
 
@@ -30,6 +31,7 @@ import structlog
 from dedloc.rpc.worker_protocol import INNER_LR_SCALE_AUTO, MAX_INNER_LR_SCALE, MIN_INNER_LR_SCALE
 
 from .. import timebase
+from ..averaging.aggregation import AGGREGATIONS, DEFAULT_RUN_AGGREGATION
 from ..dht.records import is_peer_id
 from ..identity import verify
 from ..net import TransportError
@@ -111,6 +113,13 @@ class RunManifest:
     # unscaled lr stalled or diverged, the scaled one beat gradient rounds (docs/collaboration.md).
     # None: the sync mode's default (a gradients run has none: its steps take the whole batch).
     inner_lr_scale: float | str | None = None
+    # How every reducer of the run's rounds combines a chunk's contributions, and what members
+    # check its answers against (averaging/aggregation.py): "norm_clip" (each contribution
+    # clipped to 4 times the chunk's median norm, then the weighted mean) or "mean". The run's,
+    # not a peer's: reducers and members must agree. A manifest without it (written before it
+    # existed) is a "mean" run, as its peers averaged then, and "mean" is left out of the JSON,
+    # so such a run keeps its fingerprint; "norm_clip" runs have their own.
+    aggregation: str = DEFAULT_RUN_AGGREGATION
 
     def __post_init__(self) -> None:
         if not isinstance(self.workload, str) or not self.workload:
@@ -140,6 +149,11 @@ class RunManifest:
         if self.compression not in LOCAL_COMPRESSIONS:
             raise ManifestError(f"compression must be one of {', '.join(COMPRESSIONS)}, or "
                                 f"topk in a local-update run, got {self.compression!r:.40}")
+        if not isinstance(self.aggregation, str) or self.aggregation not in AGGREGATIONS:
+            raise ManifestError(f"aggregation must be one of {', '.join(AGGREGATIONS)} (how the "
+                                f"reducers combine contributions: norm_clip clips each to 4 "
+                                f"times the median norm, mean does not), got "
+                                f"{self.aggregation!r:.40}")
 
     def _check_sync(self) -> None:
         if self.sync not in SYNC_MODES:
@@ -225,6 +239,8 @@ class RunManifest:
         for key, unset in (("task", None), ("owner", None), ("closed", False)):
             if data[key] == unset:  # so that a run without them keeps its fingerprint
                 del data[key]
+        if data["aggregation"] == "mean":  # (as manifests were before the field existed)
+            del data["aggregation"]
         if self.sync == "gradients":  # the same: gradients runs keep their fingerprints
             for key in ("sync", "inner_steps", "outer_lr", "outer_momentum", "outer_nesterov",
                         "overlap", "outer_clip", "inner_lr_scale"):
@@ -240,6 +256,8 @@ class RunManifest:
         if unknown:
             raise ManifestError(f"unknown manifest fields: {', '.join(sorted(unknown))} (a newer "
                                 "dedloc made this run; upgrade to join it)")
+        if "aggregation" not in data:  # written before the field existed, or a "mean" run
+            data = {**data, "aggregation": "mean"}
         try:
             return cls(**data)
         except TypeError as exc:

@@ -50,12 +50,14 @@ class RoundAverager(Protocol):
         """The most peers one group holds (0: no limit); a round of more is a grid round."""
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
-                      role: Role, compression: str = "none", min_trainers: int = 1,
+                      role: Role, compression: str = "none", aggregation: str = "mean",
+                      min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
                       aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
                       max_weight: float | None = None, weight_budget: float | None = None,
                       settled: tuple[str, ...] = ()) -> AveragingReport | None:
-        """Average `vector` (float32, in place) with the peers averaging under the run's `key`,
+        """Average `vector` (float32, in place) with the peers averaging under the run's `key`
+        (its reducers combining contributions by `aggregation`: averaging/aggregation.py),
         waiting (a while) for at least `min_trainers` trainers; `peers` are the ones expected
         (no search for them is needed; `aux`: which of them are aux peers), `leaders` those
         that may lead first, and `cells` the trainers that hold the cells of a grid round (a

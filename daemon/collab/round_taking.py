@@ -64,6 +64,7 @@ class RoundTaking:
     progress: RunProgress
     parameters: int
     compression: str
+    aggregation: str
     error_feedback: bool
     overlap: bool
     phase: PhaseCell
@@ -130,6 +131,7 @@ class RoundTaking:
         averaged = self.averaging.average(vector, round_key("grad", head), weight=weight,
                                               expected=action.expected, role="trainer",
                                               compression=self.compression,
+                                              aggregation=self.aggregation,
                                               min_trainers=needed_trainers(action, self.schedule),
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),
@@ -281,8 +283,9 @@ class RoundTaking:
             report = await self.averaging.average(
                 state.buffer.array[: state.numel], round_key("state", self.head), weight=1.0,
                 expected=round_.trainers, role="trainer", peers=peers,
+                aggregation=self.aggregation,
                 leaders=tuple(m for m in round_.members if m not in aux),
-                max_weight=1.0)  # one vote per trainer: a state round is a plain mean
+                max_weight=1.0)  # one vote per trainer: an equal-weight mean, by the run's rule
             if report is None or report.failed_parts or report.group_size < 2:
                 p.failed_state_rounds += 1
                 self._log.info("state_averaging_skipped", epoch=p.epoch,
@@ -305,6 +308,7 @@ class RoundTaking:
         report = await self.averaging.average(vector, round_key("grad", action.head), weight=0.0,
                                               expected=action.expected, role="aux",
                                               compression=self.compression,
+                                              aggregation=self.aggregation,
                                               min_trainers=needed_trainers(action, self.schedule),
                                               peers=self._round_peers(), leaders=self._leaders(),
                                               cells=self._grid_cells(),

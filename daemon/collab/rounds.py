@@ -18,6 +18,7 @@ import numpy as np
 import structlog
 
 from .. import timebase
+from ..averaging.aggregation import check_aggregation
 from ..averaging.averager import RoundOptions
 from ..averaging.compression import get_codec, sparsifies
 from ..averaging.errors import AveragingError
@@ -67,7 +68,8 @@ class NetworkRounds:
         await self.averager.prepare()
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
-                      role: Role, compression: str = "none", min_trainers: int = 1,
+                      role: Role, compression: str = "none", aggregation: str = "mean",
+                      min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
                       aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
                       max_weight: float | None = None, weight_budget: float | None = None,
@@ -93,7 +95,8 @@ class NetworkRounds:
                                       roster)
         if layout is None:
             return await self._round(vector, key, weight=weight, expected=expected, role=role,
-                                     compression=compression, min_trainers=min_trainers,
+                                     compression=compression, aggregation=aggregation,
+                                     min_trainers=min_trainers,
                                      peers=peers, leaders=leaders, max_weight=max_weight,
                                      weight_budget=weight_budget)
 
@@ -105,7 +108,7 @@ class NetworkRounds:
             return await self._round(part, f"{key}/{label}", weight=stage_weight,
                                      expected=len(stage_peers) + 1, role=role,
                                      compression=stage_compression(compression, label),
-                                     min_trainers=stage_min,
+                                     aggregation=aggregation, min_trainers=stage_min,
                                      peers=stage_peers, leaders=stage_leaders,
                                      represents=represents,
                                      max_represents=max_represents,
@@ -127,13 +130,15 @@ class NetworkRounds:
 
     async def _round(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                      role: Role, compression: str, min_trainers: int, peers: tuple[str, ...],
+                     aggregation: str = "mean",
                      leaders: tuple[str, ...], represents: int = 1,
                      max_represents: int = 1, max_weight: float | None = None,
                      weight_budget: float | None = None,
                      staged: bool = False) -> AveragingReport | None:
         options = RoundOptions(key=f"{self.run_key}/{key}", weight=weight, role=role,
                                deadline=timebase.now() + ROUND_TIMEOUT, expected=expected,
-                               compression=compression, min_trainers=min_trainers,
+                               compression=compression, aggregation=check_aggregation(aggregation),
+                               min_trainers=min_trainers,
                                peers=peers, leaders=leaders, represents=represents,
                                max_represents=max_represents, max_weight=max_weight,
                                weight_budget=weight_budget, staged=staged)
@@ -157,7 +162,8 @@ class SoloRounds:
         return False
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
-                      role: Role, compression: str = "none", min_trainers: int = 1,
+                      role: Role, compression: str = "none", aggregation: str = "mean",
+                      min_trainers: int = 1,
                       peers: tuple[str, ...] = (), leaders: tuple[str, ...] = (),
                       aux: tuple[str, ...] = (), cells: tuple[str, ...] = (),
                       max_weight: float | None = None, weight_budget: float | None = None,

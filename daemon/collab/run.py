@@ -232,6 +232,7 @@ class Run:
             peer_id=peer_id, role="trainer", schedule=schedule_of(spec.manifest), board=board,
             averaging=rounds, states=states, trainer=self._trainer, progress=self.progress,
             parameters=parameters, compression=spec.manifest.compression,
+            aggregation=spec.manifest.aggregation,
             blocked=None if availability is None else availability.blocked,
             checkpoint=self._periodic_checkpoint, checkpoint_every=spec.checkpoint_every,
             collaborative=network is not None, name=spec.name, on_finished=self._finished,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from .. import timebase
+from ..averaging.aggregation import DEFAULT_RUN_AGGREGATION
 from ..dht.records import is_peer_id
 from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, UnknownRunError
 from ..workers.process import WorkerProcess
@@ -78,7 +79,8 @@ class RunRegistry:
                     role: str | None = None, average_state_every: int = 5,
                     compression: str = "none", closed: bool = False,
                     token: str | None = None,
-                    sync: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    sync: Mapping[str, Any] | None = None, *,
+                    aggregation: str = DEFAULT_RUN_AGGREGATION) -> dict[str, Any]:
         """Start (or join) a run; `sync`: the manifest's sync fields (RunManifest.sync_fields)
         when the run is created here."""
         role = role or self.default_role
@@ -121,6 +123,7 @@ class RunRegistry:
                 manifest = RunManifest(workload, config, target_batch_size, epochs, min_peers,
                                        average_state_every, compression,
                                        owner=self.peer_id if closed else None, closed=closed,
+                                       aggregation=aggregation,
                                        **dict(sync or {}))
             spec = RunSpec(name=name, manifest=manifest, checkpoint_every=checkpoint_every,
                            seed=self.data_seed(name), device=device or self.workers.device,

@@ -26,8 +26,10 @@ def sync_status(manifest: RunManifest, engine: RunEngine | None,
     and `inner_lr` (the learning rate this trainer's last inner step took, scaled; null before
     one, and on an aux peer); for both, `bytes_sent_per_step`
     and `bytes_received_per_step` (this peer's traffic in the last round), `bytes_per_sample`
-    (sent, per sample of that step) and `compression_ratio` (float32 bytes per byte on the
-    wire, nominal for the codec)."""
+    (sent, per sample of that step), `compression_ratio` (float32 bytes per byte on the
+    wire, nominal for the codec), `aggregation` (the run's: how every reducer combines
+    contributions) and `contributions_clipped` (how many this peer's reducer scaled down in the
+    last round: one per sender and chunk)."""
     codec = get_codec(manifest.compression)
     ratio = 4 * _RATIO_CHUNK / codec.max_payload_bytes(_RATIO_CHUNK)
     last = None if engine is None else engine.last_round
@@ -39,6 +41,8 @@ def sync_status(manifest: RunManifest, engine: RunEngine | None,
         "bytes_received_per_step": None if last is None else last.bytes_received,
         "bytes_per_sample": None if last is None or not samples else last.bytes_sent / samples,
         "compression_ratio": round(ratio, 3),
+        "aggregation": manifest.aggregation,
+        "contributions_clipped": None if last is None else last.contributions_clipped,
     }
     if manifest.local_updates:
         status.update({"inner_steps": manifest.inner_steps, "outer_lr": manifest.outer_lr,

@@ -18,6 +18,7 @@ from typing import Literal
 import structlog
 
 from dedloc.daemon import timebase
+from dedloc.daemon.averaging.aggregation import DEFAULT_RUN_AGGREGATION
 from dedloc.daemon.averaging.averager import Averager
 from dedloc.daemon.averaging.settings import AveragingSettings
 from dedloc.daemon.collab.board import DhtProgressBoard
@@ -60,10 +61,12 @@ class RunSpec:
     max_group_size: int = 64
     window: float = 5.0
     lr: float = 0.1
+    aggregation: str = DEFAULT_RUN_AGGREGATION  # the reducers' rule (averaging/aggregation.py)
 
     def manifest(self) -> RunManifest:
         return RunManifest("vector", {"size": self.size, "lr": self.lr}, self.target_batch_size,
-                           self.epochs, self.min_peers, self.average_state_every)
+                           self.epochs, self.min_peers, self.average_state_every,
+                           aggregation=self.aggregation)
 
     def schedule(self) -> Schedule:
         return Schedule(self.target_batch_size, self.min_peers, self.epochs,
@@ -176,7 +179,8 @@ class SimPeer:
             averaging=NetworkRounds(self.averager, board.key, self.dht),
             states=NetworkStates(self.transport, self.membership, board.key, allocate=ArrayBuffer,
                                 parameters=run.size),
-            trainer=self.trainer, progress=progress, parameters=run.size, timing=swarm.timing,
+            trainer=self.trainer, progress=progress, parameters=run.size,
+            aggregation=manifest.aggregation, timing=swarm.timing,
             name="sim", donors=DonorChoice(rng=random.Random(self.rng.random())))
         self._key = board.key
         self._task = self.swarm.loop.create_task(self.engine.run(), context=self.context)

@@ -23,6 +23,7 @@ from dedloc.daemon.averaging.accounts import (
     segments,
     signs,
 )
+from dedloc.daemon.averaging.aggregation import clip_scales, l2_norm, weighted_mean
 from dedloc.daemon.averaging.compression import get_codec, reply_codec, sparsifies
 
 N = 20_000
@@ -63,7 +64,8 @@ def reduce(rows: list[np.ndarray], weights: list[float], codec_name: str,
 
 
 def check(payload: Any, meta: Any, account: Any, codec_name: str, *, me: int = 0,
-          mine: np.ndarray | None = None, weights: list[float] = WEIGHTS, chunk: int = 0) -> None:
+          mine: np.ndarray | None = None, weights: list[float] = WEIGHTS, chunk: int = 0,
+          aggregation: Any = "mean") -> None:
     reply = reply_codec(get_codec(codec_name))
     answer = reply.decode(payload, meta, N)
     r = signs("g", REDUCER, chunk, meta, payload, N)
@@ -72,7 +74,8 @@ def check(payload: Any, meta: Any, account: Any, codec_name: str, *, me: int = 0
     projections, norm = measure(r, answer, parts)
     check_answer(entries, errors, weights=weights, sends=[True] * len(weights), me=me,
                  mine=None if mine is None else measure(r, mine, parts), answer_projections=projections,
-                 answer_norm=norm, answer_bound=reply.error_bound(answer), parts=parts)
+                 answer_norm=norm, answer_bound=reply.error_bound(answer), parts=parts,
+                 aggregation=aggregation)
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "uint8", "quantile8", "topk"])
@@ -216,3 +219,90 @@ def test_segments_cover_the_chunk_and_keep_the_header_small() -> None:
         assert 1 <= len(parts) <= SEGMENTS
         assert len(parts) == 1 or len(parts) * senders <= HEADER_FLOATS
     assert len(segments(20_000, 4)) == SEGMENTS
+
+
+# --- the norm-clipped mean (aggregation.py) ----------------------------------------------------------
+OUTLIER = 1  # its contribution is 1000 times its honest one: clipped to 4 x the median norm
+
+
+def clipped_rows(codec_name: str, seed: int = 0) -> list[np.ndarray]:
+    rows = contributions(codec_name, seed)
+    codec = get_codec(codec_name)
+    big = (rows[OUTLIER] * np.float32(1000)).astype(np.float32)
+    rows[OUTLIER] = big if codec_name == "none" else np.array(codec.decode(*codec.encode(big), N))
+    return rows
+
+
+def clipped_answer(rows: list[np.ndarray], weights: list[float],
+                   scales: tuple[float, ...] | None = None) -> np.ndarray:
+    """What an honest reducer of a norm_clip round answers (reducer.py): the scales from the
+    norms its account states."""
+    if scales is None:
+        scales = clip_scales(weights, [l2_norm(r) for r in rows])
+    return weighted_mean(rows, weights, np.empty(N, np.float32), scales)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "uint8", "quantile8", "topk"])
+def test_honest_norm_clipped_answers_pass_in_every_codec(codec: str) -> None:
+    rows = clipped_rows(codec)
+    scales = clip_scales(WEIGHTS, [l2_norm(r) for r in rows])
+    assert scales[OUTLIER] < 0.01 and all(s == 1.0 for i, s in enumerate(scales) if i != OUTLIER)
+    payload, meta, account = reduce(rows, WEIGHTS, codec, clipped_answer(rows, WEIGHTS))
+    for me in range(len(WEIGHTS)):  # the clipped sender's own entry checks out too
+        check(payload, meta, account, codec, me=me, mine=rows[me], aggregation="norm_clip")
+
+
+def test_without_an_outlier_the_norm_clipped_answer_is_the_mean() -> None:
+    rows = contributions("none")
+    payload, meta, account = reduce(rows, WEIGHTS, "none")  # the plain weighted mean
+    for aggregation in ("mean", "norm_clip"):
+        check(payload, meta, account, "none", me=0, mine=rows[0], aggregation=aggregation)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "uint8", "quantile8", "topk"])
+def test_a_reducer_that_skips_the_clipping_is_caught(codec: str) -> None:
+    """It answers the plain weighted mean, the outlier in full, with an honest account: its
+    answer's norm is far over what the clipped contributions allow."""
+    rows = clipped_rows(codec)
+    payload, meta, account = reduce(rows, WEIGHTS, codec, clipped_answer(rows, WEIGHTS, (1.0,) * 4))
+    with pytest.raises(WrongAverage):
+        check(payload, meta, account, codec, me=0, mine=rows[0], aggregation="norm_clip")
+    # ... which a member of a "mean" round would take: members and reducers must share the rule
+    check(payload, meta, account, codec, me=0, mine=rows[0], aggregation="mean")
+
+
+# Halving the lightest sender (weight 1 of 11: 1/22 of its vector) is within a few times the 8-bit
+# codecs' error: uint8 and quantile8 let every chunk of it pass (as any wrong answer that small,
+# docs/averaging.md); heavier senders' are caught there too.
+CLIPPED_HONEST_CASES = [(codec, victim) for codec in ("none", "fp16", "uint8", "quantile8", "topk")
+                        for victim in (0, 2, 3)
+                        if not (victim == 0 and codec in ("uint8", "quantile8"))]
+
+
+@pytest.mark.parametrize(("codec", "victim"), CLIPPED_HONEST_CASES)
+def test_a_reducer_that_clips_an_honest_contribution_is_caught(codec: str, victim: int) -> None:
+    """It also scales an honest sender down to half (as a lower tau would), account honest. Each
+    of 8 chunks is checked with its own signs: every one fails exact, fp16 and topk answers;
+    with an 8-bit codec some chunks can pass, not a whole part: the first failure refuses the
+    rest of it."""
+    rows = clipped_rows(codec)
+    honest_scales = clip_scales(WEIGHTS, [l2_norm(r) for r in rows])
+    scales = tuple(0.5 if i == victim else s for i, s in enumerate(honest_scales))
+    answer = clipped_answer(rows, WEIGHTS, scales)
+    caught = 0
+    for chunk in range(8):
+        payload, meta, account = reduce(rows, WEIGHTS, codec, answer, chunk)
+        try:
+            check(payload, meta, account, codec, me=0, mine=rows[0], chunk=chunk,
+                  aggregation="norm_clip")
+        except WrongAverage as exc:
+            assert "weighted mean" in str(exc)
+            caught += 1
+    assert caught == 8 or (codec in ("uint8", "quantile8", "topk") and caught >= 1), caught
+
+
+def test_an_honest_norm_clipped_answer_fails_a_member_that_expects_the_mean() -> None:
+    rows = clipped_rows("none")
+    payload, meta, account = reduce(rows, WEIGHTS, "none", clipped_answer(rows, WEIGHTS))
+    with pytest.raises(WrongAverage):
+        check(payload, meta, account, "none", me=0, mine=rows[0], aggregation="mean")

@@ -8,6 +8,7 @@ flow control works throughout."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -18,10 +19,12 @@ import numpy as np
 import pytest
 from net.netutil import wait_until
 
+from dedloc.daemon.averaging.aggregation import NORM_CLIP_FACTOR, Aggregation
 from dedloc.daemon.averaging.allreduce import AllReduceError, AllReduceReport, AllReduceService
 from dedloc.daemon.averaging.compression import get_codec, reply_codec
 from dedloc.daemon.averaging.error_feedback import unconveyed
 from dedloc.daemon.averaging.group import Group, Member, Role
+from dedloc.daemon.averaging.screening import ScreeningPolicy
 from dedloc.daemon.averaging.wire import METHOD, StreamOpen
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import (
@@ -87,7 +90,7 @@ async def clusters() -> AsyncIterator[Callable[..., Any]]:
 def make_group(ids: Sequence[str], *, roles: Sequence[Role] | None = None,
                weights: Sequence[float] | None = None, size: int = 10_007,
                bounds: Sequence[tuple[int, int]] | None = None, compression: str = "none",
-               seconds: float = 20.0, chunk: int = CHUNK) -> Group:
+               seconds: float = 20.0, chunk: int = CHUNK, aggregation: Aggregation = "mean") -> Group:
     roles = list(roles or ["trainer"] * len(ids))
     weights = list(weights or [1.0] * len(ids))
     members = tuple(Member(peer, role, 0.0 if role == "aux" else weight, 1e6, 1e6)
@@ -105,7 +108,7 @@ def make_group(ids: Sequence[str], *, roles: Sequence[Role] | None = None,
             position = end
         bounds = built
     return Group(f"group-{next(_ids)}", "key", members, size, tuple(bounds), chunk, compression,
-                 time.time() + seconds)
+                 time.time() + seconds, aggregation)
 
 
 def vectors(count: int, size: int, seed: int = 0) -> list[np.ndarray]:
@@ -560,3 +563,82 @@ async def test_what_a_round_did_not_convey_is_what_error_feedback_keeps(
         assert np.abs(vecs[0][a:b] - average[a:b]).max() <= reply.error_bound(average[a:b]) * 1.001 + slack
     # a vector sent to nobody was conveyed exactly
     assert not unconveyed(codec, originals[0], group.part_bounds, 0, (0, 0)).any()
+
+
+# --- the norm-clipped mean (aggregation.py) --------------------------------------------------------
+def gradients(count: int, size: int, seed: int = 0) -> list[np.ndarray]:
+    """Honest vectors alike in norm (gradients of one model over different batches)."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(size)
+    return [(base + 0.5 * rng.standard_normal(size)).astype(np.float32) for _ in range(count)]
+
+
+@pytest.mark.parametrize(("scale", "norm_rule"), [(1e6, 0.0), (100.0, 1000.0)])
+async def test_a_norm_clip_round_clips_an_outlier_to_four_times_the_median_norm(
+        clusters: Any, scale: float, norm_rule: float) -> None:
+    """Four honest senders and one whose vector is `scale` times an honest one, with a weight
+    5 times theirs: every member ends with the same vector, which differs from the honest mean
+    by at most the outlier's share of (tau + the honest mean's norm) in every chunk. 1e6 only
+    passes the screening without its norm rule (1000 x the median); 100 passes it and is
+    clipped, not rejected."""
+    cluster = await clusters(5, policy=ScreeningPolicy(max_norm_ratio=norm_rule))
+    weights = [1.0, 1.0, 1.0, 1.0, 5.0]
+    group = make_group(cluster.ids, weights=weights, aggregation="norm_clip")
+    vecs = gradients(5, group.size)
+    vecs[4] = (vecs[4] * np.float32(scale)).astype(np.float32)
+    original = [v.astype(np.float64) for v in vecs]
+    honest_mean = np.mean(original[:4], axis=0)
+    reports = await run_all(cluster, group, vecs, weights)
+    assert all(r.ok and not r.senders_excluded for r in reports)
+    for vector in vecs[1:]:
+        assert np.array_equal(vector, vecs[0])
+    share = weights[4] / sum(weights)
+    chunks = chunk_ranges(group)
+    for _, (a, b) in chunks:
+        tau = NORM_CLIP_FACTOR * float(np.median([np.linalg.norm(v[a:b]) for v in original]))
+        moved = float(np.linalg.norm(vecs[0][a:b] - honest_mean[a:b]))
+        assert moved <= share * (tau + float(np.linalg.norm(honest_mean[a:b]))) * (1 + 1e-5)
+        plain = (sum(w * v[a:b] for w, v in zip(weights, original, strict=True)) / sum(weights))
+        assert float(np.linalg.norm(plain - honest_mean[a:b])) > 10 * moved
+    # every reducer clipped the outlier once in each chunk it reduced, and nothing else
+    assert sum(r.contributions_clipped for r in reports) == len(chunks)
+
+
+async def test_an_honest_norm_clip_round_is_the_weighted_mean(clusters: Any) -> None:
+    cluster = await clusters(4)
+    weights = [1.0, 2.5, 0.25, 7.0]
+    group = make_group(cluster.ids, weights=weights, aggregation="norm_clip")
+    vecs = gradients(4, group.size)
+    expected = weighted(vecs, weights, range(4))
+    reports = await run_all(cluster, group, vecs, weights)
+    assert all(r.ok and r.contributions_clipped == 0 for r in reports)
+    for vector in vecs:
+        assert np.allclose(vector, expected, rtol=1e-6, atol=1e-6)
+
+
+async def test_a_reducer_that_skips_the_clipping_is_caught_and_banned(clusters: Any) -> None:
+    """Reducer 1 averages by the plain mean (as a hostile or out-of-date reducer would) while
+    the group says norm_clip: every other member refuses its answers (its part stays local
+    there, `failed_parts`) and bans it at once; the other reducers' parts are averaged."""
+    cluster = await clusters(5)
+    weights = [1.0] * 5
+    group = make_group(cluster.ids, weights=weights, aggregation="norm_clip")
+    skipping = dataclasses.replace(group, aggregation="mean")
+    vecs = gradients(5, group.size)
+    vecs[4] = (vecs[4] * np.float32(100.0)).astype(np.float32)
+    before = [v.copy() for v in vecs]
+    reports = list(await asyncio.gather(*(
+        cluster.services[i].run(skipping if i == 1 else group, i, vecs[i], weights[i])
+        for i in range(5))))
+    a, b = group.part_bounds[1]
+    for i, report in enumerate(reports):
+        if i == 1:
+            continue
+        assert report.failed_parts == ((a, b),), report.failures
+        assert "WrongAverage" in report.failures[0].reason
+        assert np.array_equal(vecs[i][a:b], before[i][a:b])  # nothing of the answer applied
+        assert cluster.services[i].bans.banned(cluster.ids[1]) is not None
+        assert cluster.services[i].counters["wrong_averages"] == 1
+    for j, (start, end) in enumerate(group.part_bounds):
+        if j != 1:
+            assert np.array_equal(vecs[0][start:end], vecs[2][start:end])

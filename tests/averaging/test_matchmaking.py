@@ -9,6 +9,7 @@ import pytest
 from dht.swarm import Swarm
 
 from dedloc.daemon import timebase
+from dedloc.daemon.averaging.aggregation import Aggregation
 from dedloc.daemon.averaging.group import Group, Member
 from dedloc.daemon.averaging.matchmaking import COMING, Matchmaker, RoundRequest, _ranked
 from dedloc.daemon.net import Message, RemoteError
@@ -41,10 +42,11 @@ async def swarm():  # type: ignore[no-untyped-def]
 
 
 def request(peer_id: str, key: str, *, role: str = "trainer", reachable: bool = True, window: float = 2.0,
-            expected: int | None = None) -> RoundRequest:
+            expected: int | None = None, aggregation: Aggregation = "mean") -> RoundRequest:
     member = Member(peer_id, role, 0.0 if role == "aux" else 1.0, 1e7, 1e7, reachable)  # type: ignore[arg-type]
     return RoundRequest(key, member, size=10_000, chunk_elements=1000, compression="none",
-                        window=window, deadline=timebase.now() + 30, expected=expected)
+                        window=window, deadline=timebase.now() + 30, expected=expected,
+                        aggregation=aggregation)
 
 
 async def test_peers_form_one_group(swarm: Swarm) -> None:
@@ -57,6 +59,23 @@ async def test_peers_form_one_group(swarm: Swarm) -> None:
     assert [m.peer_id for m in group.members] == sorted(m.peer_id for m in makers)
     assert all(g == group for g in groups)
     group.check()
+
+
+async def test_the_group_carries_the_aggregation_and_only_peers_that_ask_for_it_join(
+        swarm: Swarm) -> None:
+    """Every member of a group checks its reducers against one rule: peers asking for another
+    aggregation under the same key are not grouped with them."""
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)]
+    rules: list[Aggregation] = ["norm_clip"] * 5 + ["mean"] * 3
+    groups = await asyncio.gather(*(
+        m.form_group(request(m.peer_id, "run/round-a", expected=5 if rule == "norm_clip" else 3,
+                             aggregation=rule))
+        for m, rule in zip(makers, rules, strict=True)))
+    for group, rule in zip(groups, rules, strict=True):
+        assert group.aggregation == rule
+        assert all(rules[[m.peer_id for m in makers].index(member.peer_id)] == rule
+                   for member in group.members)
+    assert len({g.group_id for g in groups[:5]}) == 1 and len(groups[0].members) == 5
 
 
 async def test_roles_and_a_late_start(swarm: Swarm) -> None:

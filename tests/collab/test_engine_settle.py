@@ -57,6 +57,7 @@ class GridAverager:
     engine: RunEngine | None = None
     roster_reads: list[float] = field(default_factory=list)
     began_at: float | None = None
+    options: dict[str, object] = field(default_factory=dict)
 
     @property
     def max_group_size(self) -> int:
@@ -64,6 +65,7 @@ class GridAverager:
 
     async def average(self, vector: np.ndarray, key: str, **options: object) -> AveragingReport | None:
         self.began_at = asyncio.get_running_loop().time()
+        self.options = options
         assert self.engine is not None
         self.engine.stop()
         return None
@@ -129,6 +131,7 @@ def test_a_settling_trainer_begins_once_the_roster_is_out() -> None:
     # it began on the roster (3 s in, read within ROSTER_POLL), not after settling 10 s
     assert started + 3.0 <= averager.began_at < started + 3.0 + ROSTER_POLL + TIMING.max_chunk
     assert averager.began_at < started + TIMING.settle
+    assert averager.options["aggregation"] == "norm_clip"  # a run's default rule, asked for
 
 
 def test_without_a_roster_it_settles_and_reads_the_key_at_most_once_a_poll() -> None:

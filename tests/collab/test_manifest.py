@@ -103,14 +103,17 @@ def test_json_round_trip() -> None:
     data = BASE.to_json()
     assert data == {"workload": "tiny", "config": {"hidden": 16, "batch_size": 8},
                     "target_batch_size": 64, "epochs": 10, "min_peers": 2,
-                    "average_state_every": 3, "compression": "fp16", "init_seed": 7}
+                    "average_state_every": 3, "compression": "fp16", "init_seed": 7,
+                    "aggregation": "norm_clip"}
     assert RunManifest.from_json(data) == BASE
     assert RunManifest.from_json(orjson.loads(orjson.dumps(data))) == BASE
     assert RunManifest.from_json(RunManifest("x").to_json()) == RunManifest("x")
 
 
 def test_from_json_fills_defaults() -> None:
-    assert RunManifest.from_json({"workload": "tiny"}) == RunManifest("tiny")
+    # all but aggregation: a manifest without it is a mean run (it was written before the field)
+    assert RunManifest.from_json({"workload": "tiny"}) == RunManifest("tiny", aggregation="mean")
+    assert RunManifest.from_json({"workload": "tiny", "aggregation": "norm_clip"}) == RunManifest("tiny")
 
 
 def test_from_json_names_unknown_fields_and_says_to_upgrade() -> None:
@@ -170,6 +173,7 @@ def test_fingerprint_ignores_key_order_of_the_config() -> None:
     ("average_state_every", 0),
     ("compression", "uint8"),
     ("init_seed", 8),
+    ("aggregation", "mean"),
 ])
 def test_fingerprint_changes_with_every_field(name: str, value: Any) -> None:
     changed = dataclasses.replace(BASE, **{name: value})
@@ -182,8 +186,25 @@ LOCAL = dataclasses.replace(BASE, sync="local", inner_steps=25)
 def test_a_gradients_run_keeps_the_fingerprint_it_had_before_sync_existed() -> None:
     # the fields of local-update runs are left out of a gradients run's JSON
     assert set(BASE.to_json()) == {"workload", "config", "target_batch_size", "epochs", "min_peers",
-                                   "average_state_every", "compression", "init_seed"}
+                                   "average_state_every", "compression", "init_seed", "aggregation"}
     assert BASE.fingerprint() == RunManifest.from_json(BASE.to_json()).fingerprint()
+
+
+def test_runs_aggregate_by_the_norm_clipped_mean_unless_they_say_mean() -> None:
+    assert BASE.aggregation == "norm_clip" and BASE.to_json()["aggregation"] == "norm_clip"
+    mean = dataclasses.replace(BASE, aggregation="mean")
+    assert mean.fingerprint() != BASE.fingerprint()
+    assert RunManifest.from_json(mean.to_json()) == mean
+    # a mean run is what every run was before the field existed: its JSON leaves the field out,
+    # so its fingerprint is the one it had then, and such a manifest (a run create file, a peer
+    # of an earlier version) reads as a mean run, never as one whose reducers clip
+    before = {k: v for k, v in BASE.to_json().items() if k != "aggregation"}
+    assert mean.to_json() == before
+    assert RunManifest.from_json(before) == mean
+    with pytest.raises(ManifestError, match="aggregation must be one of mean, norm_clip"):
+        dataclasses.replace(BASE, aggregation="centered_clip")
+    with pytest.raises(ManifestError, match="aggregation must be"):
+        RunManifest.from_json({**BASE.to_json(), "aggregation": 1})
 
 
 def test_a_local_update_run_names_its_outer_optimizer() -> None:

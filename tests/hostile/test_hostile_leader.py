@@ -29,6 +29,14 @@ def _group(**changes: Any) -> Group:
 
 def test_the_group_asked_for_is_taken() -> None:
     assert group_refusal(_group(), REQUEST, NOW) is None
+    clipping = dataclasses.replace(REQUEST, aggregation="norm_clip")
+    assert group_refusal(_group(aggregation="norm_clip"), clipping, NOW) is None
+    # a leader of an earlier version names no aggregation: its group averages by the mean
+    old = {k: v for k, v in _group().to_json().items() if k != "aggregation"}
+    assert Group.from_json(old).aggregation == "mean"
+    assert "not what was asked" in (group_refusal(Group.from_json(old), clipping, NOW) or "")
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        Group.from_json({**old, "aggregation": "median"})
     assert group_refusal(_group(deadline=NOW + 50), REQUEST, NOW) is None  # a later start: fine
 
 
@@ -37,6 +45,8 @@ def test_the_group_asked_for_is_taken() -> None:
     ({"deadline": NOW - 1}, "deadline"),
     ({"chunk_elements": 1}, "chunks of 1"),  # a million chunks: memory and CPU
     ({"compression": "fp16"}, "not what was asked"),
+    # a leader whose reducers would answer by another rule than the one this member checks
+    ({"aggregation": "norm_clip"}, "not what was asked"),
     ({"size": 20_000, "part_bounds": ((0, 10_000), (10_000, 20_000))}, "not what was asked"),
     ({"members": (LEADER, dataclasses.replace(ME, weight=1e15))}, "own entry"),
     ({"members": (LEADER, dataclasses.replace(ME, role="aux", weight=0.0))}, "own entry"),
