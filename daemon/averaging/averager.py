@@ -148,6 +148,11 @@ class Averager:
         matchmaking.py tells the peers that wait for it there)."""
         return self.matchmaker.coming(keys)
 
+    def coming_under(self, prefix: str) -> contextlib.AbstractContextManager[None]:
+        """While inside: this peer will average under some key starting with `prefix` soon (a
+        grid round whose roster it is still agreeing on; matchmaking.py)."""
+        return self.matchmaker.coming_under(prefix)
+
     async def average(self, vector: np.ndarray, options: RoundOptions) -> AveragingReport:
         """Average `vector` (float32, changed in place) with the peers that average under the same
         key; return the round's report. Peer failures are reported, not raised."""

@@ -177,6 +177,7 @@ class Matchmaker:
         self.peer_id = transport.peer_id
         self._rounds: dict[str, _Gathering] = {}
         self._coming: set[str] = set()  # keys we will gather under soon (see `coming`)
+        self._coming_under: dict[str, int] = {}  # ... and key prefixes (see `coming_under`)
         self.refused_groups = 0  # groups from leaders that did not match what we asked for
         transport.add_unary_handler(JOIN, self._on_join)
         transport.add_unary_handler(GROUP, self._on_group)
@@ -193,6 +194,27 @@ class Matchmaker:
             yield
         finally:
             self._coming -= added
+
+    @contextlib.contextmanager
+    def coming_under(self, prefix: str) -> Iterator[None]:
+        """While inside: this peer will gather under some key that starts with `prefix` (a grid
+        round whose stages it does not know yet: it is still agreeing on the round's roster).
+        A peer that waits for it as a stage's leader waits on instead of giving up after one
+        window and averaging without it (its slice then split in two: two means of one block,
+        and the round's slices stepped apart)."""
+        self._coming_under[prefix] = self._coming_under.get(prefix, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._coming_under[prefix] - 1
+            if left:
+                self._coming_under[prefix] = left
+            else:
+                del self._coming_under[prefix]
+
+    def _will_gather(self, key: str) -> bool:
+        """Whether this peer will gather under `key` soon (`coming`, `coming_under`)."""
+        return key in self._coming or any(key.startswith(p) for p in self._coming_under)
 
     async def form_group(self, request: RoundRequest) -> Group:
         """The group this round averages in (possibly just us). Returns by the window's end (a grid
@@ -519,7 +541,7 @@ class Matchmaker:
             self._dht.access.authorize_read(ctx.peer_id, key, header.get("token"))
         gathering = self._rounds.get(key) if isinstance(key, str) else None
         if gathering is None:
-            if isinstance(key, str) and key in self._coming:
+            if isinstance(key, str) and self._will_gather(key):
                 raise LeaderComing("still in an earlier stage of this round; ask again shortly")
             raise NotGathering("no round of that key is being formed here")
         if gathering.leader is not None and gathering.leader != self.peer_id:
@@ -590,7 +612,7 @@ class Matchmaker:
         if self._dht.access is not None:
             self._dht.access.authorize_read(ctx.peer_id, key, message.header.get("token"))
         gathering = self._rounds.get(key)
-        soon = key in self._coming or (gathering is not None and not gathering.closed
+        soon = self._will_gather(key) or (gathering is not None and not gathering.closed
                                        and gathering.leader in (None, ctx.peer_id))
         return Message({"coming": soon})
 

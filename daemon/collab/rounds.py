@@ -89,8 +89,12 @@ class NetworkRounds:
             view = (known & {*trainers, *mine} if known else set(settled)) - set(aux)
             if len(view - {me}) < 2:
                 view = {*trainers, *mine}
-            roster = await self.rosters.agree(key, view, wait=self.averager.config.window,
-                                              write=role == "trainer" and me in view)
+            # (meanwhile a slice's peers that begin sooner are told we are on our way: the
+            # wait for the roster took up to a window, and they gave up on us as their leader
+            # after one, averaging apart from the rest of our slice)
+            with self.averager.coming_under(f"{self.run_key}/{key}/"):
+                roster = await self.rosters.agree(key, view, wait=self.averager.config.window,
+                                                  write=role == "trainer" and me in view)
             layout = self.grid.layout(key, sorted({*trainers, *roster} - {me}), aux, role,
                                       roster)
         if layout is None:

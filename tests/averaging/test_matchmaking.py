@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -143,6 +144,39 @@ async def test_a_direct_round_waits_for_its_leader_only_while_it_is_on_its_way(
     else:  # the others averaged without it, and it came to a closed round: alone
         assert {m.peer_id for m in groups[1].members} == {m.peer_id for m in others}
         assert len(groups[0].members) == 1
+
+
+@pytest.mark.parametrize("agreeing", [True, False])
+async def test_a_slice_waits_for_a_leader_still_agreeing_on_its_grid_rounds_roster(
+        swarm: Swarm, agreeing: bool) -> None:
+    # the slice's leader spends 6 s agreeing on the grid round's roster (collab/rounds.py):
+    # it does not know its stages yet, only the round (`coming_under` its prefix). The others
+    # wait for it; before, they gave up after one window and averaged apart from it (seen in
+    # the simulator: one peer of a slice alone, the round's slices stepped 1.7e-4 apart)
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
+    key, ids = "run/grid/m0/x.0", [m.peer_id for m in makers]
+    leader = next(m for m in makers if m.peer_id == _ranked(key, ids)[0])
+    others = [m for m in makers if m is not leader]
+
+    async def late() -> Group:
+        with leader.coming_under("run/grid/") if agreeing else contextlib.nullcontext():
+            await asyncio.sleep(6.0)
+        return await leader.form_group(direct(leader.peer_id, key, ids))
+
+    groups = await asyncio.gather(late(), *(m.form_group(direct(m.peer_id, key, ids)) for m in others))
+    if agreeing:
+        assert len({g.group_id for g in groups}) == 1
+        assert {m.peer_id for m in groups[0].members} == set(ids)
+    else:
+        assert len(groups[0].members) == 1
+
+
+def test_a_peer_agreeing_on_a_roster_is_coming_under_that_rounds_keys_only(swarm: Swarm) -> None:
+    maker = Matchmaker(swarm.transports[0], swarm.nodes[0], equal_split)
+    with maker.coming_under("run/grid/"), maker.coming_under("run/grid/"):
+        assert maker._will_gather("run/grid/m1/3.x")
+        assert not maker._will_gather("run/other/m0/x.0")
+    assert not maker._will_gather("run/grid/m1/3.x")
 
 
 async def test_a_follower_whose_patience_ran_out_joins_a_late_leader_the_others_follow(

@@ -145,6 +145,9 @@ class _Averager:
     def coming(self, keys: Iterable[str]) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
+    def coming_under(self, prefix: str) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
 
 async def test_a_later_grid_round_lays_out_one_grid_though_the_board_was_read_apart() -> None:
     # 64 trainers at the head; 60 of them reported they stepped there before every peer read
