@@ -148,10 +148,12 @@ class Rosters:
             if chosen is not None:
                 # taken once it is SETTLE old: one published at about the same moment (and
                 # signed a little earlier) is in the DHT by then
-                young = SETTLE - (timebase.now() - chosen[1].at)
-                if young <= 0 or left <= 0:
+                # (also past `wait`: a peer that waited long for any roster took the first it
+                # saw at once, while an earlier one, slower to store, was not out yet)
+                young = min(SETTLE, SETTLE - (timebase.now() - chosen[1].at))
+                if young <= 0:
                     break
-                await asyncio.sleep(min(young, left))
+                await asyncio.sleep(young)
             else:
                 if left <= 0:
                     break
@@ -163,7 +165,9 @@ class Rosters:
             return tuple(sorted(view))
         writer, entry = chosen
         log.debug("grid_roster", key=key, writer=writer[:12], trainers=len(entry.roster),
-                  unseen=len(set(entry.roster) - view), missing=len(view - set(entry.roster)))
+                  unseen=len(set(entry.roster) - view), missing=len(view - set(entry.roster)),
+                  published_at=round(entry.at, 3),
+                  others={w[:12]: round(e.at, 3) for w, e in entries.items() if w != writer})
         return entry.roster
 
     async def published(self, key: str, trainers: Collection[str], *,
