@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("dedlocd_crashed")
         return EXIT_CRASH
     finally:
+        faulthandler.unregister(signal.SIGUSR1)
         if stacks is not None:
-            faulthandler.unregister(signal.SIGUSR1)
             stacks.close()
     return EXIT_OK
 
@@ -99,7 +99,8 @@ STACKS_FILE = "stacks.txt"
 def _dump_stacks_on_sigusr1(path: Path) -> typing.TextIO | None:
     try:  # (a directory that does not exist yet is the control socket's to create, with its mode)
         file = open(path, "w")  # noqa: SIM115  (held open for the process's life)
-    except OSError:
+    except OSError:  # to the log's stream instead (SIGUSR1 must never end the daemon)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         return None
     faulthandler.register(signal.SIGUSR1, file=file, all_threads=True)
     return file

@@ -79,10 +79,16 @@ class CatchingUp:
             if state.epoch < p.epoch:  # never back to an earlier epoch
                 raise TrainerRefused(f"the donor's state is at epoch {state.epoch}, behind ours "
                                      f"({p.epoch})")
-            if state.epoch > action.head.epoch + 1:  # (it may have stepped since it reported)
+            bound = self.pace.bound(timebase.monotonic())
+            if bound is not None and state.epoch > bound:  # no honest run got there so soon
                 raise TrainerRefused(
-                    f"the donor reported the run's head (epoch {action.head.epoch}) but sent a "
-                    f"state at epoch {state.epoch}")
+                    f"the donor sent a state at epoch {state.epoch}, past what the run's pace "
+                    f"allows ({bound})")
+            if state.epoch > action.head.epoch + 1:  # it moved on since our look: look again
+                self._log.info("state_donor_moved_on", donor=donor[:12], epoch=state.epoch,
+                               head=action.head.epoch)
+                self._schedule_look(0.0)
+                return
             if state.epoch < action.head.epoch or (state.epoch == action.head.epoch
                                                    and state.lineage != action.head.lineage):
                 raise TrainerRefused(  # it reports a head it does not hold (or went back)
@@ -111,7 +117,7 @@ class CatchingUp:
                 await self._wait(Wait(timebase.now() + UNANSWERED_RETRY_SECONDS, "state_unanswered"))
         self.donors.succeeded()
         p.epoch, p.lineage, p.accumulated = state.epoch, state.lineage, 0
-        self.pace.loaded(state.epoch, timebase.now())
+        self.pace.loaded(state.epoch, timebase.monotonic())
         self._head_group = state.group
         self._stepped_in = None
         self._epoch_loss = (0.0, 0)

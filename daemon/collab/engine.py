@@ -239,7 +239,7 @@ class RunEngine(RoundTaking, CatchingUp):
         now = timebase.now()
         run = estimate_global(self._reports, target_batch_size=self.schedule.target_batch_size,
                               now=now, own=own, stale_after=STALE_AFTER, received=self._received,
-                              max_epoch=self.pace.bound(now))
+                              max_epoch=self.pace.bound(timebase.monotonic()))
         self.global_progress = run
         self._note_beyond_pace(run, now)
         if self.role == "aux":  # an aux peer is where it last saw the run
@@ -281,7 +281,7 @@ class RunEngine(RoundTaking, CatchingUp):
         if new:
             self.progress.reports_beyond_pace += len(new)
             self._log.warning("reports_beyond_pace", peers=sorted(p[:12] for p in new),
-                              max_epoch=self.pace.bound(now), epoch=self.progress.epoch,
+                              max_epoch=self.pace.bound(timebase.monotonic()), epoch=self.progress.epoch,
                               epoch_seconds=self.pace.epoch_seconds)
 
     def _note_head(self, run: GlobalProgress, now: float) -> float:

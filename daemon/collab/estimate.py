@@ -10,8 +10,10 @@ Pure: no I/O, time is passed in.
   latest report wins (by `time`, then `expiration`). `own`, the local peer's freshest state,
   replaces whatever the DHT holds for that peer and is never stale. A peer whose latest report
   is its farewell (`left`) is not live. A report of an epoch past `max_epoch` (the most this
-  peer's own pace of the run makes believable, pace.py) is not counted at all: not for the
-  head, the quorum or the samples (`beyond_pace` names its writers).
+  peer's own pace of the run makes believable, pace.py) holds no head and adds no samples
+  (`beyond_pace` names its writers), but its writer still counts among the trainers with a
+  history (`counted_trainers`, the quorum's base): a peer that believes nobody else must not
+  see itself as the whole run and step alone.
 - **Heads.** A peer's head is its (epoch, lineage): where its state is. Live trainers at the same
   head hold the same state and average together. Fresh trainers (epoch 0, no samples at all: a
   newcomer, or a run not started) carry no evidence and are not counted, unless no other trainer
@@ -105,7 +107,7 @@ class GlobalProgress:
     quorum: int = 1
     confirmed: bool = True  # the head has a quorum (else: the best there is)
     donors: tuple[str, ...] = ()  # live trainers at the head, other than `own`
-    beyond_pace: tuple[str, ...] = ()  # live peers whose epoch is past `max_epoch`: not counted
+    beyond_pace: tuple[str, ...] = ()  # live peers whose epoch is past `max_epoch`: no head
 
     @property
     def head(self) -> Head:
@@ -166,8 +168,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
     if max_epoch is not None:
         beyond = tuple(sorted(peer_id for peer_id, r in latest.items()
                               if r.epoch > max_epoch and r is not own))
-        for peer_id in beyond:
-            del latest[peer_id]
+    unbelieved = set(beyond)
 
     trainers = [r for r in latest.values() if r.role == "trainer"]
     aux = [r for r in latest.values() if r.role == "aux"]
@@ -178,6 +179,8 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
     base, waiting = (history, len(fresh)) if history else (trainers or aux, 0)
     holders: dict[Head, int] = {}
     for r in base:
+        if r.peer_id in unbelieved:  # (still counted in `base`: see the module docstring)
+            continue
         head = Head(r.epoch, r.lineage)
         holders[head] = holders.get(head, 0) + 1
     if holders:
@@ -193,7 +196,8 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         head = min(starts, key=lambda h: (-starts[h], h.lineage or ""))
     counted_trainers = len(history) if history else len(trainers)
 
-    at_head = [r for r in trainers if Head(r.epoch, r.lineage) == head]
+    at_head = [r for r in trainers
+               if Head(r.epoch, r.lineage) == head and r.peer_id not in unbelieved]
     cap = min(float(target_batch_size), SHARE_CAP * target_batch_size / max(1, len(at_head)))
     samples = 0.0
     rate = 0.0
@@ -227,7 +231,8 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         now=now,
         contributions={peer_id: r.total_samples for peer_id, r in sorted(latest.items())},
         trainers_at_epoch=len(at_head),
-        highest_epoch=max((r.epoch for r in trainers), default=head.epoch),
+        highest_epoch=max((r.epoch for r in trainers if r.peer_id not in unbelieved),
+                          default=head.epoch),
         step_overhead=max(overheads) if overheads else None,
         counted_trainers=counted_trainers,
         quorum=quorum(len(base), waiting),

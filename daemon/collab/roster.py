@@ -148,9 +148,11 @@ class Rosters:
             if chosen is not None:
                 # taken once it is SETTLE old: one published at about the same moment (and
                 # signed a little earlier) is in the DHT by then
-                # (also past `wait`: a peer that waited long for any roster took the first it
-                # saw at once, while an earlier one, slower to store, was not out yet)
-                young = min(SETTLE, SETTLE - (timebase.now() - chosen[1].at))
+                # (also past `wait`, by at most SETTLE: a peer that waited long for any roster
+                # took the first it saw at once, while an earlier one, slower to store, was not
+                # out yet; a roster dated in the future, a skewed or hostile writer's, holds no
+                # one longer than that)
+                young = min(SETTLE, SETTLE - (timebase.now() - chosen[1].at), left + SETTLE)
                 if young <= 0:
                     break
                 await asyncio.sleep(young)

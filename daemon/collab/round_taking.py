@@ -256,7 +256,7 @@ class RoundTaking:
             del p.epoch_losses[: max(0, len(p.epoch_losses) - HISTORY)]
         self._epoch_loss = (0.0, 0)
         applied_at = timebase.now()
-        self.pace.stepped(p.epoch, applied_at)
+        self.pace.stepped(p.epoch, timebase.monotonic())
         reached = self._target_reached[1] if self._target_reached is not None else applied_at
         overhead = round(max(0.0, applied_at - reached), 4)
         self.step_overhead = overhead
@@ -324,7 +324,7 @@ class RoundTaking:
                 and report.group_size > 1:
             self.progress.rounds += 1
             self._averaged = action.head
-            self.pace.stepped(action.head.epoch + 1, timebase.now())
+            self.pace.stepped(action.head.epoch + 1, timebase.monotonic())
             stepped_to = Head(action.head.epoch + 1,
                               next_lineage(action.head.lineage or "", report.group_id))
             self._aux_group = (stepped_to, report.members)

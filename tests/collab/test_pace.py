@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dedloc.daemon.collab.estimate import estimate_global
 from dedloc.daemon.collab.pace import PACE_SLACK, EpochPace
+from dedloc.daemon.collab.policy import quorum_base
 from dedloc.daemon.collab.progress import PeerProgress
 
 NOW = 1_700_000_000.0
@@ -42,11 +43,13 @@ def test_the_bound_is_one_epoch_ahead_then_grows_with_the_pace() -> None:
     assert pace.bound(NOW - 50) == 4  # (a clock that went back does not lower it)
 
 
-def test_the_fastest_recent_epoch_sets_the_pace() -> None:
+def test_the_median_recent_epoch_sets_the_pace() -> None:
     pace = paced([(1, NOW - 130), (2, NOW - 30), (3, NOW - 20), (4, NOW)])
-    assert pace.epoch_seconds == 10
+    assert pace.epoch_seconds == 20  # of 100, 10 and 20
     pace = paced([(e, NOW - 100 * (10 - e)) for e in range(1, 11)] + [(11, NOW + 1)])
-    assert pace.epoch_seconds == 1  # the last epoch was fast: a flash crowd came
+    assert pace.epoch_seconds == 100  # one short epoch (claimed samples) moves it little
+    pace = paced([(1, NOW - 30), (2, NOW - 20), (3, NOW - 10), (4, NOW), (5, NOW + 10)])
+    assert pace.epoch_seconds == 10  # the last 4 only: the run sped up
 
 
 def test_a_jump_or_a_download_moves_the_anchor_without_a_duration() -> None:
@@ -54,10 +57,14 @@ def test_a_jump_or_a_download_moves_the_anchor_without_a_duration() -> None:
     pace.loaded(9, NOW)  # caught up: the epoch is evidence, the 100 s are not one epoch
     assert pace.epoch_seconds == 100
     assert pace.bound(NOW) == 10
-    pace.stepped(12, NOW + 1)  # (a step of more than one epoch measures nothing)
+    pace.stepped(10, NOW + 1.5)  # the step after a download measures nothing either (the
+    assert pace.epoch_seconds == 100  # download may land just before a round)
+    pace.stepped(12, NOW + 2)  # (a step of more than one epoch measures nothing)
     assert pace.epoch_seconds == 100
-    pace.loaded(5, NOW + 2)  # never back
-    assert pace.bound(NOW + 1) == 13
+    pace.loaded(5, NOW + 3)  # never back
+    assert pace.bound(NOW + 2) == 13
+    pace.stepped(13, NOW + 52)
+    assert pace.epoch_seconds == 75  # of 100 and 50
 
 
 def test_reports_past_the_bound_count_for_nothing() -> None:
@@ -70,8 +77,21 @@ def test_reports_past_the_bound_count_for_nothing() -> None:
                               max_epoch=9)
     assert (bounded.epoch, bounded.lineage) == (7, "a" * 32) and bounded.confirmed
     assert bounded.beyond_pace == ("l0", "l1", "l2")
-    assert bounded.live_trainers == 4 and bounded.highest_epoch == 7
+    assert bounded.highest_epoch == 7 and bounded.trainers_at_epoch == 4
     assert bounded.samples_accumulated == 40  # the liars' full batches count for nothing
+    # they still count among the trainers a step needs a majority of (policy.quorum_base)
+    assert bounded.counted_trainers == 7
+
+
+def test_a_peer_that_believes_nobody_else_does_not_see_itself_as_the_run() -> None:
+    # its pace rules out the head the others hold (a clock that jumped back, a swarm that sped
+    # up past the slack): it must not take itself for the whole run and step alone
+    own = report("me", 7, lineage="a")
+    others = [report(f"h{i}", 30, lineage="c") for i in range(5)]
+    run = estimate_global(others, target_batch_size=1000, now=NOW, stale_after=30, own=own,
+                          max_epoch=9)
+    assert (run.epoch, run.trainers_at_epoch) == (7, 1)
+    assert run.counted_trainers == 6 and quorum_base(run) == 6  # one of six: no majority
 
 
 def test_own_report_is_never_beyond_the_bound() -> None:
@@ -79,7 +99,7 @@ def test_own_report_is_never_beyond_the_bound() -> None:
     run = estimate_global([report("h0", 12, lineage="b")], target_batch_size=1000, now=NOW,
                           stale_after=30, own=own, max_epoch=8)
     assert run.beyond_pace == ("h0",)
-    assert run.epoch == 12 and run.live_trainers == 1
+    assert run.epoch == 12 and run.trainers_at_epoch == 1
 
 
 def test_a_peer_ahead_within_the_bound_is_followed() -> None:

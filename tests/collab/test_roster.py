@@ -1,6 +1,6 @@
 """Rosters of grid rounds (collab/roster.py): pure rules, and peers whose views of the head (or
-readings of the board) differ agreeing on one grid through an in-memory DHT (no waits: the writer writes
-first, or nobody waits)."""
+readings of the board) differ agreeing on one grid through an in-memory DHT, on virtual time (a
+roster is taken once it is a second old: those waits cost no wall time)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,24 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from dedloc.daemon import timebase
 from dedloc.daemon.averaging.averager import RoundOptions
 from dedloc.daemon.averaging.settings import AveragingSettings
 from dedloc.daemon.collab.grid import grid_layout
-from dedloc.daemon.collab.roster import Published, Rosters, agrees, decode, encode, pick, writers
+from dedloc.daemon.collab.roster import (
+    SETTLE,
+    TTL,
+    Published,
+    Rosters,
+    agrees,
+    decode,
+    encode,
+    pick,
+    writers,
+)
 from dedloc.daemon.collab.rounds import NetworkRounds
+
+pytestmark = pytest.mark.virtual_time
 
 
 def _ids(n: int, start: int = 0) -> list[str]:
@@ -221,3 +234,18 @@ async def test_peers_that_begin_before_and_after_the_best_ranked_writer_take_one
     chosen.append(await agree(best, [*trainers, *newcomers]))
     chosen += [await agree(p, [*trainers, *newcomers]) for p in trainers[20:] if p not in (best, second)]
     assert set(chosen) == {tuple(sorted(trainers))}
+
+
+async def test_a_roster_dated_in_the_future_holds_a_reader_no_longer_than_its_wait_and_a_settle() -> None:
+    # a writer's clock far ahead, or a hostile writer among the first ranks, dates its roster
+    # an hour on: the reader took it only once it was SETTLE old, and slept for the hour
+    key, view = "grad/3/abc", _ids(12)
+    dht = _Dht()
+    hostile = writers(key, view)[0]
+    dht.values["run/roster/" + key] = {hostile: _Entry(encode(view), timebase.now() + 3600 + TTL)}
+    reader = next(p for p in view if p not in writers(key, view, 5))
+    started = timebase.monotonic()
+    roster = await Rosters(dht, reader, "run").agree(key, view, wait=0.5)  # type: ignore[arg-type]
+    assert roster == tuple(sorted(view))
+    assert timebase.monotonic() - started <= 0.5 + SETTLE + 0.01
+
