@@ -7,7 +7,8 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   lineages: its slices' averages agree up to float rounding, see `parameter_spread`); in
   `partition`, only outside the partition;
 - `min_round_participation`: the lowest share, over the rounds, of the live trainers that had
-  synced with the run before the round (stepped or downloaded once) and stepped in it;
+  synced with the run before the round (stepped or downloaded once), or had been live for
+  `SYNC_GRACE` without ever syncing, and stepped in it;
 - `max_epoch_spread`: the largest gap between the epochs of such trainers, sampled every second;
 - `newcomer_epochs_to_contribute`: for peers that joined a running run, the most epochs between
   the run's epoch when they joined and the first epoch they contributed samples to;
@@ -50,6 +51,10 @@ from .swarm import Lie, PeerSpec, RunSpec, SimPeer, Swarm
 __all__ = ["SCENARIOS", "Result", "run_scenario"]
 
 EPOCH_SECONDS = 20.0  # what a run's target batch takes its trainers, in simulated seconds
+# a trainer that has been live this long and never stepped or downloaded a state counts as one
+# that should be in the rounds (at 256 peers most trainers never synced, and a participation
+# measured over the synced ones said 1.0)
+SYNC_GRACE = 4 * EPOCH_SECONDS
 TICK = 1.0
 
 
@@ -192,9 +197,12 @@ class Observer:
         self.participants[(epoch, lineage)] += 1
         key = (epoch, lineage)
         if key not in self.live_at_round:
+            reached = entry["target_reached_at"] - _unix_offset(self.swarm)
             self.live_at_round[key] = sum(
-                1 for p in self.established() if p.synced_at is not None
-                and p.synced_at <= entry["target_reached_at"] - _unix_offset(self.swarm))
+                1 for p in self.swarm.live if p.spec.role == "trainer" and (
+                    (p.synced_at is not None and p.synced_at <= reached)
+                    # one that had time to sync and never did counts too (not only those in)
+                    or (p.synced_at is None and p.started_at <= reached - SYNC_GRACE)))
         if peer.spec.lie is None:
             self.max_round_weight = max(self.max_round_weight, float(entry.get("weight", 0.0)))
         if entry["samples"] > 0 and peer.index not in self._first_contribution:
