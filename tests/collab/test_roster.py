@@ -5,7 +5,7 @@ roster is taken once it is a second old: those waits cost no wall time)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +151,7 @@ class _Averager:
         self.peer_id = peer_id
         self.config = AveragingSettings(max_group_size=max_group_size, window=0.0)
         self.stages: dict[str, tuple[str, ...]] = {}
+        self.coming_prefixes: list[str] = []
 
     async def average(self, vector: np.ndarray, options: RoundOptions) -> None:
         self.stages[options.key] = tuple(sorted({*options.peers, self.peer_id}))
@@ -158,8 +159,13 @@ class _Averager:
     def coming(self, keys: Iterable[str]) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
-    def coming_under(self, prefix: str) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def coming_under(self, prefix: str) -> Iterator[None]:
+        self.coming_prefixes.append(prefix)
+        try:
+            yield
+        finally:
+            self.coming_prefixes.remove(prefix)
 
 
 async def test_a_later_grid_round_lays_out_one_grid_though_the_board_was_read_apart() -> None:
@@ -248,4 +254,24 @@ async def test_a_roster_dated_in_the_future_holds_a_reader_no_longer_than_its_wa
     roster = await Rosters(dht, reader, "run").agree(key, view, wait=0.5)  # type: ignore[arg-type]
     assert roster == tuple(sorted(view))
     assert timebase.monotonic() - started <= 0.5 + SETTLE + 0.01
+
+
+async def test_a_peer_says_it_is_on_its_way_while_it_agrees_on_the_grid_rounds_roster() -> None:
+    # (matchmaking's coming_under: a slice-mate that began sooner waits for it as its leader
+    # instead of averaging alone after one window)
+    key, trainers = "grad/2/abc", _ids(40)
+    me = trainers[-1]
+    averager = _Averager(me, 16)
+    seen: list[list[str]] = []
+
+    class WatchedDht(_Dht):
+        async def get(self, dht_key: str, *, timeout: float | None = None) -> _Record | None:
+            seen.append(list(averager.coming_prefixes))
+            return await super().get(dht_key, timeout=timeout)
+
+    rounds = NetworkRounds(averager, "run", WatchedDht())  # type: ignore[arg-type]
+    await rounds.average(np.zeros(8, np.float32), key, weight=1.0, expected=40, role="trainer",
+                         peers=tuple(p for p in trainers if p != me), cells=tuple(trainers))
+    assert seen and all(prefixes == ["run/grad/2/abc/"] for prefixes in seen), seen
+    assert averager.coming_prefixes == [] and averager.stages  # over once its stages began
 
