@@ -84,11 +84,6 @@ class CatchingUp:
                 raise TrainerRefused(
                     f"the donor sent a state at epoch {state.epoch}, past what the run's pace "
                     f"allows ({bound})")
-            if state.epoch > action.head.epoch + 1:  # it moved on since our look: look again
-                self._log.info("state_donor_moved_on", donor=donor[:12], epoch=state.epoch,
-                               head=action.head.epoch)
-                self._schedule_look(0.0)
-                return
             if state.epoch < action.head.epoch or (state.epoch == action.head.epoch
                                                    and state.lineage != action.head.lineage):
                 raise TrainerRefused(  # it reports a head it does not hold (or went back)

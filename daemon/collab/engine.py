@@ -241,7 +241,7 @@ class RunEngine(RoundTaking, CatchingUp):
                               now=now, own=own, stale_after=STALE_AFTER, received=self._received,
                               max_epoch=self.pace.bound(timebase.monotonic()))
         self.global_progress = run
-        self._note_beyond_pace(run, now)
+        self._note_beyond_pace(run)
         if self.role == "aux":  # an aux peer is where it last saw the run
             self.progress.epoch, self.progress.lineage = run.epoch, run.lineage
         if run.ready and run.head == self.head and (
@@ -272,7 +272,7 @@ class RunEngine(RoundTaking, CatchingUp):
                     self._averaged)
         return view, read
 
-    def _note_beyond_pace(self, run: GlobalProgress, now: float) -> None:
+    def _note_beyond_pace(self, run: GlobalProgress) -> None:
         """Count and log the peers whose reported epoch our pace rules out, once each time
         they come to claim one."""
         beyond = frozenset(run.beyond_pace)

@@ -36,7 +36,7 @@ __all__ = ["PACE_EPOCHS", "PACE_SLACK", "EpochPace"]
 
 #: How much faster than its recent pace (median epoch) the run may move between two looks.
 PACE_SLACK = 8.0
-#: The durations of this many of the last steps are kept; the shortest sets the pace.
+#: The durations of this many of the last steps are kept; their median sets the pace.
 PACE_EPOCHS = 4
 
 

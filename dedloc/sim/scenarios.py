@@ -21,7 +21,9 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   too, so it includes one step's difference;
 - `step_spread`: the same over the trainers that stepped one epoch on one lineage, each taken
   right after its step (a grid round's slices: 0 where every slice averaged everyone, more
-  where a slice lost a member), the largest over the epochs;
+  where a slice lost a member), the largest over the epochs; a step whose state round came
+  before the next sample (the same simulated second) is not measured: `state_round_spread`
+  has it;
 - `state_round_spread`: the same over the trainers that averaged their state at one epoch, each
   taken right after that round, the largest over the epochs ("parameters agree after state
   averaging");
@@ -52,8 +54,8 @@ __all__ = ["SCENARIOS", "Result", "run_scenario"]
 
 EPOCH_SECONDS = 20.0  # what a run's target batch takes its trainers, in simulated seconds
 # a trainer that has been live this long and never stepped or downloaded a state counts as one
-# that should be in the rounds (at 256 peers most trainers never synced, and a participation
-# measured over the synced ones said 1.0)
+# that should be in the rounds (one that never syncs would otherwise never count against the
+# participation)
 SYNC_GRACE = 4 * EPOCH_SECONDS
 TICK = 1.0
 
