@@ -279,9 +279,9 @@ def add_sync_options(parser: argparse.ArgumentParser) -> None:
                         help="compression of the gradients in averaging rounds (topk: --sync "
                              "local only)")
     parser.add_argument("--aggregation", choices=("norm_clip", "mean"),
-                        help="how the reducers combine contributions: norm_clip (the default: "
-                             "each clipped to 4 times its chunk's median norm, then the "
-                             "weighted mean) or mean")
+                        help="how the reducers combine contributions: norm_clip (the default "
+                             "of gradient rounds: each clipped to 4 times its chunk's median "
+                             "norm, then the weighted mean) or mean (the default of --sync local)")
     parser.add_argument("--sync", choices=("gradients", "local"),
                         help="how the run syncs: gradients (DeDLOC, the default) or local "
                              "(DiLoCo: inner steps, then an outer step; needs --inner-steps)")

@@ -178,10 +178,12 @@ class ControlApi:
         compression: Annotated[Literal["none", "fp16", "uint8", "quantile8", "topk"],
                                "Compression of the gradients in averaging rounds (topk: "
                                "local-update runs only, with error feedback)."] = "none",
-        aggregation: Annotated[Literal["norm_clip", "mean"], "How the reducers of the run's rounds "
-                               "combine contributions: norm_clip (each clipped to 4 times the "
-                               "median norm of its chunk, then the weighted mean: honest rounds "
-                               "are the weighted mean) or mean (the weighted mean alone)."] = "norm_clip",
+        aggregation: Annotated[Literal["auto", "norm_clip", "mean"], "How the reducers of the run's "
+                               "rounds combine contributions: norm_clip (each clipped to 4 times "
+                               "the median norm of its chunk, then the weighted mean: honest "
+                               "rounds are the weighted mean) or mean (the weighted mean alone); "
+                               "auto: norm_clip for gradient rounds, mean for a local-update "
+                               "run."] = "auto",
         closed: Annotated[bool, "Create a closed run owned by this daemon: only peers holding a "
                           "token it issued (token.issue) may take part."] = False,
         token: Annotated[str | None, "Join the closed run this token (issued by its owner to this "

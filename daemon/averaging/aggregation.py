@@ -36,7 +36,7 @@ import numpy as np
 
 Aggregation = Literal["mean", "norm_clip"]
 AGGREGATIONS: tuple[Aggregation, ...] = ("mean", "norm_clip")
-DEFAULT_RUN_AGGREGATION: Aggregation = "norm_clip"  # a run's manifest's default
+DEFAULT_RUN_AGGREGATION: Aggregation = "norm_clip"  # a gradients run's default (manifest.py)
 NORM_CLIP_FACTOR = 4.0  # tau: this many times the median norm of a chunk's contributions
 MIN_CLIP_SENDERS = 3  # below this many contributions of weight > 0: the plain weighted mean
 

@@ -205,6 +205,6 @@ class PartReducer:
             accepted, weights, chosen, norms or [None] * len(chosen), scales, strict=True)]
         if norms is not None and any(scale < 1.0 for scale in scales):
             log.debug("contributions_clipped", chunk=index,
-                      clipped={c.sender: round(c.scale, 6) for c in used if c.scale < 1.0},
+                      clipped={str(c.sender): round(c.scale, 6) for c in used if c.scale < 1.0},
                       norms=[round(n, 6) for n in norms])
         return out, rejected, used

@@ -39,6 +39,8 @@ from .errors import ManifestError
 from .membership import namespace
 from .policy import WEIGHT_SLACK
 
+AUTO_AGGREGATION = "auto"  # the sync mode's default (RunManifest.aggregation)
+
 if TYPE_CHECKING:
     from ..dht import DHTNode
 
@@ -118,8 +120,12 @@ class RunManifest:
     # clipped to 4 times the chunk's median norm, then the weighted mean) or "mean". The run's,
     # not a peer's: reducers and members must agree. A manifest without it (written before it
     # existed) is a "mean" run, as its peers averaged then, and "mean" is left out of the JSON,
-    # so such a run keeps its fingerprint; "norm_clip" runs have their own.
-    aggregation: str = DEFAULT_RUN_AGGREGATION
+    # so such a run keeps its fingerprint; "norm_clip" runs have their own. "auto" (the
+    # default) is resolved when the manifest is made: norm_clip for a gradients run, mean for a
+    # local-update run, whose pseudo-gradients grow with each peer's inner steps: an honest fast
+    # peer's is several times a slow one's and was clipped (the run's outer step then was not
+    # the weighted mean of the peers' work; the outer-step guard bounds a hostile one there).
+    aggregation: str = AUTO_AGGREGATION
 
     def __post_init__(self) -> None:
         if not isinstance(self.workload, str) or not self.workload:
@@ -149,6 +155,9 @@ class RunManifest:
         if self.compression not in LOCAL_COMPRESSIONS:
             raise ManifestError(f"compression must be one of {', '.join(COMPRESSIONS)}, or "
                                 f"topk in a local-update run, got {self.compression!r:.40}")
+        if self.aggregation == AUTO_AGGREGATION:
+            object.__setattr__(self, "aggregation",
+                               "mean" if self.sync == "local" else DEFAULT_RUN_AGGREGATION)
         if not isinstance(self.aggregation, str) or self.aggregation not in AGGREGATIONS:
             raise ManifestError(f"aggregation must be one of {', '.join(AGGREGATIONS)} (how the "
                                 f"reducers combine contributions: norm_clip clips each to 4 "

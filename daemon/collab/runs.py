@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from .. import timebase
-from ..averaging.aggregation import DEFAULT_RUN_AGGREGATION
 from ..dht.records import is_peer_id
 from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, UnknownRunError
 from ..workers.process import WorkerProcess
@@ -19,7 +18,7 @@ from ..workers.settings import WorkerSettings
 from .aux import AuxRun
 from .availability import Availability, IdleMonitor, TrainingHours, own_process_tree
 from .errors import ManifestError
-from .manifest import PublishedManifest, RunManifest, choose_manifest, find_manifests
+from .manifest import AUTO_AGGREGATION, PublishedManifest, RunManifest, choose_manifest, find_manifests
 from .membership import MembershipError, MembershipToken
 from .ownership import REPUBLISH_EVERY, OwnedRuns
 from .run import Run, RunSpec
@@ -80,7 +79,7 @@ class RunRegistry:
                     compression: str = "none", closed: bool = False,
                     token: str | None = None,
                     sync: Mapping[str, Any] | None = None, *,
-                    aggregation: str = DEFAULT_RUN_AGGREGATION) -> dict[str, Any]:
+                    aggregation: str = AUTO_AGGREGATION) -> dict[str, Any]:
         """Start (or join) a run; `sync`: the manifest's sync fields (RunManifest.sync_fields)
         when the run is created here."""
         role = role or self.default_role

@@ -207,6 +207,18 @@ def test_runs_aggregate_by_the_norm_clipped_mean_unless_they_say_mean() -> None:
         RunManifest.from_json({**BASE.to_json(), "aggregation": 1})
 
 
+def test_a_local_update_run_averages_by_the_mean_unless_it_says_norm_clip() -> None:
+    # its pseudo-gradients grow with each peer's inner steps: under norm_clip an honest fast
+    # peer's was clipped, and the outer step was not the weighted mean of the peers' work (seen
+    # in test_local_updates's reference check under load)
+    local = RunManifest("tiny", sync="local", inner_steps=4)
+    assert local.aggregation == "mean" and "aggregation" not in local.to_json()
+    assert RunManifest.from_json(local.to_json()) == local
+    assert RunManifest("tiny", sync="local", inner_steps=4, aggregation="norm_clip").aggregation \
+        == "norm_clip"
+    assert RunManifest("tiny", aggregation="auto").aggregation == "norm_clip"
+
+
 def test_a_local_update_run_names_its_outer_optimizer() -> None:
     data = LOCAL.to_json()
     assert (data["sync"], data["inner_steps"], data["outer_lr"], data["outer_momentum"],
