@@ -4,6 +4,7 @@ roster is taken once it is a second old: those waits cost no wall time)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -275,3 +276,37 @@ async def test_a_peer_says_it_is_on_its_way_while_it_agrees_on_the_grid_rounds_r
     assert seen and all(prefixes == ["run/grad/2/abc/"] for prefixes in seen), seen
     assert averager.coming_prefixes == [] and averager.stages  # over once its stages began
 
+
+
+async def test_a_writer_whose_clock_runs_behind_does_not_take_later_readers_off_the_first_roster() -> None:
+    # the second-ranked writer publishes first; the best-ranked one begins 2 s later with its
+    # clock 3 s behind: had it published, its roster would have been signed a second before the
+    # first, and peers that began after it would have laid out another grid than those before
+    key = "grad/4/abc"
+    trainers, newcomers = _ids(40), _ids(2, start=40)
+    best, second = writers(key, trainers)[:2]
+    dht = _Dht()
+
+    async def agree(peer: str, view: list[str]) -> tuple[str, ...]:
+        return await Rosters(dht, peer, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
+
+    chosen = [await agree(second, trainers)]
+    chosen += [await agree(p, trainers) for p in trainers[:10] if p not in (best, second)]
+    await asyncio.sleep(2.0)
+    inner = timebase.current()
+
+    class _Skewed:
+        def now(self) -> float:
+            return inner.now() - 3.0
+
+        def monotonic(self) -> float:
+            return inner.monotonic()
+
+    token = timebase.use(_Skewed())
+    try:
+        chosen.append(await agree(best, [*trainers, *newcomers]))
+    finally:
+        timebase.reset(token)
+    chosen += [await agree(p, [*trainers, *newcomers]) for p in trainers[10:] if p not in (best, second)]
+    assert set(chosen) == {tuple(sorted(trainers))}
+    assert set(dht.values[f"run/roster/{key}"]) == {second}
