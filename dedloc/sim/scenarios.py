@@ -27,6 +27,8 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
 - `state_round_spread`: the same over the trainers that averaged their state at one epoch, each
   taken right after that round, the largest over the epochs ("parameters agree after state
   averaging");
+- `spread_by_epoch`: both, per epoch (as strings), each followed by the number of states it was
+  measured over;
 - `max_round_weight`: the most weight (samples) a round an honest trainer stepped on averaged,
   in target batches (about 1; a liar's claimed weight would show);
 - `partition` also: `epochs_to_reconcile` (after the heal, epochs until every live trainer holds
@@ -87,6 +89,9 @@ class Result:
     state_round_spread: float = 0.0  # relative, over the trainers of one state round, the largest
     # the most weight a round an honest trainer stepped on averaged, in target batches
     max_round_weight: float = 0.0
+    # epoch -> [step spread, trainers measured, state round spread, trainers measured]: where
+    # in a run the trainers drew apart (a hidden split in the first round, or every epoch)
+    spread_by_epoch: dict[str, list[float]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -140,6 +145,7 @@ class Observer:
         self.state_averaged: dict[int, list[Any]] = defaultdict(list)
         self._step_spread = 0.0  # of the steps folded (their states dropped)
         self._state_round_spread = 0.0
+        self.by_epoch: dict[int, list[float]] = {}  # Result.spread_by_epoch
         self.rss: list[tuple[float, int]] = []
         # memory per peer is compared with the sample at this index (a scenario that grows the
         # swarm moves it past the growth: a peer's links grow with the swarm, not with time)
@@ -224,10 +230,17 @@ class Observer:
         """Measure the steps and state rounds of epochs before `before` and drop their states
         (memory stays flat)."""
         for key in [k for k in self.stepped if k[0] < before]:
-            self._step_spread = max(self._step_spread, _spread(self.stepped.pop(key)))
+            states = self.stepped.pop(key)
+            spread = _spread(states)
+            self._step_spread = max(self._step_spread, spread)
+            entry = self.by_epoch.setdefault(key[0], [0.0, 0, 0.0, 0])
+            entry[0], entry[1] = max(entry[0], spread), entry[1] + len(states)
         for epoch in [e for e in self.state_averaged if e < before]:
-            self._state_round_spread = max(self._state_round_spread,
-                                           _spread(self.state_averaged.pop(epoch)))
+            states = self.state_averaged.pop(epoch)
+            spread = _spread(states)
+            self._state_round_spread = max(self._state_round_spread, spread)
+            entry = self.by_epoch.setdefault(epoch, [0.0, 0, 0.0, 0])
+            entry[2], entry[3] = max(entry[2], spread), entry[3] + len(states)
 
     def step_spread(self) -> float:
         self._fold(2**62)
@@ -462,4 +475,7 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
                                        if p.trainer is not None])
     result.step_spread = observer.step_spread()
     result.state_round_spread = observer.state_round_spread()
+    result.spread_by_epoch = {
+        str(epoch): [float(f"{v:.3g}") if i % 2 == 0 else v for i, v in enumerate(entry)]
+        for epoch, entry in sorted(observer.by_epoch.items())}
     result.errors = [f"peer {p.index}: {p.error!r}" for p in swarm.peers if p.error is not None]

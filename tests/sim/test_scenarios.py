@@ -130,6 +130,9 @@ def test_the_observer_measures_how_far_apart_one_steps_states_are() -> None:
     assert observer.step_spread() == pytest.approx(0.005 / 1.005, rel=1e-4)
     assert observer.state_round_spread() == pytest.approx(0.25 / 1.25, rel=1e-4)
     assert not observer.stepped and not observer.state_averaged  # measured, then dropped
+    # and by epoch: [step spread, states measured, state round spread, states measured]
+    assert observer.by_epoch[0] == [0.0, 3, 0.0, 0]
+    assert observer.by_epoch[1][1:] == [2, pytest.approx(0.25 / 1.25, rel=1e-4), 2]
 
 
 def test_an_unknown_scenario_is_named() -> None:
