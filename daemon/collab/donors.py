@@ -7,7 +7,9 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["DonorChoice"]
+__all__ = ["MAX_REMEMBERED", "DonorChoice"]
+
+MAX_REMEMBERED = 4096  # donors whose last failure is remembered
 
 
 @dataclass
@@ -41,7 +43,15 @@ class DonorChoice:
             return drawn[0]
         return min(drawn, key=lambda d: served.get(d, 0))  # (a tie: the first drawn)
 
+    def failed_lately(self, now: float) -> frozenset[str]:
+        """The donors that failed in the last `avoid_seconds` (estimate.py does not believe
+        their heads ahead of ours meanwhile)."""
+        return frozenset(d for d, at in self._failed_at.items() if now - at < self.avoid_seconds)
+
     def failed(self, donor: str, now: float) -> None:
+        if len(self._failed_at) >= MAX_REMEMBERED:  # (identities are free: forget the oldest)
+            for old in sorted(self._failed_at, key=self._failed_at.__getitem__)[:len(self._failed_at) // 2]:
+                del self._failed_at[old]
         self._failed_at[donor] = now
         self._failures_in_a_row += 1
         self._not_before = now + self.wait(now)

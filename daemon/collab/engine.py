@@ -109,6 +109,7 @@ class RunEngine(RoundTaking, CatchingUp):
         self.epoch_history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.pace = EpochPace()  # what we saw of the run's pace: the epochs we believe
         self._beyond_pace: frozenset[str] = frozenset()
+        self._unserved: frozenset[str] = frozenset()
         self.step_overhead: float | None = None
         self.paused_reason: str | None = None
         self.donors = donors or DonorChoice()
@@ -239,9 +240,11 @@ class RunEngine(RoundTaking, CatchingUp):
         now = timebase.now()
         run = estimate_global(self._reports, target_batch_size=self.schedule.target_batch_size,
                               now=now, own=own, stale_after=STALE_AFTER, received=self._received,
-                              max_epoch=self.pace.bound(timebase.monotonic()))
+                              max_epoch=self.pace.bound(timebase.monotonic()),
+                              unserved=self.donors.failed_lately(timebase.monotonic()))
         self.global_progress = run
         self._note_beyond_pace(run)
+        self._note_unserved(run)
         if self.role == "aux":  # an aux peer is where it last saw the run
             self.progress.epoch, self.progress.lineage = run.epoch, run.lineage
         if run.ready and run.head == self.head and (
@@ -283,6 +286,16 @@ class RunEngine(RoundTaking, CatchingUp):
             self._log.warning("reports_beyond_pace", peers=sorted(p[:12] for p in new),
                               max_epoch=self.pace.bound(timebase.monotonic()), epoch=self.progress.epoch,
                               epoch_seconds=self.pace.epoch_seconds)
+
+    def _note_unserved(self, run: GlobalProgress) -> None:
+        """Count and log the peers passed over because their state failed us (estimate.py)."""
+        unserved = frozenset(run.unserved_ahead)
+        new = unserved - self._unserved
+        self._unserved = unserved
+        if new:
+            self.progress.reports_unserved += len(new)
+            self._log.warning("reports_unserved", peers=sorted(p[:12] for p in new),
+                              epoch=self.progress.epoch)
 
     def _note_head(self, run: GlobalProgress, now: float) -> float:
         """When the set of trainers seen at the run's head last grew (its first sight counts)."""

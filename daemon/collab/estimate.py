@@ -13,7 +13,12 @@ Pure: no I/O, time is passed in.
   peer's own pace of the run makes believable, pace.py) holds no head and adds no samples
   (`beyond_pace` names its writers), but its writer still counts among the trainers with a
   history (`counted_trainers`, the quorum's base): a peer that believes nobody else must not
-  see itself as the whole run and step alone.
+  see itself as the whole run and step alone. So does a report ahead of this peer's own epoch
+  by a peer in `unserved`: one whose state this peer tried to download at its head lately and
+  could not (refused or failed; the engine keeps the list, donors.py), listed in `unserved_ahead`.
+  Identities that claim the epoch after the run's, on a lineage of their own, pass any pace; a
+  third of them made the honest trainers catch up with a head none of them could serve, again
+  and again, and nobody trained. Now they are tried once each (per minute), then passed over.
 - **Heads.** A peer's head is its (epoch, lineage): where its state is. Live trainers at the same
   head hold the same state and average together. Fresh trainers (epoch 0, no samples at all: a
   newcomer, or a run not started) carry no evidence and are not counted, unless no other trainer
@@ -44,7 +49,7 @@ Pure: no I/O, time is passed in.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +113,7 @@ class GlobalProgress:
     confirmed: bool = True  # the head has a quorum (else: the best there is)
     donors: tuple[str, ...] = ()  # live trainers at the head, other than `own`
     beyond_pace: tuple[str, ...] = ()  # live peers whose epoch is past `max_epoch`: no head
+    unserved_ahead: tuple[str, ...] = ()  # `unserved` peers reporting an epoch ahead of ours: no head
 
     @property
     def head(self) -> Head:
@@ -134,10 +140,12 @@ def _choose_head(holders: Mapping[Head, int], counted: int, fresh: int) -> tuple
 def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, now: float,
                     own: PeerProgress | None = None, stale_after: float,
                     received: Mapping[str, float] | None = None,
-                    max_epoch: int | None = None) -> GlobalProgress:
+                    max_epoch: int | None = None,
+                    unserved: Collection[str] = ()) -> GlobalProgress:
     """Fold the peers' reports into the run's progress at `now` (rules in the module docstring).
     `received` maps a peer id to when (on our clock) its report was first read; `max_epoch`:
-    the highest epoch this peer believes (pace.py), None: any."""
+    the highest epoch this peer believes (pace.py), None: any; `unserved`: peers whose state at
+    their head this peer could not download lately (not believed ahead of `own`)."""
     if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) \
             or target_batch_size < 1:
         raise ValueError(f"target_batch_size must be a positive integer, got {target_batch_size!r}")
@@ -168,7 +176,12 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
     if max_epoch is not None:
         beyond = tuple(sorted(peer_id for peer_id, r in latest.items()
                               if r.epoch > max_epoch and r is not own))
-    unbelieved = set(beyond)
+    ahead_unserved: tuple[str, ...] = ()
+    if own is not None and unserved:
+        ahead_unserved = tuple(sorted(peer_id for peer_id in set(unserved) & set(latest)
+                                      if latest[peer_id].epoch > own.epoch
+                                      and peer_id not in beyond))
+    unbelieved = {*beyond, *ahead_unserved}
 
     trainers = [r for r in latest.values() if r.role == "trainer"]
     aux = [r for r in latest.values() if r.role == "aux"]
@@ -239,6 +252,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         confirmed=confirmed,
         donors=tuple(sorted(r.peer_id for r in at_head if r.peer_id != own_id)),
         beyond_pace=beyond,
+        unserved_ahead=ahead_unserved,
         live_peers=[{"peer_id": peer_id, "role": r.role, "epoch": r.epoch, "lineage": r.lineage,
                      "samples_per_second": r.samples_per_second, "total_samples": r.total_samples,
                      "started_at": r.started_at, "reported_at": r.time, "stepped": r.stepped}

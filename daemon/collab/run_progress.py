@@ -40,6 +40,7 @@ class RunProgress:
     unverified_states: int = 0  # loaded with no witness able to say (none at the head)
     unanswered_states: int = 0  # not loaded: witnesses at the head could not say (asked again)
     reports_beyond_pace: int = 0  # peers seen claiming an epoch our pace of the run rules out
+    reports_unserved: int = 0  # peers passed over: ahead of us, and their state failed us lately
     states_served: int = 0  # downloads of our state that we served to others (published)
     restarts: int = 0
     lr: float | None = None  # the learning rate of the last step

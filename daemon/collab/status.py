@@ -120,6 +120,7 @@ def run_status(run: Run) -> dict[str, Any]:
         "unverified_states": p.unverified_states,
         "unanswered_states": p.unanswered_states,
         "reports_beyond_pace": p.reports_beyond_pace,
+        "reports_unserved": p.reports_unserved,
         "states_served": p.states_served,
         "collaborative": collaborative,
         **level,

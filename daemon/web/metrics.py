@@ -227,6 +227,8 @@ def _run(out: Exposition, run: Mapping[str, Any]) -> None:
          "with no witness able to check them."),
         ("dedloc_run_reports_beyond_pace_total", "reports_beyond_pace", "Peers seen reporting "
          "an epoch the run's pace rules out (not counted for its head)."),
+        ("dedloc_run_reports_unserved_total", "reports_unserved", "Peers passed over: they "
+         "reported an epoch ahead of this peer's but their state download failed lately."),
         ("dedloc_run_states_served_total", "states_served", "Downloads of this peer's state "
          "that it served to others."),
         ("dedloc_run_worker_restarts_total", "restarts", "Restarts of the run's worker."),

@@ -8,7 +8,8 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   `partition`, only outside the partition;
 - `min_round_participation`: the lowest share, over the rounds, of the live trainers that had
   synced with the run before the round (stepped or downloaded once), or had been live for
-  `SYNC_GRACE` without ever syncing, and stepped in it;
+  `SYNC_GRACE` without ever syncing, and stepped in it (honest trainers only: the others rightly
+  leave a liar that claims another epoch out of their rounds);
 - `max_epoch_spread`: the largest gap between the epochs of such trainers, sampled every second;
 - `newcomer_epochs_to_contribute`: for peers that joined a running run, the most epochs between
   the run's epoch when they joined and the first epoch they contributed samples to;
@@ -78,6 +79,7 @@ class Result:
     state_downloads: int = 0
     failed_rounds: int = 0
     reports_beyond_pace: int = 0  # peers' far epochs the others did not believe (pace.py)
+    reports_unserved: int = 0  # peers ahead passed over once their state failed (estimate.py)
     memory_growth: float = 1.0
     rss_per_peer_bytes: int = 0
     simulated_seconds: float = 0.0
@@ -202,12 +204,15 @@ class Observer:
         self.steps[epoch][lineage].add(digest if entry.get("stages", 1) == 1 else b"")
         if self.excluding:
             self.excluded_epochs.add(epoch)
-        self.participants[(epoch, lineage)] += 1
+        # (participation is the honest trainers': a liar whose reports the others rightly
+        # disbelieve is left out of their rounds)
         key = (epoch, lineage)
+        if peer.spec.lie is None:
+            self.participants[key] += 1
         if key not in self.live_at_round:
             reached = entry["target_reached_at"] - _unix_offset(self.swarm)
             self.live_at_round[key] = sum(
-                1 for p in self.swarm.live if p.spec.role == "trainer" and (
+                1 for p in self.swarm.live if p.spec.role == "trainer" and p.spec.lie is None and (
                     (p.synced_at is not None and p.synced_at <= reached)
                     # one that had time to sync and never did counts too (not only those in)
                     or (p.synced_at is None and p.started_at <= reached - SYNC_GRACE)))
@@ -403,8 +408,9 @@ async def _liars(swarm: Swarm, observer: Observer, result: Result, epochs: int,
                  lies: Sequence[Lie] = ("epoch", "samples"), share: float = 0.05,
                  arrive_after: int = 0) -> None:
     """`share` of the trainers (5 %) lie, in turn as `lies` says: "epoch" (far ahead,
-    colluding), "samples" (a full batch, fast), "weight" (WEIGHT_LIE_TARGETS target batches in
-    rounds); from the start, or arriving once the run has stepped `arrive_after` epochs."""
+    colluding), "next" (the epoch after their own, on a lineage of their own, colluding),
+    "samples" (a full batch, fast), "weight" (WEIGHT_LIE_TARGETS target batches in rounds); from the
+    start, or arriving once the run has stepped `arrive_after` epochs."""
     liars = max(1, round(share * result.peers))
     if arrive_after > 0:
         await _start(swarm, result.peers - liars, result.aux, observer)
@@ -463,6 +469,8 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
                                  if p.engine is not None)
     result.failed_rounds = sum(p.engine.progress.failed_rounds for p in swarm.peers
                                if p.engine is not None)
+    result.reports_unserved = sum(p.engine.progress.reports_unserved for p in swarm.peers
+                                  if p.engine is not None)
     result.reports_beyond_pace = sum(p.engine.progress.reports_beyond_pace for p in swarm.peers
                                      if p.engine is not None)
     if len(observer.rss) >= 2:

@@ -44,7 +44,7 @@ log = structlog.get_logger(__name__)
 
 __all__ = ["Lie", "PeerSpec", "RunSpec", "SimPeer", "Swarm"]
 
-Lie = Literal["epoch", "samples", "weight"]
+Lie = Literal["epoch", "next", "samples", "weight"]
 #: what a "weight" liar claims as its averaging weight, in target batches (it reports honestly)
 WEIGHT_LIE_TARGETS = 4
 
@@ -96,6 +96,9 @@ class _LyingBoard:
             return dataclasses.replace(report, epoch=report.epoch + 10_000, lineage="f" * 32,
                                        samples_accumulated=self._target, planned=None,
                                        total_samples=10**12)
+        if self._lie == "next":  # colluding liars: the epoch after the run's, a lineage of their own
+            return dataclasses.replace(report, epoch=report.epoch + 1, lineage="e" * 32,
+                                       samples_accumulated=self._target, planned=None)
         return dataclasses.replace(report, samples_accumulated=self._target, planned=None,
                                    samples_per_second=1e6)
 

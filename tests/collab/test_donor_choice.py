@@ -151,3 +151,22 @@ def test_failures_of_donors_no_longer_listed_do_not_matter() -> None:
     donors = choice(avoid_seconds=60.0, backoff=0.1, max_backoff=0.1)
     donors.failed("gone", now=100.0)
     assert donors.pick(["donor-a"], now=101.0) == "donor-a"
+
+
+def test_donors_that_failed_lately_are_listed_for_avoid_seconds() -> None:
+    choice = DonorChoice(avoid_seconds=60.0)
+    choice.failed("a", 100.0)
+    choice.failed("b", 130.0)
+    assert choice.failed_lately(150.0) == {"a", "b"}
+    assert choice.failed_lately(165.0) == {"b"}
+    assert choice.failed_lately(200.0) == frozenset()
+
+
+def test_failures_are_remembered_for_a_bounded_number_of_donors() -> None:
+    from dedloc.daemon.collab.donors import MAX_REMEMBERED
+    choice = DonorChoice(avoid_seconds=1e9)
+    for i in range(3 * MAX_REMEMBERED):  # identities are free
+        choice.failed(f"d{i}", float(i))
+    lately = choice.failed_lately(3.0 * MAX_REMEMBERED)
+    assert len(lately) <= MAX_REMEMBERED
+    assert f"d{3 * MAX_REMEMBERED - 1}" in lately and "d0" not in lately  # the newest kept

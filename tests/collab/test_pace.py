@@ -109,3 +109,31 @@ def test_a_peer_ahead_within_the_bound_is_followed() -> None:
     run = estimate_global(reports, target_batch_size=1000, now=NOW, stale_after=30, own=own,
                           max_epoch=9)
     assert run.epoch == 9 and run.beyond_pace == ()
+
+
+def test_peers_ahead_whose_state_failed_us_lately_hold_no_head() -> None:
+    # a third of the identities claim the epoch after ours, on a lineage of their own: within
+    # any pace, and a quorum. Once our downloads from them failed (the engine's donors.py list),
+    # their head is passed over, and ours is the run's; they still count in the quorum's base
+    own = report("me", 7, lineage="a")
+    honest = [report(f"h{i}", 7, lineage="a") for i in range(6)]
+    liars = [report(f"l{i}", 8, lineage="e", samples=1000) for i in range(4)]
+    free = estimate_global(honest + liars, target_batch_size=1000, now=NOW, stale_after=30,
+                           own=own, max_epoch=8)
+    assert (free.epoch, free.lineage) == (8, "e" * 32) and free.confirmed
+    passed = estimate_global(honest + liars, target_batch_size=1000, now=NOW, stale_after=30,
+                             own=own, max_epoch=8, unserved={"l0", "l1", "l2", "l3", "h5"})
+    assert (passed.epoch, passed.lineage) == (7, "a" * 32) and passed.confirmed
+    assert passed.unserved_ahead == ("l0", "l1", "l2", "l3")  # h5 is not ahead: believed
+    assert passed.trainers_at_epoch == 7 and passed.highest_epoch == 7
+    assert passed.counted_trainers == 11 and quorum_base(passed) == 11
+    # one of them not (yet) tried: 1 of 11 is no quorum, ours still is the run's head
+    some = estimate_global(honest + liars, target_batch_size=1000, now=NOW, stale_after=30,
+                           own=own, max_epoch=8, unserved={"l0", "l1", "l2"})
+    assert (some.epoch, some.lineage) == (7, "a" * 32)
+    # honest peers ahead that served us are followed as before
+    ahead = [report(f"n{i}", 8, lineage="c") for i in range(6)]
+    followed = estimate_global([*ahead, report("x", 8, lineage="c")], target_batch_size=1000,
+                               now=NOW, stale_after=30, own=own, max_epoch=8, unserved={"x"})
+    assert (followed.epoch, followed.lineage) == (8, "c" * 32)
+    assert followed.unserved_ahead == ("x",) and "x" not in followed.donors

@@ -76,6 +76,20 @@ async def test_a_third_of_the_identities_claiming_a_far_epoch_do_not_move_the_ru
     assert result.min_round_participation >= 0.9, result.to_json()
 
 
+async def test_a_third_of_the_identities_claiming_the_next_epoch_do_not_stall_the_run() -> None:
+    # 5 identities join a run of 7 trainers that has stepped 2 epochs and report the epoch after
+    # their own on a lineage of their own: within any pace, and 5 of 12 is more than the third
+    # that confirms a head. Every honest trainer tried to catch up with them, none of them could
+    # serve that head, and after backing off each tried again: the run stepped once in 3 epochs'
+    # time. Now a peer whose state failed us lately is not believed ahead of us (estimate.py)
+    result = await run_scenario("liars", 12, aux=1, epochs=3,
+                                script={"lies": ("next",), "share": 0.4, "arrive_after": 2})
+    _healthy(result)
+    assert result.epochs >= 5, result.to_json()
+    assert result.reports_unserved >= 7, result.to_json()  # each honest peer passed them over
+    assert result.min_round_participation >= 0.9, result.to_json()
+
+
 async def test_an_identity_claiming_samples_it_never_computed_weighs_its_share_of_the_budget() -> None:
     # 1 liar in 16 claims 4 target batches in every round (it trains and reports honestly): a
     # member's weight was bounded by 8 target batches, so every round it joined averaged 4.94
