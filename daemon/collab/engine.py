@@ -108,8 +108,7 @@ class RunEngine(RoundTaking, CatchingUp):
         self.last_state_round: AveragingReport | None = None
         self.epoch_history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.pace = EpochPace()  # what we saw of the run's pace: the epochs we believe
-        self._beyond_pace: frozenset[str] = frozenset()
-        self._unserved: frozenset[str] = frozenset()
+        self._disbelieved: dict[str, frozenset[str]] = {}  # _note_disbelieved
         self.step_overhead: float | None = None
         self.paused_reason: str | None = None
         self.donors = donors or DonorChoice()
@@ -243,8 +242,7 @@ class RunEngine(RoundTaking, CatchingUp):
                               max_epoch=self.pace.bound(timebase.monotonic()),
                               unserved=self.donors.failed_lately(timebase.monotonic()))
         self.global_progress = run
-        self._note_beyond_pace(run)
-        self._note_unserved(run)
+        self._note_disbelieved(run)
         if self.role == "aux":  # an aux peer is where it last saw the run
             self.progress.epoch, self.progress.lineage = run.epoch, run.lineage
         if run.ready and run.head == self.head and (
@@ -275,27 +273,21 @@ class RunEngine(RoundTaking, CatchingUp):
                     self._averaged)
         return view, read
 
-    def _note_beyond_pace(self, run: GlobalProgress) -> None:
-        """Count and log the peers whose reported epoch our pace rules out, once each time
-        they come to claim one."""
-        beyond = frozenset(run.beyond_pace)
-        new = beyond - self._beyond_pace
-        self._beyond_pace = beyond
-        if new:
-            self.progress.reports_beyond_pace += len(new)
-            self._log.warning("reports_beyond_pace", peers=sorted(p[:12] for p in new),
-                              max_epoch=self.pace.bound(timebase.monotonic()), epoch=self.progress.epoch,
-                              epoch_seconds=self.pace.epoch_seconds)
-
-    def _note_unserved(self, run: GlobalProgress) -> None:
-        """Count and log the peers passed over because their state failed us (estimate.py)."""
-        unserved = frozenset(run.unserved_ahead)
-        new = unserved - self._unserved
-        self._unserved = unserved
-        if new:
-            self.progress.reports_unserved += len(new)
-            self._log.warning("reports_unserved", peers=sorted(p[:12] for p in new),
-                              epoch=self.progress.epoch)
+    def _note_disbelieved(self, run: GlobalProgress) -> None:
+        """Count and log, once each time they come to claim it, the peers whose reports the
+        estimate did not believe: past our pace of the run (`reports_beyond_pace`, pace.py), or
+        ahead of us with a state that failed us lately (`reports_unserved`, donors.py)."""
+        for counter, peers in (("reports_beyond_pace", run.beyond_pace),
+                               ("reports_unserved", run.unserved_ahead)):
+            current = frozenset(peers)
+            new = current - self._disbelieved.get(counter, frozenset())
+            self._disbelieved[counter] = current
+            if new:
+                setattr(self.progress, counter, getattr(self.progress, counter) + len(new))
+                self._log.warning(counter, peers=sorted(p[:12] for p in new),
+                                  epoch=self.progress.epoch,
+                                  max_epoch=self.pace.bound(timebase.monotonic()),
+                                  epoch_seconds=self.pace.epoch_seconds)
 
     def _note_head(self, run: GlobalProgress, now: float) -> float:
         """When the set of trainers seen at the run's head last grew (its first sight counts)."""
