@@ -18,9 +18,11 @@ from dedloc.daemon import timebase
 from dedloc.daemon.averaging.matchmaking import DHT_PREFIX
 from dedloc.daemon.collab.manifest import run_key
 from dedloc.daemon.collab.membership import MembershipToken, closed_run_of
+from dedloc.daemon.collab.roster import Rosters, writers
 from dedloc.daemon.collab.secrecy import MAGIC, RunSecret
 from dedloc.daemon.dht.records import Entry
 from dedloc.sim.network import LinkProfile
+from dedloc.sim.scenarios import run_scenario
 from dedloc.sim.swarm import PeerSpec, RunSpec, SimPeer, Swarm
 
 pytestmark = pytest.mark.virtual_time
@@ -79,16 +81,24 @@ async def test_non_members_store_the_runs_records_as_ciphertext_only() -> None:
         # Matchmaking files its announcements under its own prefix (here the rounds found their
         # peers on the progress board and announced nothing): such a key is the run's too.
         writer, reader = trainers[-1], trainers[0]
-        announcement = f"{DHT_PREFIX}{run_key('sim', swarm.run.manifest(swarm.owner.peer_id))}/epoch-99"
+        prefix = run_key("sim", swarm.run.manifest(swarm.owner.peer_id))
+        announcement = f"{DHT_PREFIX}{prefix}/epoch-99"
         info = orjson.dumps({"peer_id": writer.peer_id, "compression": "none",
                              "addresses": ["/ip4/10.1.2.3/tcp/4567"]})
         assert await writer.dht.store(announcement, info, timebase.now() + 60.0,
                                       sub_key=writer.peer_id, timeout=5.0) >= 2
 
+        # So are grid rounds' rosters (here no round needed one): the first writer of a view
+        # publishes it, and another member takes it.
+        view = [p.peer_id for p in trainers]
+        first = next(p for p in trainers if p.peer_id == writers("grad/99", view)[0])
+        assert await Rosters(first.dht, first.peer_id, prefix).agree("grad/99", view, wait=0.0)
+        assert await Rosters(reader.dht, reader.peer_id, prefix).published("grad/99", view)
+
         # What the members read: every key of the run that a non-member holds, in clear.
         held = {e.key for p in outside for e in _closed_entries(p)}
         kinds = {key.rsplit("/", 1)[-1] for key in held}
-        assert {"manifests", "progress", "epoch-99"} <= kinds, held
+        assert {"manifests", "progress", "epoch-99", "99"} <= kinds, held
         plain: list[bytes] = []
         for key in held:
             record = await reader.dht.get(key, timeout=5.0)
@@ -144,3 +154,15 @@ async def test_a_member_writing_with_another_key_is_dropped_and_counted() -> Non
         assert len({p.trainer.parameters.tobytes() for p in honest if p.trainer}) == 1
     finally:
         await swarm.close()
+
+
+async def test_a_closed_run_in_grid_rounds_trains_as_an_open_one() -> None:
+    # 12 trainers in groups of at most 4: grid rounds, whose rosters are records of the run too
+    # (collab/roster.py). Encrypted, they serve as in an open run (with the encryption replaced
+    # by the identity this seed gives the same participation, failed rounds and step spread).
+    result = await run_scenario("steady", 12, aux=1, epochs=3, max_group_size=4, closed=True)
+    assert result.errors == [], result.errors
+    assert not result.split_brain and result.max_epoch_spread <= 1, result.to_json()
+    assert result.epochs >= 3, result.to_json()
+    assert result.min_round_participation == 1.0 and result.failed_rounds == 0, result.to_json()
+    assert result.step_spread <= 1e-5, result.to_json()
