@@ -36,7 +36,9 @@ class MembershipApi:
         """Sign a token that lets one peer take part in a closed run this daemon owns.
 
         The answer's `token` is what the volunteer passes to `run.start` (`dedloc join --token`).
-        It names the peer, so it is useless to anyone else; it is recorded for `token.list`.
+        It names the peer and carries the run's key (which the run's DHT records are encrypted
+        with) sealed to that peer, so it is useless to anyone else; it is recorded for
+        `token.list`.
         """
         if not is_peer_id(peer):
             raise InvalidParams("peer", f"{peer!r:.80} is not a peer id (the volunteer's `dedloc "
@@ -56,7 +58,8 @@ class MembershipApi:
         """Revoke a token (or every token of a peer) and publish the run's revocation list.
 
         Members fetch the list every 30 s and refuse the revoked peer from then on; `published`
-        says whether the DHT took the new list (it is published again periodically).
+        says whether the DHT took the new list (it is published again periodically). The run's
+        key is not changed: records that reach a node the revoked peer runs stay readable to it.
         """
         return await self._runs.token_revoke(name, serial, peer)
 

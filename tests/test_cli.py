@@ -110,7 +110,7 @@ async def test_tokens_and_pause_from_the_cli(daemon) -> None:  # type: ignore[no
     volunteer = Identity.generate().peer_id
     code, out, err = await dedloc(socket, "token", "issue", "club", volunteer, "--days", "2")
     assert code == 0, err
-    assert f"token for {volunteer} (trainer" in out and "dedloc join --token dlt1." in out
+    assert f"token for {volunteer} (trainer" in out and "dedloc join --token dlt2." in out
     code, out, _ = await dedloc(socket, "--json", "token", "list", "club")
     (issued,) = orjson.loads(out)["tokens"]
     assert issued["peer"] == volunteer and not issued["revoked"]

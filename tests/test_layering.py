@@ -22,11 +22,12 @@ CONFIG = "dedloc.daemon.config"
 COMPOSITION_ROOT = {"dedloc.daemon", "dedloc.daemon.__main__", CONFIG, "dedloc.daemon.node",
                     "dedloc.daemon.network", "dedloc.daemon.main", "dedloc.daemon.reference"}
 # What daemon/config.py may pull in of the collaboration and averaging packages: their settings
-# types and what checking those settings needs (a run token's format, the training hours' syntax).
+# types and what checking those settings needs (a run token's format and the run key it carries,
+# the training hours' syntax).
 CONFIG_MAY_REACH = {"dedloc.daemon.averaging", "dedloc.daemon.averaging.settings",
                     "dedloc.daemon.collab", "dedloc.daemon.collab.settings",
                     "dedloc.daemon.collab.availability", "dedloc.daemon.collab.membership",
-                    "dedloc.daemon.collab.errors"}
+                    "dedloc.daemon.collab.secrecy", "dedloc.daemon.collab.errors"}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from dedloc.cli import service_steps
 from dedloc.cli.main import build_parser, main
 from dedloc.daemon.collab.autojoin import read_manifest_file
 from dedloc.daemon.collab.membership import MembershipToken
+from dedloc.daemon.collab.secrecy import RunSecret
 from dedloc.daemon.config import load_config
 from dedloc.daemon.identity import Identity
 
@@ -38,7 +39,7 @@ PEER = "/ip4/203.0.113.5/tcp/4100/p2p/12D3KooWExamplePeer"
 def _token(tmp_path: Path, run: str, role: str = "trainer") -> str:
     owner = Identity.load_or_create(tmp_path / "owner")
     member = Identity.load_or_create(tmp_path / "member")
-    return MembershipToken.issue(owner, run, member.peer_id, role, 3600.0).encode()
+    return MembershipToken.issue(owner, run, member.peer_id, role, 3600.0, RunSecret.generate()).encode()
 
 
 @pytest.fixture

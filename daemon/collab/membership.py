@@ -3,18 +3,23 @@
 A **closed** run has an owner: the daemon that created it, whose peer id (an Ed25519 public key)
 is in the run's manifest. Only peers holding a token the owner signed may take part:
 
-    MembershipToken(owner, run, peer, role, issued, expires, serial) + the owner's signature
+    MembershipToken(owner, run, peer, role, issued, expires, serial, key) + the owner's signature
 
 A token names the one peer id it is for, so it is useless to anyone else (every peer-to-peer call
 is made over a link authenticated by the caller's peer id), and it travels openly: with every DHT
-request and record under the run's keys, with matchmaking messages and state requests.
+request and record under the run's keys, with matchmaking messages and state requests. Its `key`
+is the run's secret (secrecy.py) sealed to that peer id (sealing.py): only that peer opens it,
+when it takes the token (`MembershipRegistry.hold`), and from then on encrypts what it stores
+under the run's keys and decrypts what it reads there (`conceal`, `reveal`), so that the DHT nodes
+that store the run's records, members or not, hold only ciphertext.
 
 The run's DHT keys live under `closed/<owner>/<run>/`, so that any DHT node, member or not, knows
 from a key alone whose tokens it needs and checks them: a read needs the reader's token; a write
 needs its signer's token, which travels with the record (replicas pass it on). The owner's
 revocation list is the one record under a closed run's keys that anyone may read and only the
 owner may write (`closed/<owner>/<run>/revoked`); members fetch it every `REVOCATIONS_REFRESH`
-seconds, and a newer list (by `version`) replaces an older one, never the reverse.
+seconds, and a newer list (by `version`) replaces an older one, never the reverse. It is the one
+record of the run stored in clear.
 
 Open runs keep their keys under `collab/<run>/` and check nothing.
 """
@@ -24,6 +29,8 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import dataclasses
+import heapq
 import math
 import os
 from collections.abc import Callable
@@ -36,12 +43,16 @@ import structlog
 from .. import timebase
 from ..dht import AccessDenied, Entry
 from ..identity import Identity, verify
+from ..sealing import SealError, open_sealed, seal
 from .errors import CollaborationError
+from .secrecy import RecordUnreadable, RunSecret
 
 log = structlog.get_logger(__name__)
 
-TOKEN_PREFIX = "dlt1"
-_TOKEN_DOMAIN = b"dedloc-run-token-v1\0"
+TOKEN_PREFIX = "dlt2"
+OLD_TOKEN_PREFIXES = ("dlt1",)  # tokens without the run's key (before records were encrypted)
+_TOKEN_DOMAIN = b"dedloc-run-token-v2\0"
+_RUN_KEY_DOMAIN = b"dedloc-run-key-v1\0"
 _REVOCATIONS_DOMAIN = b"dedloc-run-revocations-v1\0"
 MAX_TOKEN_CHARS = 2048
 ROLES = ("trainer", "aux")
@@ -94,9 +105,14 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def _run_key_context(owner: str, run: str) -> bytes:
+    return _RUN_KEY_DOMAIN + owner.encode() + b"\0" + run.encode()
+
+
 @dataclass(frozen=True)
 class MembershipToken:
-    """An owner's permission for one peer to take part in one run, until `expires`."""
+    """An owner's permission for one peer to take part in one run, until `expires`; `key` is the
+    run's secret sealed to that peer (`run_secret` opens it)."""
 
     owner: str
     run: str
@@ -105,25 +121,42 @@ class MembershipToken:
     issued: float
     expires: float
     serial: str
+    key: bytes = field(default=b"", repr=False)
     signature: bytes = field(default=b"", repr=False)
 
     def _claims(self) -> dict[str, Any]:
         claims = asdict(self)
         del claims["signature"]
+        claims["key"] = _b64(self.key)
         return claims
 
     def signing_bytes(self) -> bytes:
         return _TOKEN_DOMAIN + orjson.dumps(self._claims(), option=orjson.OPT_SORT_KEYS)
 
     @classmethod
-    def issue(cls, owner: Identity, run: str, peer: str, role: str, seconds: float) -> MembershipToken:
+    def issue(cls, owner: Identity, run: str, peer: str, role: str, seconds: float,
+              secret: RunSecret) -> MembershipToken:
         if role not in ROLES:
             raise MembershipError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         if not (math.isfinite(seconds) and seconds > 0):
             raise MembershipError(f"a token must be valid for a positive time, not {seconds!r} s")
+        try:
+            sealed = seal(peer, secret.secret, _run_key_context(owner.peer_id, run))
+        except SealError as exc:
+            raise MembershipError(f"cannot issue a token to {peer[:60]!r}: {exc}") from None
         now = timebase.now()
-        unsigned = cls(owner.peer_id, run, peer, role, now, now + seconds, os.urandom(8).hex())
-        return cls(**{**unsigned._claims(), "signature": owner.sign(unsigned.signing_bytes())})
+        unsigned = cls(owner.peer_id, run, peer, role, now, now + seconds, os.urandom(8).hex(),
+                       sealed)
+        return dataclasses.replace(unsigned, signature=owner.sign(unsigned.signing_bytes()))
+
+    def run_secret(self, identity: Identity) -> RunSecret:
+        """Open the run's secret (only the token's peer can); MembershipError if it does not open."""
+        try:
+            return RunSecret(open_sealed(identity, self.key, _run_key_context(self.owner, self.run)))
+        except (SealError, ValueError):
+            raise MembershipError(f"the run key in the token (serial {self.serial}) of run "
+                                  f"{self.run!r} does not open with this node's identity; ask the "
+                                  "run's owner for a new token") from None
 
     def encode(self) -> str:
         return ".".join((TOKEN_PREFIX, _b64(orjson.dumps(self._claims())), _b64(self.signature)))
@@ -134,20 +167,27 @@ class MembershipToken:
         if not isinstance(text, str) or len(text) > MAX_TOKEN_CHARS:
             raise MembershipError("a token is a string of at most 2048 characters")
         parts = text.strip().split(".")
+        if parts[0] in OLD_TOKEN_PREFIXES:
+            raise MembershipError(
+                f"this token ({parts[0]}.) was issued by an older dedloc, before closed runs "
+                "encrypted their records: it carries no run key. Ask the run's owner to upgrade "
+                "and issue you a new one (dedloc token issue)")
         if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
             raise MembershipError(f"not a dedloc run token (it starts with {TOKEN_PREFIX}.)")
         try:
             claims = orjson.loads(_unb64(parts[1]))
             signature = _unb64(parts[2])
+            key = _unb64(claims["key"]) if isinstance(claims, dict) and isinstance(
+                claims.get("key"), str) else None
         except (orjson.JSONDecodeError, binascii.Error, ValueError) as exc:
             raise MembershipError(f"the token is garbled ({exc})") from None
         expected = {"owner": str, "run": str, "peer": str, "role": str, "issued": (int, float),
-                    "expires": (int, float), "serial": str}
-        if not isinstance(claims, dict) or set(claims) != set(expected) or any(
+                    "expires": (int, float), "serial": str, "key": str}
+        if key is None or not isinstance(claims, dict) or set(claims) != set(expected) or any(
                 not isinstance(claims[k], kind) or isinstance(claims[k], bool)
                 for k, kind in expected.items()):
             raise MembershipError("the token's fields are wrong (was it made by another version?)")
-        token = cls(**claims, signature=signature)
+        token = cls(**{**claims, "key": key}, signature=signature)
         if token.role not in ROLES:
             raise MembershipError(f"the token's role {token.role!r} is unknown")
         if not verify(token.owner, signature, token.signing_bytes()):
@@ -195,6 +235,9 @@ class MembershipRegistry:
         self.identity = identity
         self._clock = clock
         self._held: dict[tuple[str, str], MembershipToken] = {}
+        # the secrets of the closed runs this peer takes part in: opened from held tokens, or
+        # its own runs' (ownership.py hands them over)
+        self._secrets: dict[tuple[str, str], RunSecret] = {}
         self._revocations: dict[tuple[str, str], Revocations] = {}
         self._decoded: collections.OrderedDict[str, MembershipToken | MembershipError] = (
             collections.OrderedDict())
@@ -234,10 +277,16 @@ class MembershipRegistry:
             raise MembershipError(f"this token is for peer {token.peer}, not for this node "
                                   f"({self.identity.peer_id}); ask the run's owner for one")
         self._check_fresh(token)
+        secret = token.run_secret(self.identity)
         self._held[(token.owner, token.run)] = token
+        self._secrets[(token.owner, token.run)] = secret
 
     def held(self, owner: str, run: str) -> MembershipToken | None:
         return self._held.get((owner, run))
+
+    def keep_secret(self, run: str, secret: RunSecret) -> None:
+        """The secret of a closed run this node owns (its ledger keeps it)."""
+        self._secrets[(self.identity.peer_id, run)] = secret
 
     def credential(self, key: str) -> str | None:
         """The token to present with a request about `key` (None: open run, or we own it)."""
@@ -372,9 +421,50 @@ class MembershipRegistry:
         except MembershipError as exc:
             log.info("revocations_malformed", run=closed[1], error=str(exc))
 
+    # --- the records' secrecy -------------------------------------------------------------------
+
+    def _secret_of(self, key: str) -> tuple[tuple[str, str], RunSecret | None] | None:
+        """(run, its secret if this node holds it) for a key whose values are encrypted, else
+        None (an open run's key, or a closed run's revocation list)."""
+        closed = closed_run_of(key)
+        if closed is None or key == revocations_key(*closed):
+            return None
+        return closed, self._secrets.get(closed)
+
+    def conceal(self, key: str, sub_key: str | None, value: bytes) -> bytes:
+        """The value to store under `key`: encrypted with the run's secret under a closed run's
+        keys (NotAMember if this node holds none: nothing goes out in clear), else as it is."""
+        found = self._secret_of(key)
+        if found is None:
+            return value
+        (owner, run), secret = found
+        if secret is None:
+            raise NotAMember(f"this node holds no key of closed run {run!r} (owner "
+                             f"{owner[:16]}), so it cannot write its records; join the run "
+                             "with a token from its owner first")
+        return secret.encrypt(self.identity.peer_id, key, sub_key, value)
+
+    def reveal(self, entry: Entry) -> bytes | None:
+        """The plain value of `entry` read from the DHT; None when it does not decrypt (counted
+        against its writer, a member: only members' records are stored) or this node holds no
+        key of its run."""
+        found = self._secret_of(entry.key)
+        if found is None:
+            return entry.value
+        (_, run), secret = found
+        if secret is None:
+            return None
+        try:
+            return secret.decrypt(entry.signer, entry.key, entry.sub_key, entry.value)
+        except RecordUnreadable as exc:
+            self._refuse(entry.signer, "unreadable_record", run=run, key=entry.key[:120],
+                         reason=str(exc))
+            return None
+
     def stats(self) -> dict[str, Any]:
         return {"held": [{"owner": o, "run": r, "serial": t.serial, "role": t.role,
                           "expires": t.expires} for (o, r), t in self._held.items()],
                 "refusals": sum(self.refusals.values()),
-                "refusals_by_peer": dict(self.refusals.most_common(20)),
+                "refusals_by_peer": dict(heapq.nlargest(20, self.refusals.items(),
+                                                        key=lambda item: item[1])),
                 "refusals_by_reason": dict(self.refusals_by_reason)}

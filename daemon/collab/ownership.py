@@ -6,11 +6,19 @@ expiry) and what was revoked, so that `dedloc token list` can show them and `ded
 survives restarts. The revocation list is published in the DHT under the run's `revoked` key (the
 owner's peer id as sub-key: nobody else may write it) whenever it changes, when the daemon starts
 and then every `REPUBLISH_EVERY` seconds, with a long expiry so that it outlives short absences.
+
+The ledger also keeps the run's secret (secrecy.py), drawn when the ledger is made (the run's
+creation, or the first token issued) and never changed: every token carries it sealed to its
+peer, and the owner's daemon encrypts its own records with it after a restart as before. The
+file is written with mode 0600 in a 0700 directory.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +30,7 @@ from .. import timebase
 from ..identity import Identity
 from ..net import TransportError
 from .membership import MembershipError, MembershipToken, Revocations, revocations_key
+from .secrecy import RUN_SECRET_BYTES, RunSecret
 
 if TYPE_CHECKING:
     from ..dht import DHTNode
@@ -39,6 +48,7 @@ class RunLedger:
 
     run: str
     owner: str
+    secret: RunSecret = field(default_factory=RunSecret.generate, repr=False)
     issued: list[dict[str, Any]] = field(default_factory=list)
     revoked_serials: set[str] = field(default_factory=set)
     revoked_peers: set[str] = field(default_factory=set)
@@ -49,25 +59,44 @@ class RunLedger:
                            frozenset(self.revoked_peers))
 
     def to_json(self) -> dict[str, Any]:
-        return {"run": self.run, "owner": self.owner, "issued": self.issued,
+        return {"run": self.run, "owner": self.owner,
+                "secret": base64.b64encode(self.secret.secret).decode(), "issued": self.issued,
                 "revoked_serials": sorted(self.revoked_serials),
                 "revoked_peers": sorted(self.revoked_peers), "version": self.version}
 
     @classmethod
-    def from_json(cls, data: Any) -> RunLedger:
-        return cls(str(data["run"]), str(data["owner"]), list(data.get("issued", [])),
-                   set(data.get("revoked_serials", [])), set(data.get("revoked_peers", [])),
-                   float(data.get("version", 0.0)))
+    def from_json(cls, data: Any) -> tuple[RunLedger, bool]:
+        """The ledger, and whether its secret is new (a ledger written before runs had one)."""
+        text = data.get("secret")
+        if text is None:
+            secret, fresh = RunSecret.generate(), True
+        else:
+            raw = base64.b64decode(str(text), validate=True)
+            if len(raw) != RUN_SECRET_BYTES:
+                raise ValueError(f"the run's secret is {len(raw)} bytes, not {RUN_SECRET_BYTES}")
+            secret, fresh = RunSecret(raw), False
+        ledger = cls(str(data["run"]), str(data["owner"]), secret, list(data.get("issued", [])),
+                     set(data.get("revoked_serials", [])), set(data.get("revoked_peers", [])),
+                     float(data.get("version", 0.0)))
+        return ledger, fresh
 
 
 class OwnedRuns:
     """The ledgers of the closed runs this daemon owns."""
 
-    def __init__(self, identity: Identity, directory: Path) -> None:
+    def __init__(self, identity: Identity, directory: Path,
+                 on_secret: Callable[[str, RunSecret], None] | None = None) -> None:
+        """`on_secret(run, secret)` is told each owned run's secret (loaded or new)."""
         self.identity = identity
         self.directory = directory
+        self._on_secret = on_secret
         self._ledgers: dict[str, RunLedger] = {}
         self._load()
+
+    def _keep(self, ledger: RunLedger) -> None:
+        self._ledgers[ledger.run] = ledger
+        if self._on_secret is not None:
+            self._on_secret(ledger.run, ledger.secret)
 
     def _path(self, run: str) -> Path:
         return self.directory / f"{run}.json"
@@ -77,27 +106,39 @@ class OwnedRuns:
             return
         for path in sorted(self.directory.glob("*.json")):
             try:
-                ledger = RunLedger.from_json(orjson.loads(path.read_bytes()))
-            except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                ledger, fresh = RunLedger.from_json(orjson.loads(path.read_bytes()))
+            except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError,
+                    binascii.Error) as exc:
                 log.error("owned_run_ledger_unreadable", path=str(path), error=str(exc))
                 continue
-            if ledger.owner == self.identity.peer_id:
-                self._ledgers[ledger.run] = ledger
+            if ledger.owner != self.identity.peer_id:
+                continue
+            if fresh:  # (its tokens, of the older format, are refused anyway: issue new ones)
+                self._save(ledger)
+                log.warning("owned_run_secret_created", run=ledger.run,
+                            hint="tokens issued before this version are refused; issue new ones "
+                                 "(dedloc token issue)")
+            self._keep(ledger)
 
     def _save(self, ledger: RunLedger) -> None:
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = self._path(ledger.run)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as handle:
+        tmp.unlink(missing_ok=True)  # (a leftover would keep its mode)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # (it holds the secret)
+        with os.fdopen(fd, "wb") as handle:
             handle.write(orjson.dumps(ledger.to_json(), option=orjson.OPT_INDENT_2))
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
 
     def ledger(self, run: str) -> RunLedger:
+        """Run's ledger; a new one (with a new secret, saved at once) if it had none."""
         ledger = self._ledgers.get(run)
         if ledger is None:
-            ledger = self._ledgers[run] = RunLedger(run, self.identity.peer_id)
+            ledger = RunLedger(run, self.identity.peer_id)
+            self._save(ledger)  # (the secret must outlive a restart: members hold it)
+            self._keep(ledger)
         return ledger
 
     def names(self) -> list[str]:
@@ -106,8 +147,8 @@ class OwnedRuns:
     def issue(self, run: str, peer: str, role: str, days: float) -> MembershipToken:
         if not 0 < days <= MAX_TOKEN_DAYS:
             raise MembershipError(f"days must be in (0, {MAX_TOKEN_DAYS:.0f}], not {days}")
-        token = MembershipToken.issue(self.identity, run, peer, role, days * 86400.0)
         ledger = self.ledger(run)
+        token = MembershipToken.issue(self.identity, run, peer, role, days * 86400.0, ledger.secret)
         ledger.issued.append({"serial": token.serial, "peer": peer, "role": role,
                               "issued": token.issued, "expires": token.expires})
         self._save(ledger)

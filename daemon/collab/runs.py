@@ -51,7 +51,8 @@ class RunRegistry:
         self._lock = asyncio.Lock()
         self._closing = False
         self.owned = (None if network is None
-                      else OwnedRuns(network.identity, state_dir / "owned"))
+                      else OwnedRuns(network.identity, state_dir / "owned",
+                                     on_secret=network.membership.keep_secret))
         idle = (IdleMonitor(own_process_tree, limits.idle_cpu_share, limits.idle_seconds)
                 if limits.idle_only else None)
         self.availability = Availability(TrainingHours.parse(limits.hours), idle)
@@ -119,6 +120,8 @@ class RunRegistry:
                     return run.status()
                 manifest, owner_signature = published.manifest, published.owner_signature
             else:
+                if closed:  # its ledger holds the secret its records are encrypted with
+                    self._owned().ledger(name)
                 manifest = RunManifest(workload, config, target_batch_size, epochs, min_peers,
                                        average_state_every, compression,
                                        owner=self.peer_id if closed else None, closed=closed,

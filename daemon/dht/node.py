@@ -85,6 +85,14 @@ class KeyAccess(Protocol):
     def stored(self, entry: Entry) -> None:
         """`entry` was stored here (a revocation list, say, is worth learning from)."""
 
+    def conceal(self, key: str, sub_key: str | None, value: bytes) -> bytes:
+        """The bytes to sign and store for `value` (a closed run's are encrypted for its members;
+        raise AccessDenied when this node may not write them)."""
+
+    def reveal(self, entry: Entry) -> bytes | None:
+        """The value of `entry` as its writer gave it to `conceal`; None if this node cannot read
+        it (the entry is then dropped from what `get` returns)."""
+
 
 # Set while this node's RPC is under way in the current task. A lookup started inside one (the
 # transport resolving the address of the peer being called, through this DHT) would call peers,
@@ -215,8 +223,13 @@ class DHTNode:
                     timeout: float | None = None) -> int:
         """Sign and store `value` under `key` (or `key`/`sub_key`) at the k nodes closest to the
         key, this one included when it is among them. Returns how many nodes accepted it (0: none).
-        Raises an InvalidRecord subclass (e.g. ForbiddenWrite) if no honest node would take it."""
-        entry = Entry.create(self.identity, key, bytes(value), expiration, sub_key)
+        Raises an InvalidRecord subclass (e.g. ForbiddenWrite) if no honest node would take it,
+        AccessDenied if `access` refuses to conceal it (a closed run's key, no run key held).
+        The nodes hold what `access.conceal` made of `value` (for a closed run, ciphertext)."""
+        value = bytes(value)
+        if self.access is not None:
+            value = self.access.conceal(key, sub_key, value)
+        entry = Entry.create(self.identity, key, value, expiration, sub_key)
         if self.access is not None and (proof := self.access.credential(key)) is not None:
             entry = dataclasses.replace(entry, proof=proof)
         validate(entry, self._clock(), self.config.limits)
@@ -233,13 +246,15 @@ class DHTNode:
         read, for a key that many peers update). `start`: once the key's nodes are known, ask
         `replicas` of them beginning with the start-th closest (counting round all that hold it),
         so that the readers of a key that hundreds of peers read spread over all its nodes
-        instead of all asking the closest. None when no node has it."""
+        instead of all asking the closest. None when no node has it. The entries' values are
+        what their writers stored before `access.conceal` (a closed run's, decrypted); those
+        `access.reveal` cannot read are left out (`unreadable_records`)."""
         now = self._clock()
         local = [] if self.config.client_mode else self.storage.get(key, now)
         if min_expiration is not None:
             local = [entry for entry in local if entry.expiration >= min_expiration]
-        if local and not latest:
-            return Record(key, tuple(local))
+        if local and not latest and (readable := self._readable(local)):
+            return Record(key, tuple(readable))
         key_id = key_id_of(key)
         count = self.config.replicas if replicas is None else max(1, min(replicas, self.config.replicas))
         deadline = self._deadline(timeout)
@@ -265,8 +280,24 @@ class DHTNode:
             found = [e for entries in result.entries.values() for e in entries]
             complete = result.finished  # (nodes that failed in it are taken for gone)
         gathered = [*local, *found]
-        merged = merge_entries(gathered, self._clock())
+        merged = self._readable(merge_entries(gathered, self._clock()))
         return Record(key, tuple(merged), complete) if merged else None
+
+    def _readable(self, entries: list[Entry]) -> list[Entry]:
+        """`entries` with the values their writers gave (see `get`); unreadable ones left out.
+        (Their signatures are over the stored bytes: such entries are for reading, not storing.)"""
+        if self.access is None:
+            return entries
+        readable = []
+        for entry in entries:
+            value = self.access.reveal(entry)
+            if value is None:
+                self.stats["unreadable_records"] += 1
+            elif value is entry.value:
+                readable.append(entry)
+            else:
+                readable.append(dataclasses.replace(entry, value=value))
+        return readable
 
     async def _ask_route(self, route: list[Contact], key: str, deadline: float,
                          min_expiration: float | None) -> list[Entry] | None:

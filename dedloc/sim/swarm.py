@@ -3,6 +3,9 @@ peer, composed as the node composes them, on a `SimNetwork`, with a `VectorTrain
 
 `Swarm` starts, stops and crashes `SimPeer`s; each peer's tasks run in a context of its own (its
 clock, with its own skew). Liars (`Lie`) publish false progress reports and are otherwise honest.
+A closed run (`RunSpec.closed`) has an owner outside the swarm that issued every peer a token;
+a peer of role "dht" runs only a DHT node, which takes no part in the run (in a closed run: a
+non-member that stores the run's records, as any node close to their keys does).
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from dedloc.daemon.collab.board import DhtProgressBoard
 from dedloc.daemon.collab.donors import DonorChoice
 from dedloc.daemon.collab.engine import RunEngine, RunProgress
 from dedloc.daemon.collab.lineage import initial_lineage
-from dedloc.daemon.collab.manifest import RunManifest
-from dedloc.daemon.collab.membership import MembershipRegistry
+from dedloc.daemon.collab.manifest import RunManifest, owner_signing_bytes
+from dedloc.daemon.collab.membership import MembershipRegistry, MembershipToken
 from dedloc.daemon.collab.policy import Schedule, Timing
 from dedloc.daemon.collab.progress import PeerProgress
 from dedloc.daemon.collab.rounds import NetworkRounds
+from dedloc.daemon.collab.secrecy import RunSecret
 from dedloc.daemon.collab.state_sync import NetworkStates, StateSharing
 from dedloc.daemon.dht import DHTConfig, DHTNode
 from dedloc.daemon.identity import Identity
@@ -62,11 +66,13 @@ class RunSpec:
     window: float = 5.0
     lr: float = 0.1
     aggregation: str = DEFAULT_RUN_AGGREGATION  # the reducers' rule (averaging/aggregation.py)
+    closed: bool = False  # owned by `Swarm.owner`, which gives every peer a token
 
-    def manifest(self) -> RunManifest:
+    def manifest(self, owner: str | None = None) -> RunManifest:
         return RunManifest("vector", {"size": self.size, "lr": self.lr}, self.target_batch_size,
                            self.epochs, self.min_peers, self.average_state_every,
-                           aggregation=self.aggregation)
+                           aggregation=self.aggregation, owner=owner if self.closed else None,
+                           closed=self.closed)
 
     def schedule(self) -> Schedule:
         return Schedule(self.target_batch_size, self.min_peers, self.epochs,
@@ -75,7 +81,7 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class PeerSpec:
-    role: Literal["trainer", "aux"] = "trainer"
+    role: Literal["trainer", "aux", "dht"] = "trainer"  # "dht": a DHT node only (module docstring)
     samples_per_second: float = 100.0
     link: LinkProfile = field(default_factory=LinkProfile)
     skew: float = 0.0  # seconds this peer's clock is off
@@ -139,6 +145,7 @@ class SimPeer:
         self.trainer: VectorTrainer | None = None
         self.engine: RunEngine | None = None
         self.sharing: StateSharing | None = None
+        self.dht_serving = False  # a "dht" peer, once its node has started
         self._task: asyncio.Task[str] | None = None
 
     @property
@@ -158,27 +165,39 @@ class SimPeer:
         self.membership = MembershipRegistry(self.identity)
         self.dht = DHTNode(self.transport, self.identity, SIM_DHT, access=self.membership,
                            rng=random.Random(self.rng.random()))
+        role = self.spec.role
+        if role == "dht":
+            await self.dht.start(bootstrap, wait=True)
+            self.dht_serving = True
+            return
+        owner_signature = None
+        if run.closed:
+            owner = swarm.owner
+            self.membership.hold(MembershipToken.issue(owner, "sim", self.peer_id, role,
+                                                       30 * 86400.0, swarm.secret))
+            owner_signature = owner.sign(owner_signing_bytes(
+                "sim", run.manifest(owner.peer_id).fingerprint())).hex()
         averaging = AveragingSettings(window=run.window, max_group_size=run.max_group_size,
                                       upload_mbps=self.spec.link.upload * 8 / 1e6,
                                       download_mbps=self.spec.link.download * 8 / 1e6)
         self.transport.set_address_resolver(lambda peer: self.dht.addresses_of(peer, timeout=5))
         self.averager = Averager(self.transport, self.dht, averaging, nonce=self.rng.randbytes)
-        manifest = run.manifest()
+        manifest = run.manifest(swarm.owner.peer_id)
         board = DhtProgressBoard(self.dht, self.identity, self.membership, "sim", manifest,
-                                 self.spec.role, run.size)
+                                 role, run.size, owner_signature=owner_signature)
         published = board if self.spec.lie in (None, "weight") \
             else _LyingBoard(board, self.spec.lie, run.target_batch_size)
         if self.spec.lie == "weight":  # it claims samples it never computed in every round
             self.averager._claimed_weight = float(WEIGHT_LIE_TARGETS * run.target_batch_size)
         self.sharing = StateSharing(self.transport, self._find_engine, self.membership)
         await self.dht.start(bootstrap, wait=True)
-        if self.spec.role == "trainer":
+        if role == "trainer":
             self.trainer = VectorTrainer(run.size, samples_per_second=self.spec.samples_per_second,
                                          run_seed=swarm.seed, data_seed=self.rng.randrange(2**31),
                                          lr=run.lr)
         progress = RunProgress(lineage=initial_lineage(manifest.fingerprint()))
         self.engine = RunEngine(
-            peer_id=self.peer_id, role=self.spec.role, schedule=run.schedule(), board=published,
+            peer_id=self.peer_id, role=role, schedule=run.schedule(), board=published,
             averaging=NetworkRounds(self.averager, board.key, self.dht),
             states=NetworkStates(self.transport, self.membership, board.key, allocate=ArrayBuffer,
                                 parameters=run.size),
@@ -229,6 +248,11 @@ class Swarm:
         self.timing = timing or Timing()
         self.peers: list[SimPeer] = []
         self.running = False  # set once the first peers have started: later ones are newcomers
+        # a closed run's owner (outside the swarm) and the secret its tokens carry (drawn apart
+        # from `rng`: an open run's swarm is the same with or without them)
+        owner_rng = random.Random(f"owner-{seed}")
+        self.owner = Identity.from_seed(owner_rng.randbytes(32))
+        self.secret = RunSecret(owner_rng.randbytes(32))
 
     @property
     def live(self) -> list[SimPeer]:
@@ -242,7 +266,8 @@ class Swarm:
             gp = max((p.engine.global_progress for p in live if p.engine is not None
                       and p.engine.global_progress is not None), key=lambda g: g.epoch, default=None)
             peer.run_epoch_at_join = None if gp is None else gp.epoch
-        known = [p for p in live if p.alive]
+        known = [p for p in self.live if p is not peer and (
+            p.engine is not None or p.dht_serving)]
         bootstrap = [str(p.transport.listen_addresses()[0])
                      for p in self.rng.sample(known, min(3, len(known)))]
         await peer.start(bootstrap)

@@ -16,6 +16,7 @@ from support import DaemonProcess, dedloc_cli, p2p_address, wait_until
 from dedloc.cli.main import main as dedloc_main
 from dedloc.daemon.collab.autojoin import BASE_DELAY, backoff_delay
 from dedloc.daemon.collab.membership import MembershipToken
+from dedloc.daemon.collab.secrecy import RunSecret
 from dedloc.daemon.config import ConfigError, build_config
 from dedloc.daemon.identity import Identity
 from dedloc.rpc import RpcCallError
@@ -114,7 +115,8 @@ async def test_it_joins_once_the_run_appears_and_a_stop_by_the_volunteer_sticks(
 
 def test_the_run_section_refuses_what_can_never_work(tmp_path: Path) -> None:
     owner = Identity.load_or_create(tmp_path / "owner")
-    token = MembershipToken.issue(owner, "club", owner.peer_id, "trainer", 3600.0).encode()
+    token = MembershipToken.issue(owner, "club", owner.peer_id, "trainer", 3600.0,
+                                  RunSecret.generate()).encode()
     assert build_config({"run": {"token": token, "join": "club"}}).run.join == "club"
     for run, key in (({"join": "no spaces"}, "run.join"), ({"token": "garbage"}, "run.token"),
                      ({"token": token, "join": "other"}, "run.token"),

@@ -18,6 +18,7 @@ from support import p2p_address, wait_until
 
 from dedloc.daemon.collab.errors import StateSyncError
 from dedloc.daemon.collab.membership import MembershipToken, Revocations
+from dedloc.daemon.collab.secrecy import MAGIC, RunSecret
 from dedloc.daemon.collab.state_sync import download_state
 from dedloc.daemon.dht import protocol as dht_protocol
 from dedloc.daemon.dht.records import Entry
@@ -137,6 +138,16 @@ async def test_only_members_take_part_in_a_closed_run(daemon_factory: Any) -> No
         good = await owner.call("token.issue", {"name": "club", "peer": intruder_identity.peer_id})
         reply = await intruder.read(f"{prefix}/manifests", good["token"])
         assert reply.header["entries"], reply.header
+        # What a DHT node holds of the run is ciphertext (any node close to the key holds it,
+        # member or not); the run key sealed in the token, from the owner's ledger, opens it.
+        entries, _ = dht_protocol.decode_values(f"{prefix}/manifests", reply)
+        secret = MembershipToken.decode(good["token"]).run_secret(intruder_identity)
+        for entry in entries:
+            assert entry.value.startswith(MAGIC) and b"tiny" not in entry.value, entry
+            document = orjson.loads(secret.decrypt(entry.signer, entry.key, entry.sub_key,
+                                                   entry.value))
+            assert document["manifest"]["workload"] == "tiny"
+        assert {entry.signer for entry in entries} == {owner_id, member_id}
         # ...until the owner revokes it.
         revoked = await owner.call("token.revoke", {"name": "club", "serial": good["serial"]})
         assert revoked["revoked_serials"] == [good["serial"]] and revoked["published"]
@@ -177,15 +188,18 @@ async def test_only_members_take_part_in_a_closed_run(daemon_factory: Any) -> No
 async def test_token_errors_are_clear(daemon_factory: Any) -> None:
     daemon = await daemon_factory()
     peer_id = (await daemon.call("node.info"))["peer_id"]
-    for params, text in (({"token": "dlt1.gar!bage.x"}, "garbled"),
-                         ({"token": "hello"}, "not a dedloc run token")):
+    for params, text in (({"token": "dlt2.gar!bage.x"}, "garbled"),
+                         ({"token": "hello"}, "not a dedloc run token"),
+                         ({"token": "dlt1.e30.AAAA"}, "older dedloc")):
         with pytest.raises(RpcCallError) as caught:
             await daemon.call("run.start", params)
         assert caught.value.code == ErrorCode.MEMBERSHIP_ERROR and text in caught.value.message
-    other = MembershipToken.issue(Identity.generate(), "club", Identity.generate().peer_id, "trainer", 60)
+    other = MembershipToken.issue(Identity.generate(), "club", Identity.generate().peer_id, "trainer",
+                                  60, RunSecret.generate())
     with pytest.raises(RpcCallError, match="not for this node"):
         await daemon.call("run.start", {"token": other.encode()})
-    aux_only = MembershipToken.issue(Identity.generate(), "club", peer_id, "aux", 60)
+    aux_only = MembershipToken.issue(Identity.generate(), "club", peer_id, "aux", 60,
+                                     RunSecret.generate())
     with pytest.raises(RpcCallError, match="aux peer only"):
         await daemon.call("run.start", {"token": aux_only.encode()})
     with pytest.raises(RpcCallError) as caught:

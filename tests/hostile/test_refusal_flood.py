@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import structlog
 
-from dedloc.daemon.collab.membership import MAX_REFUSING, MembershipRegistry, NotAMember, namespace
+from dedloc.daemon.collab.membership import (
+    MAX_REFUSING,
+    MembershipRegistry,
+    MembershipToken,
+    NotAMember,
+    namespace,
+)
+from dedloc.daemon.collab.secrecy import RunSecret
 from dedloc.daemon.identity import Identity
 
 
@@ -83,7 +90,14 @@ async def test_a_closed_runs_records_without_a_membership_proof_are_not_read() -
         owner_node, reader, _, attacker = swarm.nodes
         key = f"{namespace('secret', owner_node.identity.peer_id)}/progress"
         expiration = timebase.now() + 60
-        reader.access = MembershipRegistry(reader.identity)  # (it refuses to store the forgery)
+        # The owner encrypts the run's records with the run's key; the reader is a member (it
+        # refuses to store the forgery, and holds the key).
+        secret = RunSecret.generate()
+        owner_node.access = owner_access = MembershipRegistry(owner_node.identity)
+        owner_access.keep_secret("secret", secret)
+        reader.access = reader_access = MembershipRegistry(reader.identity)
+        reader_access.hold(MembershipToken.issue(owner_node.identity, "secret",
+                                                 reader.identity.peer_id, "trainer", 600, secret))
         assert await attacker.store(key, b"forged report", expiration,
                                     sub_key=attacker.identity.peer_id)
         assert await owner_node.store(key, b"owner's report", expiration,
@@ -91,6 +105,7 @@ async def test_a_closed_runs_records_without_a_membership_proof_are_not_read() -
         record = await reader.get(key, timeout=5)
         assert record is not None
         assert {e.signer for e in record.entries} == {owner_node.identity.peer_id}
+        assert [e.value for e in record.entries] == [b"owner's report"]
         assert reader.stats["unproven_records"] >= 1
     finally:
         await swarm.close()

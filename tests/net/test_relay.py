@@ -245,6 +245,7 @@ async def test_a_members_only_relay_serves_its_closed_runs_members(make_transpor
     """relay.members_only: reservations and circuits need a valid token of a closed run the relay
     takes part in (here: one it owns); others are refused and counted."""
     from dedloc.daemon.collab.membership import MembershipRegistry, MembershipToken
+    from dedloc.daemon.collab.secrecy import RunSecret
 
     relay_identity = Identity.generate()
     registry = MembershipRegistry(relay_identity)
@@ -254,10 +255,11 @@ async def test_a_members_only_relay_serves_its_closed_runs_members(make_transpor
     member_id, stranger_id = Identity.generate(), Identity.generate()
     member, stranger = await hidden(identity=member_id), await hidden(identity=stranger_id)
     member_registry, stranger_registry = MembershipRegistry(member_id), MembershipRegistry(stranger_id)
-    member_registry.hold(MembershipToken.issue(relay_identity, "club", member_id.peer_id, "trainer", 600))
+    member_registry.hold(MembershipToken.issue(relay_identity, "club", member_id.peer_id, "trainer", 600,
+                                                RunSecret.generate()))
     # The stranger holds a token too, but of a run whose owner is someone else.
     stranger_registry.hold(MembershipToken.issue(Identity.generate(), "other", stranger_id.peer_id,
-                                                 "trainer", 600))
+                                                 "trainer", 600, RunSecret.generate()))
     client_m = RelayClient(member, credentials=member_registry.tokens)
     client_s = RelayClient(stranger, credentials=stranger_registry.tokens)
     address = relay.listen_addresses()[0]
