@@ -278,8 +278,16 @@ class GridRounds:
         if len(base) < 2:
             base = seen
         helpers = {*aux, *(me if role == "aux" else set()), *(seen - base)}
-        return grid_layout(key, sorted(base), self.max_group_size, sorted(helpers),
-                           sorted(seen - base))
+        layout = grid_layout(key, sorted(base), self.max_group_size, sorted(helpers),
+                             sorted(seen - base))
+        if layout is None and base != seen:
+            # the leaders are too few to seat the others as helpers (a round that stepped with
+            # 3 of 8 trainers, in groups of 4: no grid of 3 cells has room for 6 helpers, and
+            # a one-group round of 4 never holds the majority a step needs): every trainer
+            # seen gets a cell
+            layout = grid_layout(key, sorted(seen), self.max_group_size,
+                                 sorted({*aux, *(me if role == "aux" else set())}))
+        return layout
 
     async def average(self, layout: GridLayout, vector: np.ndarray, key: str, *, weight: float,
                       role: Role, stage_round: StageRound,

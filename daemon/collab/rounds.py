@@ -86,9 +86,13 @@ class NetworkRounds:
             me = self.averager.peer_id
             mine = {me} if role == "trainer" else set()
             known = set(cells or leaders)
+            if not set(layout.cells) <= known:  # too few to lay the grid out on (grid.py)
+                known = set()
             view = (known & {*trainers, *mine} if known else set(settled)) - set(aux)
             if len(view - {me}) < 2:
                 view = {*trainers, *mine}
+            log.debug("grid_roster_view", key=key, view=len(view), trainers=len(trainers),
+                      settled=len(settled), known=len(known))
             # (meanwhile a slice's peers that begin sooner are told we are on our way: the
             # wait for the roster took up to a window, and they gave up on us as their leader
             # after one, averaging apart from the rest of our slice)

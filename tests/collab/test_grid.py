@@ -74,6 +74,20 @@ def test_the_cells_go_to_the_last_rounds_members_and_newcomers_help() -> None:
     assert partial is not None and partial.cells == views[0].cells
 
 
+def test_last_rounds_members_too_few_to_seat_the_others_give_every_trainer_a_cell() -> None:
+    # 3 of 8 trainers stepped (in groups of 4, with an aux peer): no grid on 3 cells has room
+    # for 5 trainers and the aux peer as helpers, and a one-group round of 4 never holds the
+    # majority of 8 a step needs (a simulated run stalled there with thousands of failed rounds)
+    trainers, aux = _ids(8), ["ff" * 31]
+    stepped = trainers[:3]
+    views = [GridRounds(p, 4).layout("k", [t for t in trainers if t != p], aux, "trainer", stepped)
+             for p in (trainers[0], trainers[5])]
+    views.append(GridRounds(aux[0], 4).layout("k", trainers, (), "aux", stepped))
+    assert all(v is not None for v in views)
+    assert views[0] == views[1] == views[2]
+    assert set(views[0].cells) == set(trainers) and set(views[0].helpers) == set(aux)
+
+
 @dataclass
 class Rendezvous:
     """Averages each stage key's vectors exactly once every expected peer has arrived."""
