@@ -287,6 +287,11 @@ class GridRounds:
             # seen gets a cell
             layout = grid_layout(key, sorted(seen), self.max_group_size,
                                  sorted({*aux, *(me if role == "aux" else set())}))
+        if layout is None and len(seen) + len(aux) + (role == "aux") > self.max_group_size:
+            # nor do the aux peers fit beside the cells (4 trainers and an aux peer in groups
+            # of 2): the trainers average on a grid of their own, the aux peers sit it out (a
+            # one-group round could never hold the majority a step needs)
+            layout = grid_layout(key, sorted(seen), self.max_group_size)
         return layout
 
     async def average(self, layout: GridLayout, vector: np.ndarray, key: str, *, weight: float,

@@ -86,6 +86,14 @@ def test_last_rounds_members_too_few_to_seat_the_others_give_every_trainer_a_cel
     assert all(v is not None for v in views)
     assert views[0] == views[1] == views[2]
     assert set(views[0].cells) == set(trainers) and set(views[0].helpers) == set(aux)
+    # nor may the aux peers fit beside the cells (4 trainers and an aux peer, groups of 2): the
+    # trainers average on a grid of their own and the aux peer sits it out
+    small = [GridRounds(p, 2).layout("k", [t for t in trainers[:4] if t != p], aux, "trainer")
+             for p in trainers[:4]]
+    small.append(GridRounds(aux[0], 2).layout("k", trainers[:4], (), "aux"))
+    assert all(v is not None and v == small[0] for v in small)
+    assert set(small[0].cells) == set(trainers[:4]) and not small[0].helpers
+    assert all(stage is None for stage in small[0].stages(aux[0], "k"))
 
 
 @dataclass
