@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .. import timebase
 from .donors import DonorChoice
-from .errors import DonorBusy, StateSyncError
+from .errors import DonorBusy, LocalStateError, StateSyncError
 from .pace import EpochPace
 from .policy import CatchUp, Wait
 from .ports import DownloadedState, StateSource, Trainer, TrainerRefused
@@ -68,8 +68,16 @@ class CatchingUp:
             self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
             self._schedule_look(0.0)
             return
+        except LocalStateError as exc:  # not the donor's fault: no avoiding it
+            p.failed_state_downloads += 1
+            self.phase.set("waiting")
+            self._log.warning("state_download_impossible", donor=donor[:12], error=str(exc))
+            await self._wait(Wait(timebase.now() + UNANSWERED_RETRY_SECONDS * 30,
+                                  "no_room_for_state"))
+            return
         except StateSyncError as exc:
             p.failed_state_downloads += 1
+            now = timebase.monotonic()  # (when it ended: a stalled attempt counts from there)
             self.donors.failed(donor, now)
             self._log.warning("state_download_failed", donor=donor[:12], error=str(exc),
                               retry_in=round(self.donors.wait(now), 2))
@@ -103,6 +111,7 @@ class CatchingUp:
             await self.trainer.load_state(state)
         except TrainerRefused as exc:
             p.failed_state_downloads += 1
+            now = timebase.monotonic()
             self.donors.failed(donor, now)
             self._log.warning("downloaded_state_refused", donor=donor[:12], error=str(exc))
             return
@@ -110,7 +119,7 @@ class CatchingUp:
             state.close()
             if unanswered:  # (witnesses that moved on meanwhile: at the next head, they answer)
                 await self._wait(Wait(timebase.now() + UNANSWERED_RETRY_SECONDS, "state_unanswered"))
-        self.donors.succeeded()
+        self.donors.succeeded(donor)
         p.epoch, p.lineage, p.accumulated = state.epoch, state.lineage, 0
         self.pace.loaded(state.epoch, timebase.monotonic())
         self._head_group = state.group

@@ -25,8 +25,10 @@ class DonorChoice:
     avoid_seconds: float = 60.0
     backoff: float = 0.5
     max_backoff: float = 30.0
+    max_avoid_seconds: float = 1800.0
     rng: random.Random = field(default_factory=random.Random)
     _failed_at: dict[str, float] = field(default_factory=dict)
+    _failures: dict[str, int] = field(default_factory=dict)  # of each donor, since it last served
     _failures_in_a_row: int = 0
     _not_before: float = 0.0
 
@@ -35,7 +37,7 @@ class DonorChoice:
         """A donor, or None while backing off. `served`: what each donor says it has served."""
         if now < self._not_before or not donors:
             return None
-        fresh = [d for d in donors if now - self._failed_at.get(d, float("-inf")) >= self.avoid_seconds]
+        fresh = [d for d in donors if now - self._failed_at.get(d, float("-inf")) >= self._avoid(d)]
         if not fresh:  # every donor failed lately: the one that failed longest ago
             fresh = [min(donors, key=lambda d: self._failed_at[d])]
         drawn = self.rng.sample(sorted(set(fresh)), min(2, len(set(fresh))))
@@ -43,16 +45,28 @@ class DonorChoice:
             return drawn[0]
         return min(drawn, key=lambda d: served.get(d, 0))  # (a tie: the first drawn)
 
+    def _avoid(self, donor: str) -> float:
+        """How long `donor` is avoided after its last failure: `avoid_seconds`, doubling with
+        each failure since it last served us, at most `max_avoid_seconds` (a donor that fails
+        again each time it is tried is tried less and less often)."""
+        doublings = min(self._failures.get(donor, 1) - 1, 30)
+        return min(self.max_avoid_seconds, self.avoid_seconds * 2.0 ** doublings)
+
     def failed_lately(self, now: float) -> frozenset[str]:
-        """The donors that failed in the last `avoid_seconds` (estimate.py does not believe
-        their heads ahead of ours meanwhile)."""
-        return frozenset(d for d, at in self._failed_at.items() if now - at < self.avoid_seconds)
+        """The donors avoided now (estimate.py does not believe their heads ahead of ours
+        meanwhile)."""
+        return frozenset(d for d, at in self._failed_at.items() if now - at < self._avoid(d))
 
     def failed(self, donor: str, now: float) -> None:
-        if len(self._failed_at) >= MAX_REMEMBERED:  # (identities are free: forget the oldest)
+        """`donor` failed us; `now`: when the attempt ended (one that stalled for a minute is
+        avoided from then on, not from when it began)."""
+        if donor not in self._failed_at and len(self._failed_at) >= MAX_REMEMBERED:
+            # (identities are free: forget the half that failed longest ago)
             for old in sorted(self._failed_at, key=self._failed_at.__getitem__)[:len(self._failed_at) // 2]:
                 del self._failed_at[old]
+                self._failures.pop(old, None)
         self._failed_at[donor] = now
+        self._failures[donor] = self._failures.get(donor, 0) + 1
         self._failures_in_a_row += 1
         self._not_before = now + self.wait(now)
 
@@ -65,6 +79,9 @@ class DonorChoice:
         doublings = min(self._failures_in_a_row - 1, 1000)
         return min(self.max_backoff, self.backoff * 2.0 ** doublings)
 
-    def succeeded(self) -> None:
+    def succeeded(self, donor: str | None = None) -> None:
         self._failures_in_a_row = 0
         self._not_before = 0.0
+        if donor is not None:
+            self._failed_at.pop(donor, None)
+            self._failures.pop(donor, None)

@@ -13,6 +13,10 @@ class StateSyncError(CollaborationError):
     """A state download failed (the donor vanished or sent something malformed)."""
 
 
+class LocalStateError(StateSyncError):
+    """This peer cannot take a state (too little free shared memory): not the donor's fault."""
+
+
 class DonorBusy(StateSyncError):
     """The donor is mid-round or serving others: not a failure, ask again shortly."""
 

@@ -18,7 +18,11 @@ Pure: no I/O, time is passed in.
   could not (refused or failed; the engine keeps the list, donors.py), listed in `unserved_ahead`.
   Identities that claim the epoch after the run's, on a lineage of their own, pass any pace; a
   third of them made the honest trainers catch up with a head none of them could serve, again
-  and again, and nobody trained. Now they are tried once each (per minute), then passed over.
+  and again, and nobody trained. Now they are tried, then passed over (for a minute, doubling
+  with each failure, donors.py). A fresh peer (a newcomer) passes nobody over: with the heads
+  it cannot download from set aside it would take its own empty head for the run's, train from
+  scratch and, no longer fresh, count against the run's quorum (a newcomer whose downloads fail
+  for its own reasons, too little shared memory say, would have stalled a small run).
 - **Heads.** A peer's head is its (epoch, lineage): where its state is. Live trainers at the same
   head hold the same state and average together. Fresh trainers (epoch 0, no samples at all: a
   newcomer, or a run not started) carry no evidence and are not counted, unless no other trainer
@@ -177,7 +181,7 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         beyond = tuple(sorted(peer_id for peer_id, r in latest.items()
                               if r.epoch > max_epoch and r is not own))
     ahead_unserved: tuple[str, ...] = ()
-    if own is not None and unserved:
+    if own is not None and unserved and not own.fresh:
         ahead_unserved = tuple(sorted(peer_id for peer_id in set(unserved) & set(latest)
                                       if latest[peer_id].epoch > own.epoch
                                       and peer_id not in beyond))

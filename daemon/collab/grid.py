@@ -265,13 +265,17 @@ class GridRounds:
         self.max_group_size = max_group_size
 
     def layout(self, key: str, trainers: Sequence[str], aux: Sequence[str], role: Role,
-               leaders: Sequence[str] = ()) -> GridLayout | None:
+               leaders: Sequence[str] = (), *, roster: bool = False) -> GridLayout | None:
         """The grid of a round with `trainers` and `aux` peers (this peer aside). The cells go
         to the trainers among `leaders` (the members of the round that made the head: the same
         list on every peer that came out of it, where views of who is at the head differ a
         little, and a grid laid out on another set of trainers puts everyone elsewhere); the
         other trainers and the aux peers are helpers. Without leaders, the cells go to all the
-        trainers this peer sees."""
+        trainers this peer sees. Where the leaders are too few to seat the others as helpers,
+        every trainer seen gets a cell; but where they are the round's agreed `roster`
+        (roster.py: the same list on every peer, where views differ) and more than half of the
+        trainers seen, the cells stay theirs and the helpers sit the round out, so that every
+        peer still lays out the same grid."""
         me = {self.peer_id}
         seen = {*trainers, *(me if role == "trainer" else set())}
         base = (seen & set(leaders)) - set(aux) if leaders else seen
@@ -280,7 +284,10 @@ class GridRounds:
         helpers = {*aux, *(me if role == "aux" else set()), *(seen - base)}
         layout = grid_layout(key, sorted(base), self.max_group_size, sorted(helpers),
                              sorted(seen - base))
-        if layout is None and base != seen:
+        # (a roster of at most half the trainers seen can make no step on its own cells: the
+        # round needs more than half of them, so all get a cell, views differing or not)
+        agreed = roster and 2 * len(base) > len(seen)
+        if layout is None and base != seen and not agreed:
             # the leaders are too few to seat the others as helpers (a round that stepped with
             # 3 of 8 trainers, in groups of 4: no grid of 3 cells has room for 6 helpers, and
             # a one-group round of 4 never holds the majority a step needs): every trainer
@@ -289,9 +296,10 @@ class GridRounds:
                                  sorted({*aux, *(me if role == "aux" else set())}))
         if layout is None and len(seen) + len(aux) + (role == "aux") > self.max_group_size:
             # nor do the aux peers fit beside the cells (4 trainers and an aux peer in groups
-            # of 2): the trainers average on a grid of their own, the aux peers sit it out (a
-            # one-group round could never hold the majority a step needs)
-            layout = grid_layout(key, sorted(seen), self.max_group_size)
+            # of 2), or the helpers beside the roster's cells: the cells average on a grid of
+            # their own and the others sit it out (a one-group round could never hold the
+            # majority a step needs)
+            layout = grid_layout(key, sorted(base if agreed else seen), self.max_group_size)
         return layout
 
     async def average(self, layout: GridLayout, vector: np.ndarray, key: str, *, weight: float,

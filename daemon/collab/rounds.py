@@ -100,7 +100,7 @@ class NetworkRounds:
                 roster = await self.rosters.agree(key, view, wait=self.averager.config.window,
                                                   write=role == "trainer" and me in view)
             layout = self.grid.layout(key, sorted({*trainers, *roster} - {me}), aux, role,
-                                      roster)
+                                      roster, roster=True)
         if layout is None:
             return await self._round(vector, key, weight=weight, expected=expected, role=role,
                                      compression=compression, aggregation=aggregation,

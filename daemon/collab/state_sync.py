@@ -39,7 +39,7 @@ from .. import timebase
 from ..net import Message, PeerTransport, RequestContext, Stream, TransportError
 from ..workers.buffers import SharedBuffer
 from .engine import IN_ROUND
-from .errors import DonorBusy, StateSyncError
+from .errors import DonorBusy, LocalStateError, StateSyncError
 from .lineage import is_lineage
 from .membership import MembershipRegistry, NotAMember
 from .ports import DownloadedState, StateBuffer
@@ -256,12 +256,15 @@ async def download_state(transport: PeerTransport, donor: str, key: str, token: 
         await stream.abort("malformed header")
         raise StateSyncError(f"{donor[:12]} sent a malformed state header")
     free = free_bytes()
-    if numel > max_numel or (free is not None and numel * 4 > free):
+    if numel > max_numel:  # (an honest donor's state is the size of our model's)
         await stream.abort("state too large")
-        room = f"{max_numel} elements for this model" if numel > max_numel \
-            else f"{free} bytes of free shared memory"
         raise StateSyncError(f"{donor[:12]} announced a state of {numel} elements, more than "
-                             f"{room}: refused before allocating it")
+                             f"{max_numel} elements for this model: refused before allocating it")
+    if free is not None and numel * 4 > free:
+        await stream.abort("no room for the state")
+        raise LocalStateError(f"the run's state ({numel * 4} bytes) does not fit in this "
+                              f"machine's free shared memory ({free} bytes): free some, or give "
+                              "/dev/shm more room (e.g. docker run --shm-size)")
     buffer = allocate(numel)
     view = memoryview(buffer.array).cast("B")
     try:

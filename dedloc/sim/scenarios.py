@@ -61,6 +61,7 @@ EPOCH_SECONDS = 20.0  # what a run's target batch takes its trainers, in simulat
 # participation)
 SYNC_GRACE = 4 * EPOCH_SECONDS
 TICK = 1.0
+FINAL_SAMPLES = 5  # seconds sampled after a scenario's goal is reached
 
 
 @dataclass
@@ -292,6 +293,11 @@ async def _run_for(swarm: Swarm, observer: Observer, seconds: float,
         await asyncio.sleep(TICK)
         observer.sample()
         if until is not None and until():
+            # the round that got there ends on its other members a moment later: record them
+            # (else the last round's participation is what the first sample caught of it)
+            for _ in range(int(FINAL_SAMPLES)):
+                await asyncio.sleep(TICK)
+                observer.sample()
             return
 
 

@@ -95,6 +95,7 @@ class _LyingBoard:
         self._board = board
         self._lie = lie
         self._target = target
+        self._seen = 0
         self.key = board.key
 
     def _falsify(self, report: PeerProgress) -> PeerProgress:
@@ -103,8 +104,9 @@ class _LyingBoard:
                                        samples_accumulated=self._target, planned=None,
                                        total_samples=10**12)
         if self._lie == "next":  # colluding liars: the epoch after the run's, a lineage of their own
-            return dataclasses.replace(report, epoch=report.epoch + 1, lineage="e" * 32,
-                                       samples_accumulated=self._target, planned=None)
+            return dataclasses.replace(report, epoch=max(report.epoch, self._seen) + 1,
+                                       lineage="e" * 32, samples_accumulated=self._target,
+                                       planned=None)
         return dataclasses.replace(report, samples_accumulated=self._target, planned=None,
                                    samples_per_second=1e6)
 
@@ -112,7 +114,10 @@ class _LyingBoard:
         await self._board.publish(self._falsify(report))
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
-        return await self._board.read()
+        reports, received = await self._board.read()
+        # (the highest epoch the others report: a "next" liar claims the one after it)
+        self._seen = max([self._seen, *(r.epoch for r in reports if r.lineage != "e" * 32)])
+        return reports, received
 
     async def leave(self, report: PeerProgress) -> None:
         await self._board.leave(report)

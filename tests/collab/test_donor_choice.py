@@ -170,3 +170,23 @@ def test_failures_are_remembered_for_a_bounded_number_of_donors() -> None:
     lately = choice.failed_lately(3.0 * MAX_REMEMBERED)
     assert len(lately) <= MAX_REMEMBERED
     assert f"d{3 * MAX_REMEMBERED - 1}" in lately and "d0" not in lately  # the newest kept
+
+
+def test_a_donor_that_fails_each_time_it_is_tried_is_avoided_longer_and_longer() -> None:
+    # a liar claiming the head after ours that never serves it (or stalls every attempt) must
+    # not be tried every minute: each failure since it last served doubles its avoidance
+    choice = DonorChoice(avoid_seconds=60.0, max_avoid_seconds=600.0)
+    choice.failed("liar", 100.0)  # (stamped when the attempt ended, by the caller)
+    assert "liar" in choice.failed_lately(159.0) and "liar" not in choice.failed_lately(160.0)
+    choice.failed("liar", 200.0)
+    assert "liar" in choice.failed_lately(319.0) and "liar" not in choice.failed_lately(320.0)
+    for at in (400.0, 500.0, 600.0, 700.0):
+        choice.failed("liar", at)
+    assert "liar" in choice.failed_lately(700.0 + 599.0)  # capped at max_avoid_seconds
+    assert "liar" not in choice.failed_lately(700.0 + 600.0)
+    assert choice.pick(["liar", "honest"], 800.0) == "honest"
+    # a donor that serves us again starts afresh
+    choice.succeeded("liar")
+    assert "liar" not in choice.failed_lately(800.0)
+    choice.failed("liar", 900.0)
+    assert "liar" not in choice.failed_lately(960.0)

@@ -96,6 +96,25 @@ def test_last_rounds_members_too_few_to_seat_the_others_give_every_trainer_a_cel
     assert all(stage is None for stage in small[0].stages(aux[0], "k"))
 
 
+def test_a_rosters_cells_stay_the_rosters_when_the_others_do_not_fit_as_helpers() -> None:
+    # after a roster (the same list everywhere) a grid laid out on each peer's own view would
+    # differ between views of 8 and 9 trainers: the roster's trainers keep the cells, the others
+    # (and the aux peer) sit the round out
+    trainers, aux = _ids(9), ["ff" * 31]
+    roster = trainers[:5]  # (more than half of the trainers seen: it can make a step alone)
+    views = [GridRounds(p, 4).layout("k", [t for t in trainers[:8] if t != p], aux, "trainer",
+                                     roster, roster=True) for p in trainers[:2]]
+    views += [GridRounds(p, 4).layout("k", [t for t in trainers if t != p], aux, "trainer",
+                                      roster, roster=True) for p in (trainers[2], trainers[8])]
+    assert all(v is not None and v == views[0] for v in views)
+    assert set(views[0].cells) == set(roster) and not views[0].helpers
+    assert all(stage is None for stage in views[0].stages(trainers[8], "k"))
+    # a roster of half the trainers seen or fewer could make no step on its own cells
+    few = GridRounds(trainers[0], 4).layout("k", trainers[1:8], aux, "trainer", trainers[:3],
+                                            roster=True)
+    assert few is not None and set(few.cells) == set(trainers[:8])
+
+
 @dataclass
 class Rendezvous:
     """Averages each stage key's vectors exactly once every expected peer has arrived."""

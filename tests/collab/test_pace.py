@@ -137,3 +137,15 @@ def test_peers_ahead_whose_state_failed_us_lately_hold_no_head() -> None:
                                now=NOW, stale_after=30, own=own, max_epoch=8, unserved={"x"})
     assert (followed.epoch, followed.lineage) == (8, "c" * 32)
     assert followed.unserved_ahead == ("x",) and "x" not in followed.donors
+
+
+def test_a_fresh_peer_passes_nobody_over() -> None:
+    # a newcomer whose downloads fail (for its own reasons too: too little shared memory) would
+    # otherwise take its own empty head for the run's, train from scratch and, no longer fresh,
+    # count against the established trainers' quorum
+    own = PeerProgress(peer_id="me", epoch=0, samples_accumulated=0, samples_per_second=1.0,
+                       time=NOW, expiration=NOW + 60, role="trainer", total_samples=0)
+    donors = [report(f"h{i}", 7, lineage="a") for i in range(3)]
+    run = estimate_global(donors, target_batch_size=1000, now=NOW, stale_after=30, own=own,
+                          unserved={"h0", "h1", "h2"})
+    assert (run.epoch, run.lineage) == (7, "a" * 32) and run.unserved_ahead == ()

@@ -186,6 +186,8 @@ async def test_trainers_that_start_together_in_grid_rounds_go_on_past_a_partial_
         failed = sum(p.engine.progress.failed_rounds for p in trainers if p.engine)
         assert all(p.error is None for p in swarm.peers), [p.error for p in swarm.peers]
         assert all(e is not None and e >= 4 for e in epochs), (epochs, failed)
-        assert failed <= 16, (epochs, failed)
+        # (a few while the trainers settle: seed 3 had 11 before the fix, 22 now that the
+        # cells stay a roster's that holds most trainers and the others sit the round out)
+        assert failed <= 40, (epochs, failed)
     finally:
         await swarm.close()
