@@ -143,8 +143,11 @@ class Rosters:
         # later roster could only be ordered before it by a signed time, and a writer whose
         # clock runs behind would then split the round between those that took the first
         # (seen in the simulator: clocks 3 s apart, a 24-peer step 3.3e-3 apart)
-        if write and self.peer_id in writers(key, view) and self.peer_id not in entries \
-                and pick(key, view, entries) is None:
+        # (only a roster of one of the first WRITERS counts for that: one from the slack ranks
+        # may not be taken by readers whose views rank it lower, and they need an honest one)
+        first = set(writers(key, view))
+        if write and self.peer_id in first and self.peer_id not in entries \
+                and pick(key, view, {w: e for w, e in entries.items() if w in first}) is None:
             published = await self._write(dht_key, view)
             if published is not None:
                 entries[self.peer_id] = published

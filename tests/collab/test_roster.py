@@ -310,3 +310,15 @@ async def test_a_writer_whose_clock_runs_behind_does_not_take_later_readers_off_
     chosen += [await agree(p, [*trainers, *newcomers]) for p in trainers[10:] if p not in (best, second)]
     assert set(chosen) == {tuple(sorted(trainers))}
     assert set(dht.values[f"run/roster/{key}"]) == {second}
+
+
+async def test_a_roster_from_a_slack_rank_writer_does_not_silence_the_first_writers() -> None:
+    # readers whose views rank that writer past their first five would not take its roster:
+    # they need one of the first writers' to be out too
+    key, view = "grad/5/abc", _ids(30)
+    dht = _Dht()
+    fourth = writers(key, view, 5)[3]
+    dht.values[f"run/roster/{key}"] = {fourth: _Entry(encode(view), timebase.now() + TTL - 5)}
+    best = writers(key, view)[0]
+    await Rosters(dht, best, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
+    assert set(dht.values[f"run/roster/{key}"]) == {fourth, best}
