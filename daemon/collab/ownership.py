@@ -91,6 +91,7 @@ class OwnedRuns:
         self.directory = directory
         self._on_secret = on_secret
         self._ledgers: dict[str, RunLedger] = {}
+        self._unreadable: set[str] = set()  # runs whose ledger file could not be read
         self._load()
 
     def _keep(self, ledger: RunLedger) -> None:
@@ -109,7 +110,10 @@ class OwnedRuns:
                 ledger, fresh = RunLedger.from_json(orjson.loads(path.read_bytes()))
             except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError,
                     binascii.Error) as exc:
-                log.error("owned_run_ledger_unreadable", path=str(path), error=str(exc))
+                log.error("owned_run_ledger_unreadable", path=str(path), error=str(exc),
+                          hint="its run's secret and tokens are in it: restore it from a backup "
+                               "(it is not replaced while it stays unreadable)")
+                self._unreadable.add(path.stem)
                 continue
             if ledger.owner != self.identity.peer_id:
                 continue
@@ -122,10 +126,12 @@ class OwnedRuns:
 
     def _save(self, ledger: RunLedger) -> None:
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.directory, 0o700)  # (mkdir's mode is not applied to one that exists)
         path = self._path(ledger.run)
         tmp = path.with_suffix(".tmp")
         tmp.unlink(missing_ok=True)  # (a leftover would keep its mode)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # (it holds the secret)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                     0o600)  # (it holds the secret)
         with os.fdopen(fd, "wb") as handle:
             handle.write(orjson.dumps(ledger.to_json(), option=orjson.OPT_INDENT_2))
             handle.flush()
@@ -136,6 +142,11 @@ class OwnedRuns:
         """Run's ledger; a new one (with a new secret, saved at once) if it had none."""
         ledger = self._ledgers.get(run)
         if ledger is None:
+            if run in self._unreadable:  # a new secret would split the run's members in two
+                raise MembershipError(
+                    f"this node's ledger of closed run {run!r} ({self._path(run)}) could not be "
+                    "read: restore it (it holds the run's secret and tokens), or move it away "
+                    "and restart to start the run afresh (every member then needs a new token)")
             ledger = RunLedger(run, self.identity.peer_id)
             self._save(ledger)  # (the secret must outlive a restart: members hold it)
             self._keep(ledger)

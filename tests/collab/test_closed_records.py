@@ -206,4 +206,20 @@ def test_a_ledger_from_before_run_secrets_gets_one_and_keeps_it(tmp_path: Path) 
     assert OwnedRuns(OWNER, directory).ledger("club").secret.secret == first
     (directory / "bad.json").write_bytes(orjson.dumps(
         {"run": "bad", "owner": OWNER.peer_id, "secret": "not base64!"}))
-    assert OwnedRuns(OWNER, directory).names() == ["club"]  # (logged, skipped)
+    owned = OwnedRuns(OWNER, directory)
+    assert owned.names() == ["club"]  # (logged, skipped)
+    # and never replaced by a ledger with a new secret: members holding tokens of the old one
+    # and of a new one would read none of each other's records (two runs in one)
+    before = (directory / "bad.json").read_bytes()
+    with pytest.raises(MembershipError, match="could not be read: restore it"):
+        owned.ledger("bad")
+    with pytest.raises(MembershipError, match="could not be read"):
+        owned.issue("bad", MEMBER.peer_id, "trainer", 1.0)
+    assert (directory / "bad.json").read_bytes() == before
+
+
+def test_the_owned_directory_is_made_private_even_when_it_exists(tmp_path: Path) -> None:
+    directory = tmp_path / "owned"
+    directory.mkdir(mode=0o755)
+    OwnedRuns(OWNER, directory).ledger("club")
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
