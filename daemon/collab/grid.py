@@ -31,7 +31,10 @@ then the same on every trainer of the round), and lists as its members every pee
 laid out for (each one's slices met all of them, directly or through the others: the state
 round that may follow lays out the same grid from them). The cells go to the members of the
 round that made the run's head (every peer out of it knows the same list); trainers new to the
-head help like aux peers. Pure layout functions here; `GridRounds` runs the stages through
+head help like aux peers, unless those members are too few to seat them (then every trainer gets
+a cell) or a roster that holds most trainers keeps the cells (then the others sit the round
+out), and aux peers that do not fit beside the cells sit it out too (`GridRounds.layout`).
+Pure layout functions here; `GridRounds` runs the stages through
 one-group rounds.
 """
 
