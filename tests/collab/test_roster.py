@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,6 +224,13 @@ async def test_a_round_has_begun_once_one_of_its_first_writers_published_a_roste
     assert await reader.published(key, view)
 
 
+def _agreeing(dht: _Dht, key: str) -> Callable[[str, list[str]], Awaitable[tuple[str, ...]]]:
+    """`agree(peer, view)`: that peer's roster of the round `key`, taken at once."""
+    async def agree(peer: str, view: list[str]) -> tuple[str, ...]:
+        return await Rosters(dht, peer, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
+    return agree
+
+
 async def test_peers_that_begin_before_and_after_the_best_ranked_writer_take_one_roster() -> None:
     # the second-ranked writer begins first; peers that begin then take its roster; the
     # best-ranked writer begins later with another view (its own, a few newcomers more): those
@@ -232,9 +239,7 @@ async def test_peers_that_begin_before_and_after_the_best_ranked_writer_take_one
     trainers, newcomers = _ids(60), _ids(4, start=60)
     best, second = writers(key, trainers)[:2]
     dht = _Dht()
-
-    async def agree(peer: str, view: list[str]) -> tuple[str, ...]:
-        return await Rosters(dht, peer, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
+    agree = _agreeing(dht, key)
 
     chosen = [await agree(second, trainers)]
     chosen += [await agree(p, trainers) for p in trainers[:20] if p not in (best, second)]
@@ -286,9 +291,7 @@ async def test_a_writer_whose_clock_runs_behind_does_not_take_later_readers_off_
     trainers, newcomers = _ids(40), _ids(2, start=40)
     best, second = writers(key, trainers)[:2]
     dht = _Dht()
-
-    async def agree(peer: str, view: list[str]) -> tuple[str, ...]:
-        return await Rosters(dht, peer, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
+    agree = _agreeing(dht, key)
 
     chosen = [await agree(second, trainers)]
     chosen += [await agree(p, trainers) for p in trainers[:10] if p not in (best, second)]
