@@ -295,7 +295,7 @@ async def test_a_writer_whose_clock_runs_behind_does_not_take_later_readers_off_
 
     chosen = [await agree(second, trainers)]
     chosen += [await agree(p, trainers) for p in trainers[:10] if p not in (best, second)]
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(2.0)  # (virtual time, this module's marker: no wall time passes)
     inner = timebase.current()
 
     class _Skewed:

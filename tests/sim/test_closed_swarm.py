@@ -51,7 +51,7 @@ async def _until_epoch(swarm: Swarm, peers: list[SimPeer], epoch: int, seconds: 
     while swarm.loop.time() < end:
         if all(p.engine is not None and p.engine.progress.epoch >= epoch for p in peers):
             return
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # (virtual time: the simulator's clock, not the wall's)
     epochs = [None if p.engine is None else p.engine.progress.epoch for p in peers]
     raise AssertionError(f"the members did not reach epoch {epoch}: {epochs}")
 

@@ -181,7 +181,7 @@ async def test_trainers_that_start_together_in_grid_rounds_go_on_past_a_partial_
         for _ in range(300):  # simulated seconds
             if all(p.engine is not None and p.engine.progress.epoch >= 4 for p in trainers):
                 break
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # (virtual time: the simulator's clock, not the wall's)
         epochs = [p.engine.progress.epoch if p.engine else None for p in trainers]
         failed = sum(p.engine.progress.failed_rounds for p in trainers if p.engine)
         assert all(p.error is None for p in swarm.peers), [p.error for p in swarm.peers]
