@@ -94,12 +94,13 @@ def agrees(roster: Collection[str], view: Collection[str]) -> bool:
     return 2 * len(members & seen) > len(seen) and 4 * len(members - seen) <= len(members)
 
 
-def pick(key: str, view: Collection[str], entries: Mapping[str, Published]
-         ) -> tuple[str, Published] | None:
+def pick(key: str, view: Collection[str], entries: Mapping[str, Published],
+         drawn: Collection[str] = ()) -> tuple[str, Published] | None:
     """(writer, its roster) of the roster published first (ties: the best-ranked writer) among
     those that agree with `view`, or None. Only writers among the first WRITERS + WRITER_SLACK
-    of `view` count."""
-    allowed = set(writers(key, view, WRITERS + WRITER_SLACK))
+    of `view`, or of `drawn` (the part of it this peer would publish), count."""
+    allowed = {*writers(key, view, WRITERS + WRITER_SLACK),
+               *writers(key, drawn, WRITERS + WRITER_SLACK)}
     good = [(writer, entry) for writer, entry in entries.items()
             if writer in allowed and agrees(entry.roster, view)]
     return min(good, key=lambda item: (item[1].at, _rank(key, item[0])), default=None)
@@ -131,12 +132,19 @@ class Rosters:
         self.run_key = run_key
 
     async def agree(self, key: str, trainers: Collection[str], *, wait: float,
-                    write: bool = True) -> tuple[str, ...]:
+                    write: bool = True, seen: Collection[str] = ()) -> tuple[str, ...]:
         """The trainers a grid round of `key` gives its cells to: the first-published roster
-        that agrees with `trainers` (this peer's view, itself included if it trains), waited
-        for at most `wait` seconds; else the view itself. This peer writes its view as a
-        roster if it is one of the writers and `write` allows."""
-        view = frozenset(trainers)
+        that agrees with this peer's view (`trainers`, itself included if it trains, and
+        `seen`), waited for at most `wait` seconds; else `trainers`. This peer writes
+        `trainers` as a roster if it is one of their writers and `write` allows.
+        (`seen`: the trainers this peer sees at the head beyond those it would publish; a first
+        round publishes only those seen there for a while, `Timing.settle`, and judges a roster
+        by all: peers that began together see each other arrive at different moments, so the
+        settled parts of their views differ far more than the views; judged by those parts, a
+        peer that settled few refused the rosters of those that settled all, published its own,
+        and a 12-trainer run never stepped: 221 failed rounds in 200 simulated seconds)"""
+        drawn = frozenset(trainers)
+        view = drawn | frozenset(seen)
         dht_key = f"{self.run_key}/roster/{key}"
         entries = await self._read(dht_key)
         # a writer that finds a roster it would take already out does not publish its own: a
@@ -145,16 +153,17 @@ class Rosters:
         # (seen in the simulator: clocks 3 s apart, a 24-peer step 3.3e-3 apart)
         # (only a roster of one of the first WRITERS counts for that: one from the slack ranks
         # may not be taken by readers whose views rank it lower, and they need an honest one)
-        first = set(writers(key, view))
-        if write and self.peer_id in first and self.peer_id not in entries \
-                and pick(key, view, {w: e for w, e in entries.items() if w in first}) is None:
-            published = await self._write(dht_key, view)
+        first = {*writers(key, drawn), *writers(key, view)}
+        if write and self.peer_id in writers(key, drawn) and self.peer_id not in entries \
+                and pick(key, view, {w: e for w, e in entries.items() if w in first},
+                         drawn) is None:
+            published = await self._write(dht_key, drawn)
             if published is not None:
                 entries[self.peer_id] = published
         give_up = timebase.monotonic() + max(0.0, wait)
         pause = POLL
         while True:
-            chosen = pick(key, view, entries)
+            chosen = pick(key, view, entries, drawn)
             left = give_up - timebase.monotonic()
             if chosen is not None:
                 # taken once it is SETTLE old: one published at about the same moment (and
@@ -174,8 +183,8 @@ class Rosters:
                 pause = min(MAX_POLL, 2 * pause)
             entries = {**entries, **await self._read(dht_key)}
         if chosen is None:
-            log.info("grid_roster_missing", key=key, trainers=len(view))
-            return tuple(sorted(view))
+            log.info("grid_roster_missing", key=key, trainers=len(drawn))
+            return tuple(sorted(drawn))
         writer, entry = chosen
         log.debug("grid_roster", key=key, writer=writer[:12], trainers=len(entry.roster),
                   unseen=len(set(entry.roster) - view), missing=len(view - set(entry.roster)),

@@ -88,17 +88,20 @@ class NetworkRounds:
             known = set(cells or leaders)
             if not set(layout.cells) <= known:  # too few to lay the grid out on (grid.py)
                 known = set()
-            view = (known & {*trainers, *mine} if known else set(settled)) - set(aux)
+            everyone = {*trainers, *mine} - set(aux)
+            view = (known & everyone if known else set(settled)) - set(aux)
             if len(view - {me}) < 2:
-                view = {*trainers, *mine}
+                view = everyone
             log.debug("grid_roster_view", key=key, view=len(view), trainers=len(trainers),
                       settled=len(settled), known=len(known))
             # (meanwhile a slice's peers that begin sooner are told we are on our way: the
             # wait for the roster took up to a window, and they gave up on us as their leader
             # after one, averaging apart from the rest of our slice)
             with self.averager.coming_under(f"{self.run_key}/{key}/"):
+                # (a first round judges rosters by every trainer seen at the head: roster.py)
                 roster = await self.rosters.agree(key, view, wait=self.averager.config.window,
-                                                  write=role == "trainer" and me in view)
+                                                  write=role == "trainer" and me in view,
+                                                  seen=() if known else everyone)
             layout = self.grid.layout(key, sorted({*trainers, *roster} - {me}), aux, role,
                                       roster, roster=True)
         if layout is None:

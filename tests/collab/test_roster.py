@@ -248,6 +248,27 @@ async def test_peers_that_begin_before_and_after_the_best_ranked_writer_take_one
     assert set(chosen) == {tuple(sorted(trainers))}
 
 
+@pytest.mark.parametrize("judged_by_all", [True, False])
+async def test_peers_that_settled_different_parts_of_one_view_take_one_roster(
+        judged_by_all: bool) -> None:
+    # a run's first round: trainers that began together saw each other arrive at different
+    # moments, so the parts of their views old enough to publish (settled) differ: the k-th
+    # has settled k+1 of the 12; the best-ranked writer, all. Judged by all they see, every
+    # peer takes its roster; judged by their settled parts, the peers that settled few take
+    # none of it, publish their own and lay out other grids (a 12-trainer run never stepped)
+    key = "grad/0/start"
+    trainers = _ids(12)
+    best = writers(key, trainers)[0]
+    order = [best, *(p for p in trainers if p != best)]
+    dht = _Dht()
+    chosen = []
+    for k, peer in enumerate(order):
+        drawn = trainers if peer == best else order[1:k + 1]
+        chosen.append(await Rosters(dht, peer, "run").agree(  # type: ignore[arg-type]
+            key, drawn, wait=0.0, seen=trainers if judged_by_all else ()))
+    assert (set(chosen) == {tuple(sorted(trainers))}) is judged_by_all
+
+
 async def test_a_roster_dated_in_the_future_holds_a_reader_no_longer_than_its_wait_and_a_settle() -> None:
     # a writer's clock far ahead, or a hostile writer among the first ranks, dates its roster
     # an hour on: the reader took it only once it was SETTLE old, and slept for the hour
