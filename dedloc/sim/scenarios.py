@@ -154,6 +154,14 @@ class Observer:
         # swarm moves it past the growth: a peer's links grow with the swarm, not with time)
         self.rss_baseline = 2
 
+    async def watch(self) -> None:
+        """Sample every TICK for the whole scenario: while its script waits, and while it adds
+        peers (a swarm's start takes minutes of simulated time at 128 peers, and the first
+        peers step meanwhile)."""
+        while True:
+            await asyncio.sleep(TICK)
+            self.sample()
+
     def established(self) -> list[SimPeer]:
         return [p for p in self.swarm.live if p.spec.role == "trainer" and p.synced_at is not None]
 
@@ -288,16 +296,14 @@ def _unix_offset(swarm: Swarm) -> float:
 
 async def _run_for(swarm: Swarm, observer: Observer, seconds: float,
                    until: Callable[[], bool] | None = None) -> None:
+    """Let the swarm run for `seconds`, or until `until()` (the observer samples meanwhile)."""
     end = swarm.loop.time() + seconds
     while swarm.loop.time() < end:
         await asyncio.sleep(TICK)
-        observer.sample()
         if until is not None and until():
             # the round that got there ends on its other members a moment later: record them
             # (else the last round's participation is what the first sample caught of it)
-            for _ in range(int(FINAL_SAMPLES)):
-                await asyncio.sleep(TICK)
-                observer.sample()
+            await asyncio.sleep(FINAL_SAMPLES * TICK)
             return
 
 
@@ -341,6 +347,9 @@ async def _start(swarm: Swarm, peers: int, aux: int, observer: Observer,
     for _ in range(aux):
         await swarm.add(PeerSpec("aux", link=LinkProfile(upload=12.5e6, download=12.5e6)))
     swarm.running = True
+    # (memory per peer is compared with a sample after the start: a peer's links grow with the
+    # swarm, not with time)
+    observer.rss_baseline = len(observer.rss) + 2
     await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
 
 
@@ -453,10 +462,13 @@ async def run_scenario(name: str, peers: int, *, aux: int | None = None, seed: i
     swarm = Swarm(_run_spec(peers, **run), seed=seed, timing=Timing())
     observer = Observer(swarm)
     result = Result(name, peers, aux, seed)
+    watching = asyncio.create_task(observer.watch())
     try:
         await SCENARIOS[name](swarm, observer, result, epochs, **(script or {}))
+        watching.cancel()
         _finish(swarm, observer, result)
     finally:
+        watching.cancel()
         await swarm.close()
     result.simulated_seconds = round(loop.time() - start, 1)
     result.wall_seconds = round(time.monotonic() - wall, 1)

@@ -9,6 +9,7 @@ virtual time: the wall time is what the code costs, and no timeout depends on th
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -147,6 +148,31 @@ def test_the_observer_measures_how_far_apart_one_steps_states_are() -> None:
     # and by epoch: [step spread, states measured, state round spread, states measured]
     assert observer.by_epoch[0] == [0.0, 3, 0.0, 0]
     assert observer.by_epoch[1][1:] == [2, pytest.approx(0.25 / 1.25, rel=1e-4), 2]
+
+
+async def test_the_observer_samples_while_a_script_is_busy_adding_peers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a swarm's start takes minutes of simulated time at 128 peers and its first peers step
+    # meanwhile: the observer sampled only while a script waited in `_run_for`, and recorded
+    # no step or state round of the first 6 epochs at 128 peers, of 10 at 256
+    from dedloc.sim.network import LinkProfile
+    from dedloc.sim.scenarios import SCENARIOS
+    from dedloc.sim.swarm import PeerSpec
+
+    async def busy(swarm: Any, observer: Any, result: Result, epochs: int) -> None:
+        for _ in range(result.peers):
+            await swarm.add(PeerSpec("trainer", 100.0, LinkProfile(upload=12.5e6)))
+        swarm.running = True
+        for _ in range(600):  # what a script does between samples is its own business
+            if all(p.engine.progress.epoch >= epochs for p in swarm.live):
+                break
+            await asyncio.sleep(1.0)
+        await asyncio.sleep(5.0)  # the last step's other members
+
+    monkeypatch.setitem(SCENARIOS, "busy", busy)
+    result = await run_scenario("busy", 4, aux=0, epochs=2)
+    assert result.epochs >= 2, result.to_json()
+    assert [result.spread_by_epoch[str(e)][1] for e in range(2)] == [4, 4], result.to_json()
 
 
 def test_an_unknown_scenario_is_named() -> None:
