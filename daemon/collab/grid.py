@@ -60,6 +60,14 @@ log = structlog.get_logger(__name__)
 __all__ = ["GridLayout", "GridRounds", "Stage", "grid_layout", "grid_report"]
 
 MAX_STAGES = 4
+# A helper (a trainer without a cell) brings its weight in stage 0; in the later stages its
+# slice's cells carry that weight, yet it needs the round's mean back. A member of weight 0 sends
+# nothing, and the all-reduce returns the averages only to those that send: such a helper kept
+# its block's mean in every part but the one it reduced (48 trainers in groups of 16: the 4
+# helpers of the first round stepped 2e-3 to 5.9e-3 from the others, on the same lineage). So it
+# sends with this share of its block's weight: far below float32's resolution (2**-24), so the
+# mean is the cells' to the last bit but for an ulp, and every member gets the same bytes.
+LISTENING_SHARE = 2.0 ** -40
 
 
 @dataclass(frozen=True)
@@ -371,8 +379,9 @@ class GridRounds:
                       failed_parts=len(report.failed_parts))
             if report.failed_parts:
                 return "done"
-            if helper:  # its slice's real members carry its weight from here on
-                weight, represents = 0.0, 0
+            if helper:  # its slice's cells carry its weight from here on (LISTENING_SHARE)
+                weight = report.weight * LISTENING_SHARE if role == "trainer" else 0.0
+                represents = 0
             else:
                 weight, represents = report.weight, report.represented
         return "done"

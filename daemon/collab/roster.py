@@ -25,7 +25,9 @@ from the first roster).
 began early waited `wait` for the best-ranked writer, then took another's; those that began
 after it came took its.) A roster is taken only from a writer among the first
 `WRITERS + WRITER_SLACK` of the reader's own view, and only if it agrees with that view
-(`agrees`: it holds most of the trainers the reader sees, and few it does not know), so a
+(`agrees`: it holds most of the trainers the reader sees, and few it does not know; in a first
+round the view is every trainer seen at the head, and the writers are also ranked among the
+settled ones a peer publishes, see `Rosters.agree`), so a
 stranger cannot hand out the cells, and trainers missing from the roster help like newcomers
 (grid.py). What remains: one of those writers (an identity at the head, which a forged progress
 report can put there once the round's key is known) can sign an early publication time and

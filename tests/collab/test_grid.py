@@ -117,7 +117,8 @@ def test_a_rosters_cells_stay_the_rosters_when_the_others_do_not_fit_as_helpers(
 
 @dataclass
 class Rendezvous:
-    """Averages each stage key's vectors exactly once every expected peer has arrived."""
+    """Averages each stage key's vectors exactly once every expected peer has arrived, and, as
+    the all-reduce does, gives the mean back to those that sent (weight > 0) only."""
 
     arrivals: dict[str, list[tuple[str, np.ndarray, float, int, asyncio.Future[AveragingReport]]]] = \
         field(default_factory=dict)
@@ -134,8 +135,9 @@ class Rendezvous:
                 total = sum(w for _, w, _ in senders)
                 mean = sum(v * w for v, w, _ in senders) / total
                 members = tuple(sorted(p for p, *_ in slot))
-                for _, v, _, _, future in slot:
-                    v[:] = mean
+                for _, v, w, _, future in slot:
+                    if w > 0:
+                        v[:] = mean
                     future.set_result(AveragingReport(
                         key=label, group_id=label, members=members, trainers=len(members),
                         senders=len(senders), part=(0, 0), shares=(), seconds=0.0,
@@ -220,7 +222,8 @@ async def test_a_trainer_that_never_comes_is_left_out_of_its_slices_only() -> No
 
 async def test_newcomers_without_a_cell_count_once_and_the_mean_stays_exact() -> None:
     # 40 trainers of which 6 newcomers to the head help (weight in their first stage only),
-    # and 3 aux peers: every trainer ends with the exact weighted mean of all 40
+    # and 3 aux peers: every trainer ends with the exact weighted mean of all 40 (a helper that
+    # went into its later stages with weight 0 got no mean back there and kept its block's)
     reports, vectors, exact, _ = await _grid_round(40, 8, newcomers=6, aux=3)
     for report, vector in zip(reports, vectors.values(), strict=True):
         assert report is not None
