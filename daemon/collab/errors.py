@@ -21,5 +21,10 @@ class DonorBusy(StateSyncError):
     """The donor is mid-round or serving others: not a failure, ask again shortly."""
 
 
+class RoundSatOut(CollaborationError):
+    """This peer has no place in a grid round (an aux peer that does not fit beside its cells):
+    it sits the round out, which is no failure."""
+
+
 class ManifestError(CollaborationError):
     """A run manifest is invalid, or no single run of a name could be found to join."""

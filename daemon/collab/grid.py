@@ -53,6 +53,7 @@ import structlog
 
 from ..averaging.errors import AveragingError
 from ..averaging.report import AveragingReport, merge_ranges
+from .errors import RoundSatOut
 from .progress import Role
 
 log = structlog.get_logger(__name__)
@@ -320,7 +321,10 @@ class GridRounds:
         """The grid round; None if its first stage could not run. A stage that fails ends the
         round there (its report says what failed). `coming(labels)`: while inside, this peer
         tells the peers of those stages that it is on its way (matchmaking.py); it covers our
-        stages and stand-ins until our own stages end."""
+        stages and stand-ins until our own stages end. Raises RoundSatOut for an aux peer that
+        has no slice in any stage."""
+        if role == "aux" and all(stage is None for stage in layout.stages(self.peer_id, key)):
+            raise RoundSatOut(f"no slice of grid round {key} has room for this aux peer")
         everyone = [*layout.cells, *layout.helpers]
         reports: list[AveragingReport] = []
         duties = layout.duties(self.peer_id, key)

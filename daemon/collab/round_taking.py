@@ -23,6 +23,7 @@ from .. import timebase
 from ..averaging.compression import get_codec
 from ..averaging.error_feedback import unconveyed
 from ..averaging.report import AveragingReport
+from .errors import RoundSatOut
 from .estimate import GlobalProgress, Head
 from .lineage import next_lineage
 from .pace import EpochPace
@@ -305,17 +306,21 @@ class RoundTaking:
         """An aux peer's part of a round: it reduces, with nothing of its own."""
         self.phase.set("averaging")
         vector = np.zeros(self.parameters, dtype=np.float32)
-        report = await self.averaging.average(vector, round_key("grad", action.head), weight=0.0,
-                                              expected=action.expected, role="aux",
-                                              compression=self.compression,
-                                              aggregation=self.aggregation,
-                                              min_trainers=needed_trainers(action, self.schedule),
-                                              peers=self._round_peers(), leaders=self._leaders(),
-                                              cells=self._grid_cells(),
-                                              aux=self._aux_peers(),
-                                              max_weight=self._weight_ceiling(),
-                                              weight_budget=self._weight_budget(),
-                                              settled=self._settled())
+        try:
+            report = await self.averaging.average(
+                vector, round_key("grad", action.head), weight=0.0, expected=action.expected,
+                role="aux", compression=self.compression, aggregation=self.aggregation,
+                min_trainers=needed_trainers(action, self.schedule),
+                peers=self._round_peers(), leaders=self._leaders(), cells=self._grid_cells(),
+                aux=self._aux_peers(), max_weight=self._weight_ceiling(),
+                weight_budget=self._weight_budget(), settled=self._settled())
+        except RoundSatOut as exc:
+            # no room for it beside the grid's cells: this head's round is not its to take
+            # (counted as a failed round, it tried again every second or two)
+            self._averaged = action.head
+            self._log.debug("aux_round_sat_out", epoch=action.head.epoch, reason=str(exc))
+            self._schedule_look(0.0)
+            return
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))
         if report is not None and report.group_size > 1:

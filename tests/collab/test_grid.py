@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dedloc.daemon.averaging.report import AveragingReport
+from dedloc.daemon.collab.errors import RoundSatOut
 from dedloc.daemon.collab.grid import GridRounds, grid_layout
 
 
@@ -94,6 +95,21 @@ def test_last_rounds_members_too_few_to_seat_the_others_give_every_trainer_a_cel
     assert all(v is not None and v == small[0] for v in small)
     assert set(small[0].cells) == set(trainers[:4]) and not small[0].helpers
     assert all(stage is None for stage in small[0].stages(aux[0], "k"))
+
+
+async def test_an_aux_peer_the_grid_has_no_room_for_sits_the_round_out() -> None:
+    # (4 trainers and an aux peer in groups of 2: its tries counted as failed rounds, about one
+    # every 2 s, where it had nothing to do)
+    trainers, aux = _ids(4), "ff" * 31
+    rounds = GridRounds(aux, 2)
+    layout = rounds.layout("k", trainers, (), "aux")
+    assert layout is not None
+
+    async def never(*args: object) -> AveragingReport | None:
+        raise AssertionError("an aux peer that sits the round out runs no stage")
+    with pytest.raises(RoundSatOut, match="no slice of grid round k has room"):
+        await rounds.average(layout, np.zeros(6, np.float32), "k", weight=0.0, role="aux",
+                             stage_round=never)
 
 
 def test_a_rosters_cells_stay_the_rosters_when_the_others_do_not_fit_as_helpers() -> None:
