@@ -181,6 +181,35 @@ def test_an_unknown_scenario_is_named() -> None:
         asyncio.run(run_scenario("tornado", 4))
 
 
+async def _start_together(seed: int, trainers: int, dht_peers: int
+                          ) -> tuple[list[int | None], int, int]:
+    """`trainers` trainers and an aux peer (and `dht_peers` DHT-only peers) start at once in
+    groups of 4 and run until every trainer is at epoch 4 (at most 300 simulated seconds): the
+    trainers' epochs, their failed rounds, and all peers' failed rounds."""
+    from dedloc.sim.network import LinkProfile
+    from dedloc.sim.swarm import PeerSpec, RunSpec, Swarm
+
+    swarm = Swarm(RunSpec(size=64, target_batch_size=trainers * 1000, max_group_size=4,
+                          average_state_every=2), seed=seed)
+    try:
+        link = LinkProfile(upload=12.5e6, download=12.5e6, latency=0.01)
+        for _ in range(dht_peers):
+            await swarm.add(PeerSpec("dht", link=link))
+        started = [await swarm.add(PeerSpec("trainer", 100.0, link)) for _ in range(trainers)]
+        await swarm.add(PeerSpec("aux", link=link))
+        swarm.running = True
+        for _ in range(300):  # simulated seconds
+            if all(p.engine is not None and p.engine.progress.epoch >= 4 for p in started):
+                break
+            await asyncio.sleep(1.0)  # (virtual time: the simulator's clock, not the wall's)
+        assert all(p.error is None for p in swarm.peers), [p.error for p in swarm.peers]
+        return ([p.engine.progress.epoch if p.engine else None for p in started],
+                sum(p.engine.progress.failed_rounds for p in started if p.engine),
+                sum(p.engine.progress.failed_rounds for p in swarm.peers if p.engine))
+    finally:
+        await swarm.close()
+
+
 @pytest.mark.parametrize("seed", [2, 3])
 async def test_trainers_that_start_together_in_grid_rounds_go_on_past_a_partial_first_step(
         seed: int) -> None:
@@ -190,33 +219,11 @@ async def test_trainers_that_start_together_in_grid_rounds_go_on_past_a_partial_
     # aux peer as helpers, so it fell back to one group of 4, which never holds the majority of
     # 8 a step needs: 2479 failed rounds, the run stuck at epoch 1 (grid.py now gives every
     # trainer a cell then)
-    import asyncio
-
-    from dedloc.sim.network import LinkProfile
-    from dedloc.sim.swarm import PeerSpec, RunSpec, Swarm
-
-    swarm = Swarm(RunSpec(size=64, target_batch_size=8000, max_group_size=4,
-                          average_state_every=2), seed=seed)
-    try:
-        link = LinkProfile(upload=12.5e6, download=12.5e6, latency=0.01)
-        for _ in range(2):
-            await swarm.add(PeerSpec("dht", link=link))
-        trainers = [await swarm.add(PeerSpec("trainer", 100.0, link)) for _ in range(8)]
-        await swarm.add(PeerSpec("aux", link=link))
-        swarm.running = True
-        for _ in range(300):  # simulated seconds
-            if all(p.engine is not None and p.engine.progress.epoch >= 4 for p in trainers):
-                break
-            await asyncio.sleep(1.0)  # (virtual time: the simulator's clock, not the wall's)
-        epochs = [p.engine.progress.epoch if p.engine else None for p in trainers]
-        failed = sum(p.engine.progress.failed_rounds for p in trainers if p.engine)
-        assert all(p.error is None for p in swarm.peers), [p.error for p in swarm.peers]
-        assert all(e is not None and e >= 4 for e in epochs), (epochs, failed)
-        # (a few while the trainers settle: seed 3 had 11 before the fix, 22 now that the
-        # cells stay a roster's that holds most trainers and the others sit the round out)
-        assert failed <= 40, (epochs, failed)
-    finally:
-        await swarm.close()
+    epochs, failed, _ = await _start_together(seed, 8, dht_peers=2)
+    assert all(e is not None and e >= 4 for e in epochs), (epochs, failed)
+    # (a few while the trainers settle: seed 3 had 11 before the fix, 22 once the cells stayed
+    # a roster's that holds most trainers and the others sat the round out)
+    assert failed <= 40, (epochs, failed)
 
 
 async def test_twelve_trainers_that_settled_different_parts_of_the_head_lay_out_one_grid() -> None:
@@ -226,28 +233,9 @@ async def test_twelve_trainers_that_settled_different_parts_of_the_head_lay_out_
     # settled few refused the roster of one that settled all and laid out grids of their own:
     # 221 failed rounds in 206 simulated seconds, the run at epochs 0-1 (roster.py now judges
     # a first round's rosters by every trainer seen at the head)
-    from dedloc.sim.network import LinkProfile
-    from dedloc.sim.swarm import PeerSpec, RunSpec, Swarm
-
-    swarm = Swarm(RunSpec(size=64, target_batch_size=12000, max_group_size=4,
-                          average_state_every=2), seed=3)
-    try:
-        link = LinkProfile(upload=12.5e6, download=12.5e6, latency=0.01)
-        await swarm.add(PeerSpec("dht", link=link))
-        trainers = [await swarm.add(PeerSpec("trainer", 100.0, link)) for _ in range(12)]
-        await swarm.add(PeerSpec("aux", link=link))
-        swarm.running = True
-        for _ in range(300):  # simulated seconds
-            if all(p.engine is not None and p.engine.progress.epoch >= 4 for p in trainers):
-                break
-            await asyncio.sleep(1.0)  # (virtual time: the simulator's clock, not the wall's)
-        epochs = [p.engine.progress.epoch if p.engine else None for p in trainers]
-        failed = sum(p.engine.progress.failed_rounds for p in swarm.peers if p.engine)
-        assert all(p.error is None for p in swarm.peers), [p.error for p in swarm.peers]
-        assert all(e is not None and e >= 4 for e in epochs), (epochs, failed)
-        assert failed <= 12, (epochs, failed)  # (0 at this code)
-    finally:
-        await swarm.close()
+    epochs, _, failed = await _start_together(3, 12, dht_peers=1)
+    assert all(e is not None and e >= 4 for e in epochs), (epochs, failed)
+    assert failed <= 12, (epochs, failed)  # (0 at this code)
 
 
 async def test_an_aux_peer_a_grid_has_no_room_for_sits_out_without_failing() -> None:
