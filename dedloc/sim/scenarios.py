@@ -465,10 +465,13 @@ async def run_scenario(name: str, peers: int, *, aux: int | None = None, seed: i
     watching = asyncio.create_task(observer.watch())
     try:
         await SCENARIOS[name](swarm, observer, result, epochs, **(script or {}))
+        if watching.done():  # the observer failed: its error, not the figures it left
+            watching.result()
         watching.cancel()
         _finish(swarm, observer, result)
     finally:
         watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
         await swarm.close()
     result.simulated_seconds = round(loop.time() - start, 1)
     result.wall_seconds = round(time.monotonic() - wall, 1)

@@ -175,6 +175,16 @@ async def test_the_observer_samples_while_a_script_is_busy_adding_peers(
     assert [result.spread_by_epoch[str(e)][1] for e in range(2)] == [4, 4], result.to_json()
 
 
+async def test_an_observer_that_fails_fails_the_scenario(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dedloc.sim.scenarios import Observer
+
+    def broken(self: Observer) -> None:
+        raise RuntimeError("the observer broke")
+    monkeypatch.setattr(Observer, "sample", broken)
+    with pytest.raises(RuntimeError, match="the observer broke"):
+        await run_scenario("steady", 2, aux=0, epochs=1)
+
+
 def test_an_unknown_scenario_is_named() -> None:
     import asyncio
     with pytest.raises(ValueError, match="unknown scenario"):
