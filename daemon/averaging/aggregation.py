@@ -6,12 +6,13 @@ answers against it (accounts.py):
 
 - `mean`: the weighted mean, sum_i w_i x_i / sum_i w_i.
 - `norm_clip` (the default of runs): the norm-clipped weighted mean. With at least
-  `MIN_CLIP_SENDERS` contributions of weight > 0, tau = `NORM_CLIP_FACTOR` times the median of
-  their L2 norms (unweighted: a claimed weight cannot move it), each contribution is scaled by
-  s_i = min(1, tau / ||x_i||) (1 for a zero vector; 0 for a nonzero one when tau is 0), and the
-  answer is sum_i w_i s_i x_i / sum_i w_i. The denominator is not renormalised: a clipped
-  contribution shrinks toward zero, it does not pass its weight on to the others. With fewer
-  senders it is the weighted mean (no median can outvote anyone).
+  `MIN_CLIP_SENDERS` contributions of weight > 0 (and not negligible: `NEGLIGIBLE_SHARE`), tau =
+  `NORM_CLIP_FACTOR` times the median of their L2 norms (unweighted: a claimed weight cannot
+  move it), each contribution is scaled by s_i = min(1, tau / ||x_i||) (1 for a zero vector; 0
+  for a nonzero one when tau is 0), and the answer is sum_i w_i s_i x_i / sum_i w_i. The
+  denominator is not renormalised: a clipped contribution shrinks toward zero, it does not pass
+  its weight on to the others. With fewer senders it is the weighted mean (no median can outvote
+  anyone).
 
 Both are linear in the contributions once the scales are known, and the scales follow from the
 norms the reducer states in its account: a member recomputes them, so norm-clipped answers stay
@@ -39,6 +40,13 @@ AGGREGATIONS: tuple[Aggregation, ...] = ("mean", "norm_clip")
 DEFAULT_RUN_AGGREGATION: Aggregation = "norm_clip"  # a gradients run's default (manifest.py)
 NORM_CLIP_FACTOR = 4.0  # tau: this many times the median norm of a chunk's contributions
 MIN_CLIP_SENDERS = 3  # below this many contributions of weight > 0: the plain weighted mean
+# a contribution that weighs less than this share of its chunk's heaviest is not counted for the
+# clip (neither in MIN_CLIP_SENDERS nor in the median): a grid round's helper sends its block's
+# mean, which a cell of the block sends too, with 2**-40 of that block's weight only to get the
+# answer back (collab/grid.py). Honest weights of one chunk differ far less; a claim (bounded by
+# the round's max_weight, a few target batches) would need 2**30 times an honest weight to leave
+# it uncounted, and an uncounted one still weighs in the mean
+NEGLIGIBLE_SHARE = 2.0 ** -30
 
 
 def check_aggregation(name: str) -> Aggregation:
@@ -58,8 +66,11 @@ def l2_norm(values: np.ndarray) -> float:
 
 def clip_scales(weights: Sequence[float], norms: Sequence[float]) -> tuple[float, ...]:
     """s_i for each contribution (its weight, its norm) under `norm_clip` (module docstring):
-    all 1 below MIN_CLIP_SENDERS contributions of weight > 0."""
-    counted = [norm for weight, norm in zip(weights, norms, strict=True) if weight > 0]
+    all 1 below MIN_CLIP_SENDERS contributions of weight > 0 (those that weigh less than
+    NEGLIGIBLE_SHARE of the heaviest are not counted, nor is their norm in the median)."""
+    floor = max(weights, default=0.0) * NEGLIGIBLE_SHARE
+    counted = [norm for weight, norm in zip(weights, norms, strict=True)
+               if weight > 0 and weight >= floor]
     if len(counted) < MIN_CLIP_SENDERS:
         return (1.0,) * len(norms)
     tau = NORM_CLIP_FACTOR * statistics.median(counted)

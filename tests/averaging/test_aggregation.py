@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 from dedloc.daemon.averaging.aggregation import (
+    NEGLIGIBLE_SHARE,
     NORM_CLIP_FACTOR,
     check_aggregation,
     clip_scales,
     l2_norm,
     weighted_mean,
 )
+from dedloc.daemon.collab.grid import LISTENING_SHARE
 
 N = 4096
 
@@ -82,6 +84,14 @@ def test_below_three_senders_it_is_the_weighted_mean() -> None:
     # a member that sends nothing (weight 0) does not count toward the three, nor the median
     assert clip_scales([1.0, 1.0, 0.0], [1.0, 1e6, 0.0]) == (1.0, 1.0, 1.0)
     assert clip_scales([1.0, 1.0, 1.0], [1.0, 1e6, 1.0])[1] == pytest.approx(4e-6)
+
+
+def test_a_negligible_weight_counts_neither_for_the_clip_nor_in_its_median() -> None:
+    # a grid helper listening for the mean (2**-40 of its block's weight) beside two cells
+    # whose norms differ 5x: as with the two cells alone, nothing is clipped
+    assert clip_scales([10.0, 12.0, 10.0 * 2.0 ** -40], [1.0, 5.0, 1.0]) == (1.0, 1.0, 1.0)
+    assert clip_scales([10.0, 12.0, 11.0], [1.0, 5.0, 1.0]) == (1.0, 0.8, 1.0)
+    assert NEGLIGIBLE_SHARE > 2.0 ** 8 * LISTENING_SHARE
 
 
 def test_zero_vectors_and_a_zero_median() -> None:
