@@ -26,13 +26,16 @@ began early waited `wait` for the best-ranked writer, then took another's; those
 after it came took its.) A roster is taken only from a writer among the first
 `WRITERS + WRITER_SLACK` of the reader's own view, and only if it agrees with that view
 (`agrees`: it holds most of the trainers the reader sees, and few it does not know; in a first
-round the view is every trainer seen at the head, and the writers are also ranked among the
-settled ones a peer publishes, see `Rosters.agree`), so a
+round the view is every trainer seen at the head, while a writer publishes only those it has
+seen there for a while: `Rosters.agree`, `publishes`), so a
 stranger cannot hand out the cells, and trainers missing from the roster help like newcomers
 (grid.py). What remains: one of those writers (an identity at the head, which a forged progress
 report can put there once the round's key is known) can sign an early publication time and
 write a roster that agrees but moves up to half the trainers out of the cells and a quarter of
-them to ids that never come; the round then fails, and the next one ranks writers anew. The
+them to ids that never come; the round then fails, and the next one ranks writers anew. In a
+first round, identities that appear at the head just before it count in every reader's view:
+as many as the honest trainers make every honest roster disagree, and each peer lays out its
+own grid (the round fails). The
 roster stays in the DHT for `TTL` seconds: a round that failed and runs again under the same key
 lays out the same grid.
 """
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 __all__ = ["MAX_ROSTER", "TTL", "WRITERS", "Published", "Rosters", "agrees", "decode", "encode",
-           "pick", "writers"]
+           "pick", "publishes", "writers"]
 
 WRITERS = 3  # trainers that publish their view of a grid round
 # a roster is taken only from a writer among the first WRITERS + WRITER_SLACK of the reader's own
@@ -96,16 +99,28 @@ def agrees(roster: Collection[str], view: Collection[str]) -> bool:
     return 2 * len(members & seen) > len(seen) and 4 * len(members - seen) <= len(members)
 
 
-def pick(key: str, view: Collection[str], entries: Mapping[str, Published],
-         drawn: Collection[str] = ()) -> tuple[str, Published] | None:
+def pick(key: str, view: Collection[str], entries: Mapping[str, Published]
+         ) -> tuple[str, Published] | None:
     """(writer, its roster) of the roster published first (ties: the best-ranked writer) among
     those that agree with `view`, or None. Only writers among the first WRITERS + WRITER_SLACK
-    of `view`, or of `drawn` (the part of it this peer would publish), count."""
-    allowed = {*writers(key, view, WRITERS + WRITER_SLACK),
-               *writers(key, drawn, WRITERS + WRITER_SLACK)}
+    of `view` count."""
+    allowed = set(writers(key, view, WRITERS + WRITER_SLACK))
     good = [(writer, entry) for writer, entry in entries.items()
             if writer in allowed and agrees(entry.roster, view)]
     return min(good, key=lambda item: (item[1].at, _rank(key, item[0])), default=None)
+
+
+def publishes(key: str, peer: str, view: Collection[str], drawn: Collection[str]) -> bool:
+    """Whether `peer` writes a roster of the round `key`: it is one of the first WRITERS of its
+    `view`, or of the part it would publish (`drawn`, which holds it) while among the first
+    WRITERS + WRITER_SLACK of its view (where every reader takes it from). A first round's
+    drawn part is what the peer settled, and those parts differ widely: a writer ranked 6th of
+    12 that had settled 7 published first, a reader that had settled few took its 7, one that
+    had settled all the best-ranked writer's 12 (when writers were admitted by either rank)."""
+    if peer not in drawn:
+        return False
+    return peer in writers(key, view) or (peer in writers(key, drawn)
+                                          and peer in writers(key, view, WRITERS + WRITER_SLACK))
 
 
 def encode(roster: Iterable[str]) -> bytes:
@@ -138,7 +153,7 @@ class Rosters:
         """The trainers a grid round of `key` gives its cells to: the first-published roster
         that agrees with this peer's view (`trainers`, itself included if it trains, and
         `seen`), waited for at most `wait` seconds; else `trainers`. This peer writes
-        `trainers` as a roster if it is one of their writers and `write` allows.
+        `trainers` as a roster if it is one of the writers (`publishes`) and `write` allows.
         (`seen`: the trainers this peer sees at the head beyond those it would publish; a first
         round publishes only those seen there for a while, `Timing.settle`, and judges a roster
         by all: peers that began together see each other arrive at different moments, so the
@@ -155,17 +170,16 @@ class Rosters:
         # (seen in the simulator: clocks 3 s apart, a 24-peer step 3.3e-3 apart)
         # (only a roster of one of the first WRITERS counts for that: one from the slack ranks
         # may not be taken by readers whose views rank it lower, and they need an honest one)
-        first = {*writers(key, drawn), *writers(key, view)}
-        if write and self.peer_id in writers(key, drawn) and self.peer_id not in entries \
-                and pick(key, view, {w: e for w, e in entries.items() if w in first},
-                         drawn) is None:
+        first = set(writers(key, view))
+        if write and publishes(key, self.peer_id, view, drawn) and self.peer_id not in entries \
+                and pick(key, view, {w: e for w, e in entries.items() if w in first}) is None:
             published = await self._write(dht_key, drawn)
             if published is not None:
                 entries[self.peer_id] = published
         give_up = timebase.monotonic() + max(0.0, wait)
         pause = POLL
         while True:
-            chosen = pick(key, view, entries, drawn)
+            chosen = pick(key, view, entries)
             left = give_up - timebase.monotonic()
             if chosen is not None:
                 # taken once it is SETTLE old: one published at about the same moment (and

@@ -25,6 +25,7 @@ from dedloc.daemon.collab.roster import (
     decode,
     encode,
     pick,
+    publishes,
     writers,
 )
 from dedloc.daemon.collab.rounds import NetworkRounds
@@ -267,6 +268,30 @@ async def test_peers_that_settled_different_parts_of_one_view_take_one_roster(
         chosen.append(await Rosters(dht, peer, "run").agree(  # type: ignore[arg-type]
             key, drawn, wait=0.0, seen=trainers if judged_by_all else ()))
     assert (set(chosen) == {tuple(sorted(trainers))}) is judged_by_all
+
+
+async def test_a_writer_ranked_low_in_the_view_does_not_publish_what_it_settled_first() -> None:
+    # a first round: the 6th of 12 by rank settled 7 of them (itself among its first three)
+    # and began first. Admitted by the rank in what it settled, it published those 7; a peer
+    # that had settled few took them, one that had settled all took the best writer's 12
+    key = "grad/0/start"
+    trainers = _ids(12)
+    ranked = writers(key, trainers, 12)
+    low = ranked[5]
+    settled = [low, *ranked[6:12]]  # 7, the low writer first among them by rank
+    assert low in writers(key, settled) and low not in writers(key, trainers, 5)
+    assert not publishes(key, low, trainers, settled)
+    assert publishes(key, ranked[0], trainers, trainers)
+    dht = _Dht()
+    chosen = [await Rosters(dht, low, "run").agree(  # type: ignore[arg-type]
+        key, settled, wait=0.0, seen=trainers)]
+    for peer, drawn in [(ranked[0], trainers), (ranked[6], settled),
+                        (ranked[11], [ranked[11], ranked[10]]),
+                        *((p, trainers) for p in ranked[1:11] if p != ranked[6])]:
+        chosen.append(await Rosters(dht, peer, "run").agree(  # type: ignore[arg-type]
+            key, drawn, wait=0.0, seen=trainers))
+    assert set(chosen[1:]) == {tuple(sorted(trainers))}
+    assert set(dht.values["run/roster/" + key]) <= set(writers(key, trainers, 5))
 
 
 async def test_a_roster_dated_in_the_future_holds_a_reader_no_longer_than_its_wait_and_a_settle() -> None:
