@@ -34,6 +34,7 @@ from .policy import (
     RoundResult,
     Schedule,
     Timing,
+    Wait,
     needed_trainers,
     round_key,
     state_round_due,
@@ -87,6 +88,7 @@ class RoundTaking:
     _log: FilteringBoundLogger
     head: Head
     _schedule_look: Callable[[float], None]
+    _wait: Callable[[Wait], Awaitable[None]]
     _settled: Callable[[], tuple[str, ...]]
     _count: Callable[[int, float, float | None], None]
     _save_checkpoint: Callable[[], Awaitable[None]]
@@ -315,11 +317,11 @@ class RoundTaking:
                 aux=self._aux_peers(), max_weight=self._weight_ceiling(),
                 weight_budget=self._weight_budget(), settled=self._settled())
         except RoundSatOut as exc:
-            # no room for it beside the grid's cells: this head's round is not its to take
-            # (counted as a failed round, it tried again every second or two)
-            self._averaged = action.head
+            # no room for it beside the grid's cells: not a failed round (counted as one, it
+            # tried again every second or two); it looks again a while later (a retry of the
+            # same head may have room: the head is not marked as averaged)
             self._log.debug("aux_round_sat_out", epoch=action.head.epoch, reason=str(exc))
-            self._schedule_look(0.0)
+            await self._wait(Wait(timebase.now() + self.timing.max_look, "sitting a round out"))
             return
         result = None if report is None else RoundResult(report.trainers, report.senders,
                                                          len(report.failed_parts))
