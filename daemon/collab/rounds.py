@@ -89,7 +89,7 @@ class NetworkRounds:
             if not set(layout.cells) <= known:  # too few to lay the grid out on (grid.py)
                 known = set()
             everyone = {*trainers, *mine} - set(aux)
-            view = (known & everyone if known else set(settled)) - set(aux)
+            view = known & everyone if known else set(settled) - set(aux)
             if len(view - {me}) < 2:
                 view = everyone
             log.debug("grid_roster_view", key=key, view=len(view), trainers=len(trainers),

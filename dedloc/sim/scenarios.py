@@ -294,7 +294,7 @@ def _unix_offset(swarm: Swarm) -> float:
     return UNIX_START
 
 
-async def _run_for(swarm: Swarm, observer: Observer, seconds: float,
+async def _run_for(swarm: Swarm, seconds: float,
                    until: Callable[[], bool] | None = None) -> None:
     """Let the swarm run for `seconds`, or until `until()` (the observer samples meanwhile)."""
     end = swarm.loop.time() + seconds
@@ -350,26 +350,26 @@ async def _start(swarm: Swarm, peers: int, aux: int, observer: Observer,
     # (memory per peer is compared with a sample after the start: a peer's links grow with the
     # swarm, not with time)
     observer.rss_baseline = len(observer.rss) + 2
-    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    await _run_for(swarm, 2 * EPOCH_SECONDS)
 
 
 async def _steady(swarm: Swarm, observer: Observer, result: Result, epochs: int) -> None:
     await _start(swarm, result.peers, result.aux, observer)
     start = _run_epoch(swarm)
-    await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
+    await _run_for(swarm, epochs * EPOCH_SECONDS * 3,
                    until=lambda: _all_at(swarm, start + epochs))
 
 
 async def _flash_crowd(swarm: Swarm, observer: Observer, result: Result, epochs: int,
                        joiners: int = 100) -> None:
     await _start(swarm, result.peers, result.aux, observer)
-    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    await _run_for(swarm, 2 * EPOCH_SECONDS)
     await asyncio.gather(*(swarm.add(_spec(swarm)) for _ in range(joiners)))
     start = _run_epoch(swarm)
-    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    await _run_for(swarm, 2 * EPOCH_SECONDS)
     observer.rss_baseline = len(observer.rss)
     # (ends between rounds, every trainer stepped: the parameters are compared at the end)
-    await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
+    await _run_for(swarm, epochs * EPOCH_SECONDS * 3,
                    until=lambda: _all_at(swarm, start + epochs))
 
 
@@ -378,35 +378,35 @@ async def _churn(swarm: Swarm, observer: Observer, result: Result, epochs: int,
     await _start(swarm, result.peers, result.aux, observer)
     rounds = max(1, math.ceil(epochs * EPOCH_SECONDS / period))
     for turn in range(rounds):
-        await _run_for(swarm, observer, period / 2)
+        await _run_for(swarm, period / 2)
         if turn == 0:  # a flash crowd, then it thins out again with the churn
             await asyncio.gather(*(swarm.add(_spec(swarm)) for _ in range(joiners)))
-            await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+            await _run_for(swarm, 2 * EPOCH_SECONDS)
             observer.rss_baseline = len(observer.rss)
-            await _run_for(swarm, observer, max(0.0, period / 2 - 2 * EPOCH_SECONDS))
+            await _run_for(swarm, max(0.0, period / 2 - 2 * EPOCH_SECONDS))
         else:
-            await _run_for(swarm, observer, period / 2)
+            await _run_for(swarm, period / 2)
         trainers = [p for p in swarm.live if p.spec.role == "trainer"]
         leaving = swarm.rng.sample(trainers, int(share * result.peers))
         await asyncio.gather(*(p.stop(crash=swarm.rng.random() < 0.5) for p in leaving))
         await asyncio.gather(*(swarm.add(_spec(swarm)) for _ in leaving))
-    await _run_for(swarm, observer, 4 * EPOCH_SECONDS)
+    await _run_for(swarm, 4 * EPOCH_SECONDS)
 
 
 async def _partition(swarm: Swarm, observer: Observer, result: Result, epochs: int,
                      seconds: float = 300.0) -> None:
     await _start(swarm, result.peers, result.aux, observer)
-    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    await _run_for(swarm, 2 * EPOCH_SECONDS)
     hosts = [p.host.index for p in swarm.live]
     half = set(hosts[: len(hosts) // 2])
     observer.excluding = True
     swarm.network.partition(half, set(hosts) - half)
-    await _run_for(swarm, observer, seconds)
+    await _run_for(swarm, seconds)
     swarm.network.heal()
     healed_at = _run_epoch(swarm)
     # the stale reports of the other side go first: steps in the first epochs after the heal
     # still belong to the partition
-    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    await _run_for(swarm, 2 * EPOCH_SECONDS)
     observer.excluding = False
 
     def reconciled() -> bool:
@@ -414,9 +414,9 @@ async def _partition(swarm: Swarm, observer: Observer, result: Result, epochs: i
         heads = {(p.engine.progress.epoch, _digest(p)) for p in trainers if p.engine is not None}
         return len(heads) == 1
 
-    await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3, until=reconciled)
+    await _run_for(swarm, epochs * EPOCH_SECONDS * 3, until=reconciled)
     result.epochs_to_reconcile = _run_epoch(swarm) - healed_at if reconciled() else None
-    await _run_for(swarm, observer, 2 * EPOCH_SECONDS)
+    await _run_for(swarm, 2 * EPOCH_SECONDS)
 
 
 async def _liars(swarm: Swarm, observer: Observer, result: Result, epochs: int,
@@ -429,7 +429,7 @@ async def _liars(swarm: Swarm, observer: Observer, result: Result, epochs: int,
     liars = max(1, round(share * result.peers))
     if arrive_after > 0:
         await _start(swarm, result.peers - liars, result.aux, observer)
-        await _run_for(swarm, observer, (arrive_after + 2) * EPOCH_SECONDS * 3,
+        await _run_for(swarm, (arrive_after + 2) * EPOCH_SECONDS * 3,
                        until=lambda: _all_at(swarm, arrive_after))
         for index in range(liars):
             spec = _spec(swarm)
@@ -438,7 +438,7 @@ async def _liars(swarm: Swarm, observer: Observer, result: Result, epochs: int,
     else:
         await _start(swarm, result.peers, result.aux, observer, liars=liars, lies=lies)
     start = _run_epoch(swarm)
-    await _run_for(swarm, observer, epochs * EPOCH_SECONDS * 3,
+    await _run_for(swarm, epochs * EPOCH_SECONDS * 3,
                    until=lambda: _run_epoch(swarm) >= start + epochs)
 
 

@@ -166,8 +166,8 @@ async def test_the_observer_samples_while_a_script_is_busy_adding_peers(
         for _ in range(600):  # what a script does between samples is its own business
             if all(p.engine.progress.epoch >= epochs for p in swarm.live):
                 break
-            await asyncio.sleep(1.0)
-        await asyncio.sleep(5.0)  # the last step's other members
+            await asyncio.sleep(1.0)  # (virtual time: the simulator's clock, not the wall's)
+        await asyncio.sleep(5.0)  # the last step's other members (virtual time too)
 
     monkeypatch.setitem(SCENARIOS, "busy", busy)
     result = await run_scenario("busy", 4, aux=0, epochs=2)
