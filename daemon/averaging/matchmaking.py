@@ -12,13 +12,14 @@
    a fresh group id, the round's deadline, and sends that same `Group` to every member
    (`avg.group`).
 4. A peer asked to join while it follows someone else answers with a redirect to its leader; ranks
-   only decrease along redirects, so they end. A peer asked while still gathering takes the join
-   (it may well lead); if it then follows another leader after all (one its joiner had not seen),
-   it redirects those it took there (`avg.redirect`), so that none waits for a group that never
-   comes. A leader that does not answer, or that has already closed its group, is skipped for the
-   next candidate while time remains; in the end a peer can always average alone (a group of
-   one), so matchmaking never deadlocks and never waits past the window (a grid stage's round:
-   past its latest gathering, see below).
+   only decrease along redirects, so they end. A peer asked while still gathering, or while its
+   own leader has not taken it yet (that one may be silent), takes the join (it may well lead);
+   if it then follows another leader after all (one its joiner had not seen), it redirects those
+   it took there (`avg.redirect`), so that none waits for a group that never comes. A leader
+   that does not answer, or that has already closed its group, is skipped for the next
+   candidate while time remains; in the end a peer can always average alone (a group of one),
+   so matchmaking never deadlocks and never waits past the window (a grid stage's round: past
+   its latest gathering, see below).
 5. A peer banned here (bans.py) counts towards `expected` but is no candidate: it is not taken as
    a leader, not waited for, and its join is refused.
 
@@ -417,6 +418,9 @@ class Matchmaker:
         if "redirect" in reply.header:
             return str(reply.header["redirect"])
         gathering.accepted = True
+        # those that joined us while this leader had not answered yet follow it too (`_on_join`)
+        taken, gathering.joiners = list(gathering.joiners), {}
+        await asyncio.gather(*(self._send_redirect(request, peer_id, leader) for peer_id in taken))
         # accepted: the leader sends the group (avg.group) once it is assembled, or, if it follows
         # another peer after all, that peer's id (avg.redirect). In a direct round the leader may
         # wait past its window for members on their way (`_still_coming`), at most until its
@@ -545,11 +549,17 @@ class Matchmaker:
                 raise LeaderComing("still in an earlier stage of this round; ask again shortly")
             raise NotGathering("no round of that key is being formed here")
         if gathering.leader is not None and gathering.leader != self.peer_id:
-            if gathering.request.peers and not gathering.accepted:
+            if gathering.accepted:
+                return Message({"redirect": gathering.leader})
+            if gathering.request.peers:
                 # a direct round: we still wait for the leader before us; if it never comes we
                 # lead, so ask again shortly rather than follow a leader that may not exist
                 raise NotGathering("still waiting for the round's leader; ask again shortly")
-            return Message({"redirect": gathering.leader})
+            # A leader that has not taken us yet may be silent: sending the joiner there (it
+            # skipped that one already) cost it a second try of a dead peer, and the round
+            # split (its group formed after the others had settled on the next one). We take
+            # the join as an undecided peer does: we lead it if our leader is gone, or send it
+            # on to our leader once that one takes us (`_join_leader`).
         try:
             member = Member.from_json(header["member"])
         except (KeyError, TypeError, ValueError) as exc:

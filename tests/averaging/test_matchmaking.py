@@ -109,6 +109,30 @@ async def test_a_silent_leader_does_not_deadlock(swarm: Swarm) -> None:
     assert {m.peer_id for m in groups[0].members} == {m.peer_id for m in others}
 
 
+async def test_a_peer_still_asking_a_silent_leader_takes_the_joins_sent_to_it(swarm: Swarm) -> None:
+    # The first-ranked peer announces itself and goes silent; the second-ranked one reads the
+    # key a moment after the others, so it still waits on the silent one when they have given
+    # up on it and ask it. It used to send them back to the silent one (a second second lost
+    # each), and the round split: it led one group, the third-ranked another.
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:6]
+    key = "run/round-4"
+    order = _ranked(key, [m.peer_id for m in makers])
+    by_id = {m.peer_id: m for m in makers}
+    silent, second = by_id[order[0]], by_id[order[1]]
+    await silent._announce(request(silent.peer_id, key, window=2.0), timebase.now() + 2.0)
+    swarm.network.blackhole(silent.peer_id)
+    others = [by_id[p] for p in order[2:]]
+
+    async def later(maker: Matchmaker) -> Group:
+        await asyncio.sleep(0.3)
+        return await maker.form_group(request(maker.peer_id, key, window=2.0))
+
+    groups = await asyncio.gather(later(second), *(m.form_group(request(m.peer_id, key, window=2.0))
+                                                   for m in others))
+    assert len({g.group_id for g in groups}) == 1
+    assert {m.peer_id for m in groups[0].members} == set(order[1:])
+
+
 def direct(peer_id: str, key: str, peers: list[str], window: float = 2.0,
            staged: bool = True) -> RoundRequest:
     """A direct round (by default a grid stage's): the caller names the peers it expects."""
