@@ -9,7 +9,8 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
 - `min_round_participation`: the lowest share, over the rounds, of the live trainers that had
   synced with the run before the round (stepped or downloaded once), or had been live for
   `SYNC_GRACE` without ever syncing, and stepped in it (honest trainers only: the others rightly
-  leave a liar that claims another epoch out of their rounds);
+  leave a liar that claims another epoch out of their rounds); `lowest_round` says which round
+  that was, with its trainers and the live ones counted;
 - `max_epoch_spread`: the largest gap between the epochs of such trainers, sampled every second;
 - `newcomer_epochs_to_contribute`: for peers that joined a running run, the most epochs between
   the run's epoch when they joined and the first epoch they contributed samples to;
@@ -73,6 +74,7 @@ class Result:
     epochs: int = 0
     split_brain: bool = False
     min_round_participation: float = 1.0
+    lowest_round: dict[str, Any] | None = None  # that round: epoch, trainers in it and live then
     max_epoch_spread: int = 0
     newcomer_epochs_to_contribute: int = 0
     newcomers: int = 0
@@ -265,12 +267,21 @@ class Observer:
         return self._state_round_spread
 
     def min_participation(self) -> float:
-        shares = []
-        for key, live in self.live_at_round.items():
+        lowest = self.lowest_round()
+        return 1.0 if lowest is None else lowest["share"]
+
+    def lowest_round(self) -> dict[str, Any] | None:
+        """The round with the lowest share of the live trainers in it (epoch, lineage's first
+        characters, trainers in it, trainers live then), or None if no round was measured."""
+        lowest: dict[str, Any] | None = None
+        for key, live in sorted(self.live_at_round.items()):
             if key[0] in self.excluded_epochs or live == 0:
                 continue
-            shares.append(min(1.0, self.participants[key] / live))
-        return min(shares, default=1.0)
+            share = min(1.0, self.participants[key] / live)
+            if lowest is None or share < lowest["share"]:
+                lowest = {"epoch": key[0], "lineage": key[1][:8], "share": share,
+                          "participants": self.participants[key], "live": live}
+        return lowest
 
     def newcomer_delay(self) -> tuple[int, int]:
         worst, count = 0, 0
@@ -390,7 +401,10 @@ async def _churn(swarm: Swarm, observer: Observer, result: Result, epochs: int,
         leaving = swarm.rng.sample(trainers, int(share * result.peers))
         await asyncio.gather(*(p.stop(crash=swarm.rng.random() < 0.5) for p in leaving))
         await asyncio.gather(*(swarm.add(_spec(swarm)) for _ in leaving))
-    await _run_for(swarm, 4 * EPOCH_SECONDS)
+    # ends between rounds, once the last replacements stepped too (ending on a fixed time, the
+    # last round was measured over whichever of its members the final sample caught)
+    start = _run_epoch(swarm)
+    await _run_for(swarm, 8 * EPOCH_SECONDS, until=lambda: _all_at(swarm, start + 2))
 
 
 async def _partition(swarm: Swarm, observer: Observer, result: Result, epochs: int,
@@ -482,18 +496,18 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
     result.epochs = _run_epoch(swarm)
     result.split_brain = observer.split_brain()
     result.min_round_participation = round(observer.min_participation(), 3)
+    lowest = observer.lowest_round()
+    result.lowest_round = None if lowest is None else {**lowest, "share": round(lowest["share"], 3)}
     result.max_epoch_spread = observer.max_spread
     result.newcomer_epochs_to_contribute, result.newcomers = observer.newcomer_delay()
-    served = [p.sharing.served for p in swarm.peers if p.sharing is not None and p.sharing.served]
+    served = [s for p in swarm.peers
+              if (s := p.sharing.served if p.sharing is not None else p.served)]
     result.max_donor_load_ratio = round(max(served) / (sum(served) / len(served)), 2) if served else 0.0
-    result.state_downloads = sum(p.engine.progress.state_downloads for p in swarm.peers
-                                 if p.engine is not None)
-    result.failed_rounds = sum(p.engine.progress.failed_rounds for p in swarm.peers
-                               if p.engine is not None)
-    result.reports_unserved = sum(p.engine.progress.reports_unserved for p in swarm.peers
-                                  if p.engine is not None)
-    result.reports_beyond_pace = sum(p.engine.progress.reports_beyond_pace for p in swarm.peers
-                                     if p.engine is not None)
+    progress = [p.progress for p in swarm.peers if p.progress is not None]
+    result.state_downloads = sum(g.state_downloads for g in progress)
+    result.failed_rounds = sum(g.failed_rounds for g in progress)
+    result.reports_unserved = sum(g.reports_unserved for g in progress)
+    result.reports_beyond_pace = sum(g.reports_beyond_pace for g in progress)
     if len(observer.rss) >= 2:
         first = observer.rss[min(observer.rss_baseline, len(observer.rss) - 1)][1]
         result.memory_growth = round(observer.rss[-1][1] / max(1, first), 2)

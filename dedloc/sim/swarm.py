@@ -152,6 +152,10 @@ class SimPeer:
         self.sharing: StateSharing | None = None
         self.dht_serving = False  # a "dht" peer, once its node has started
         self._task: asyncio.Task[str] | None = None
+        # what a stopped peer leaves for the scenario's figures (its daemon's objects are let go:
+        # a churn scenario replaces hundreds of peers, and memory per live peer must stay flat)
+        self._final_progress: RunProgress | None = None
+        self.served = 0  # state downloads it served
 
     @property
     def alive(self) -> bool:
@@ -232,6 +236,22 @@ class SimPeer:
                 log.warning("sim_engine_failed", peer=self.index, error=repr(task.exception()))
         await self.dht.close()
         await self.transport.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Let a stopped peer's daemon go; keep its figures (`progress`, `served`, `error`)."""
+        if self.engine is not None:
+            self._final_progress = self.engine.progress
+        if self.sharing is not None:
+            self.served = self.sharing.served
+        self.engine = self.trainer = self.sharing = None
+        for name in ("averager", "membership", "dht", "transport", "_key"):
+            self.__dict__.pop(name, None)
+
+    @property
+    def progress(self) -> RunProgress | None:
+        """The run's progress on this peer (a stopped one's as it left)."""
+        return self.engine.progress if self.engine is not None else self._final_progress
 
     @property
     def error(self) -> BaseException | None:
