@@ -15,12 +15,13 @@ So every grid round has a *roster*: the first `WRITERS` trainers of its view, in
 by a hash of the round's key (`writers`), publish the trainers they see under the round's key
 in the DHT (one sub-key each, signed) as they begin the round; every peer then lays the grid
 out on the roster published *first* (`pick`: the earliest publication time the writers signed,
-ties by rank), waiting at most `wait` seconds for one, and once one is out, until it is
-`SETTLE` seconds old (a writer that began at the same moment is then seen too). Peers begin a
-round seconds apart; the first roster is out before the later ones look, so they all take it,
-and a writer that finds a roster it would take already out publishes none (a writer whose clock
-runs behind would otherwise sign an earlier time after the fact and take the later readers away
-from the first roster).
+ties by rank), waiting at most `wait` seconds for one (in a later round, if none is out when
+half of it is over, the writers of the next `WRITER_SLACK` ranks publish theirs too), and once
+one is out, until it is `SETTLE` seconds old (a writer that began at the same moment is then
+seen too). Peers begin a round seconds apart; the first roster is out before the later ones
+look, so they all take it, and a writer that finds a roster it would take already out
+publishes none (a writer whose clock runs behind would otherwise sign an earlier time after the
+fact and take the later readers away from the first roster).
 (The first rule, the best-ranked writer's roster, split a 128-peer round in two: peers that
 began early waited `wait` for the best-ranked writer, then took another's; those that began
 after it came took its.) A roster is taken only from a writer among the first
@@ -176,11 +177,24 @@ class Rosters:
             published = await self._write(dht_key, drawn)
             if published is not None:
                 entries[self.peer_id] = published
+        # a later round whose first writers begin late (or left): a writer of the slack ranks,
+        # which every reader takes a roster from too, publishes once half the wait is over
+        # with none out (256 trainers: 108 of one epoch's peers found no roster in their
+        # window, each laid out its own grid, and the round failed for all)
+        fallback = write and view == drawn and self.peer_id in drawn \
+            and self.peer_id in writers(key, view, WRITERS + WRITER_SLACK)
         give_up = timebase.monotonic() + max(0.0, wait)
         pause = POLL
         while True:
             chosen = pick(key, view, entries)
             left = give_up - timebase.monotonic()
+            if chosen is None and fallback and left <= wait / 2 and self.peer_id not in entries:
+                fallback = False
+                published = await self._write(dht_key, drawn)
+                if published is not None:
+                    log.info("grid_roster_fallback", key=key, trainers=len(drawn))
+                    entries[self.peer_id] = published
+                    continue
             if chosen is not None:
                 # taken once it is SETTLE old: one published at about the same moment (and
                 # signed a little earlier) is in the DHT by then

@@ -371,3 +371,41 @@ async def test_a_roster_from_a_slack_rank_writer_does_not_silence_the_first_writ
     best = writers(key, view)[0]
     await Rosters(dht, best, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
     assert set(dht.values[f"run/roster/{key}"]) == {fourth, best}
+
+
+@pytest.mark.parametrize("fourth_comes", [True, False])
+async def test_a_later_round_whose_first_writers_are_late_takes_a_slack_writers_roster(
+        fourth_comes: bool) -> None:
+    # the first three writers of the round's members begin late: the fourth publishes once half
+    # its wait is over, and every peer takes its roster (before, each peer waited out its window
+    # and laid out its own grid, and the round failed: 256 trainers, one epoch's 108 peers)
+    key, view = "grad/13/abc", _ids(40)
+    ranked = writers(key, view, 6)
+    dht = _Dht()
+    agree = _agreeing_with_wait(dht, key, wait=4.0)
+    readers = [p for p in view if p not in ranked]
+    begun = [ranked[3]] if fourth_comes else []
+    chosen = await asyncio.gather(*(agree(p, view) for p in [*begun, ranked[5], *readers]))
+    if fourth_comes:
+        assert set(chosen) == {tuple(sorted(view))}
+        assert set(dht.values[f"run/roster/{key}"]) == {ranked[3]}
+    else:  # the sixth may not write: nobody else would take its roster
+        assert f"run/roster/{key}" not in dht.values
+
+
+async def test_a_first_round_has_no_fallback_writer() -> None:
+    # a first round's writer publishes what it settled, judged by all it sees: a slack-rank
+    # writer that settled a part may not publish that part late
+    key, view = "grad/0/start", _ids(12)
+    fourth = writers(key, view, 5)[3]
+    dht = _Dht()
+    settled = [fourth, *(p for p in view if p != fourth)][:8]
+    await Rosters(dht, fourth, "run").agree(key, settled, wait=4.0, seen=view)  # type: ignore[arg-type]
+    assert dht.values == {}
+
+
+def _agreeing_with_wait(dht: _Dht, key: str, wait: float
+                        ) -> Callable[[str, list[str]], Awaitable[tuple[str, ...]]]:
+    async def agree(peer: str, view: list[str]) -> tuple[str, ...]:
+        return await Rosters(dht, peer, "run").agree(key, view, wait=wait)  # type: ignore[arg-type]
+    return agree
