@@ -180,6 +180,7 @@ class Matchmaker:
         self._coming: set[str] = set()  # keys we will gather under soon (see `coming`)
         self._coming_under: dict[str, int] = {}  # ... and key prefixes (see `coming_under`)
         self.refused_groups = 0  # groups from leaders that did not match what we asked for
+        self._redirecting: set[asyncio.Task[None]] = set()  # redirects sent beside a round
         transport.add_unary_handler(JOIN, self._on_join)
         transport.add_unary_handler(GROUP, self._on_group)
         transport.add_unary_handler(REDIRECT, self._on_redirect)
@@ -341,6 +342,8 @@ class Matchmaker:
                     tried.discard(outcome)
                     asked_again.add(outcome)
                 leaders = [outcome, *(p for p in leaders if p != outcome)]
+        if gathering.joiners:  # taken while our last leader had not answered: lead them
+            return await self._lead(gathering, candidates, gone=tried)
         return self._alone(request)
 
     async def _join(self, gathering: _Gathering, leader: str) -> Group | str | None:
@@ -418,9 +421,13 @@ class Matchmaker:
         if "redirect" in reply.header:
             return str(reply.header["redirect"])
         gathering.accepted = True
-        # those that joined us while this leader had not answered yet follow it too (`_on_join`)
+        # those that joined us while this leader had not answered yet follow it too (`_on_join`;
+        # sent beside the wait: a joiner gone silent must not hold up our own group)
         taken, gathering.joiners = list(gathering.joiners), {}
-        await asyncio.gather(*(self._send_redirect(request, peer_id, leader) for peer_id in taken))
+        for peer_id in taken:
+            task = asyncio.create_task(self._send_redirect(request, peer_id, leader))
+            self._redirecting.add(task)
+            task.add_done_callback(self._redirecting.discard)
         # accepted: the leader sends the group (avg.group) once it is assembled, or, if it follows
         # another peer after all, that peer's id (avg.redirect). In a direct round the leader may
         # wait past its window for members on their way (`_still_coming`), at most until its

@@ -133,6 +133,38 @@ async def test_a_peer_still_asking_a_silent_leader_takes_the_joins_sent_to_it(sw
     assert {m.peer_id for m in groups[0].members} == set(order[1:])
 
 
+async def test_joins_taken_while_the_last_leader_is_silent_are_led_not_stranded(swarm: Swarm) -> None:
+    for _ in range(4):
+        await swarm.add()
+    # B sees eight peers ranked before it: seven that are in no round (they refuse at once) and
+    # a silent one, its last try. C and D, which see only the silent one and B, ask B while it
+    # waits on the silent one; B takes their joins. Its tries used up, it went on alone holding
+    # them, and they waited out their window for a group that never came (all three alone)
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)]
+    key = "run/round-5"
+    order = _ranked(key, [m.peer_id for m in makers])
+    by_id = {m.peer_id: m for m in makers}
+    silent, (b, c, d) = order[7], (by_id[p] for p in order[8:11])
+    await by_id[silent]._announce(request(silent, key, window=2.0), timebase.now() + 2.0)
+    swarm.network.blackhole(silent)
+
+    async def sees_all_before_it(req: RoundRequest, window_end: float) -> tuple[dict[str, Member], float]:
+        await asyncio.sleep(max(0.0, window_end - timebase.now()))
+        seen = {p: Member(p, "trainer", 1.0, 1e7, 1e7, True) for p in order[:8]}
+        return {**seen, b.peer_id: req.member}, timebase.now()
+
+    b._gather = sees_all_before_it  # type: ignore[method-assign]
+
+    async def later(maker: Matchmaker) -> Group:
+        await asyncio.sleep(0.4)
+        return await maker.form_group(request(maker.peer_id, key, window=2.0))
+
+    groups = await asyncio.gather(later(b), *(m.form_group(request(m.peer_id, key, window=2.0))
+                                              for m in (c, d)))
+    assert len({g.group_id for g in groups}) == 1
+    assert {m.peer_id for m in groups[0].members} == {b.peer_id, c.peer_id, d.peer_id}
+
+
 def direct(peer_id: str, key: str, peers: list[str], window: float = 2.0,
            staged: bool = True) -> RoundRequest:
     """A direct round (by default a grid stage's): the caller names the peers it expects."""

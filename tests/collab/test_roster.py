@@ -364,13 +364,15 @@ async def test_a_writer_whose_clock_runs_behind_does_not_take_later_readers_off_
 async def test_a_roster_from_a_slack_rank_writer_does_not_silence_the_first_writers() -> None:
     # readers whose views rank that writer past their first five would not take its roster:
     # they need one of the first writers' to be out too
+    # (a later round's fourth writer does: it publishes as the fallback, and its rank leaves
+    # room for a reader with one trainer more before it, see the fallback tests below)
     key, view = "grad/5/abc", _ids(30)
     dht = _Dht()
-    fourth = writers(key, view, 5)[3]
-    dht.values[f"run/roster/{key}"] = {fourth: _Entry(encode(view), timebase.now() + TTL - 5)}
+    fifth = writers(key, view, 5)[4]
+    dht.values[f"run/roster/{key}"] = {fifth: _Entry(encode(view), timebase.now() + TTL - 5)}
     best = writers(key, view)[0]
     await Rosters(dht, best, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
-    assert set(dht.values[f"run/roster/{key}"]) == {fourth, best}
+    assert set(dht.values[f"run/roster/{key}"]) == {fifth, best}
 
 
 @pytest.mark.parametrize("fourth_comes", [True, False])
@@ -385,12 +387,36 @@ async def test_a_later_round_whose_first_writers_are_late_takes_a_slack_writers_
     agree = _agreeing_with_wait(dht, key, wait=4.0)
     readers = [p for p in view if p not in ranked]
     begun = [ranked[3]] if fourth_comes else []
-    chosen = await asyncio.gather(*(agree(p, view) for p in [*begun, ranked[5], *readers]))
+    chosen = await asyncio.gather(*(agree(p, view) for p in [*begun, *ranked[4:], *readers]))
     if fourth_comes:
         assert set(chosen) == {tuple(sorted(view))}
         assert set(dht.values[f"run/roster/{key}"]) == {ranked[3]}
-    else:  # the sixth may not write: nobody else would take its roster
-        assert f"run/roster/{key}" not in dht.values
+    else:  # the fifth and sixth do not write: a reader with one more trainer before them
+        assert f"run/roster/{key}" not in dht.values  # would not take their roster
+
+
+async def test_a_fallback_roster_and_a_late_first_writer_with_a_wider_view_make_one_roster() -> None:
+    # the fourth writer publishes as the fallback and the readers that began with it take its
+    # roster; the best-ranked writer begins late, its board showing one trainer more, ranked
+    # before the fourth: it and the readers that read the board as it did take the fallback
+    # roster too (a fallback from the fifth rank fell out of their first five: two rosters)
+    key, view = "grad/13/abc", _ids(40)
+    ranked = writers(key, view, 5)
+    extra = next(p for p in _ids(4000, start=100)
+                 if writers(key, [*view, p], 5)[:4] == [*ranked[:3], p])
+    wide = [*view, extra]
+    dht = _Dht()
+    readers = [p for p in view if p not in ranked]
+
+    async def agree(peer: str, peers: list[str], delay: float) -> tuple[str, ...]:
+        await asyncio.sleep(delay)  # (virtual time)
+        return await Rosters(dht, peer, "run").agree(key, peers, wait=6.0)  # type: ignore[arg-type]
+
+    chosen = await asyncio.gather(agree(ranked[3], view, 0.0),
+                                  *(agree(p, view, 0.0) for p in readers[:10]),
+                                  agree(ranked[0], wide, 4.0),
+                                  *(agree(p, wide, 5.0) for p in readers[10:20]))
+    assert set(chosen) == {tuple(sorted(view))}
 
 
 async def test_a_first_round_has_no_fallback_writer() -> None:
@@ -409,3 +435,38 @@ def _agreeing_with_wait(dht: _Dht, key: str, wait: float
     async def agree(peer: str, view: list[str]) -> tuple[str, ...]:
         return await Rosters(dht, peer, "run").agree(key, view, wait=wait)  # type: ignore[arg-type]
     return agree
+
+
+async def test_a_late_first_writer_whose_clock_runs_behind_takes_the_fallback_roster() -> None:
+    # the fourth writer publishes as the fallback and early readers take its roster; the best
+    # writer begins late with its clock 3 s behind: had it published, its roster would have
+    # been signed before the fallback, and readers after it would have taken another roster
+    key, view = "grad/14/abc", _ids(40)
+    ranked = writers(key, view, 4)
+    dht = _Dht()
+    readers = [p for p in view if p not in ranked]
+
+    class _Behind:
+        def __init__(self) -> None:
+            self.inner = timebase.current()
+
+        def now(self) -> float:
+            return self.inner.now() - 3.0
+
+        def monotonic(self) -> float:
+            return self.inner.monotonic()
+
+    async def agree(peer: str, delay: float, behind: bool = False) -> tuple[str, ...]:
+        await asyncio.sleep(delay)  # (virtual time)
+        token = timebase.use(_Behind()) if behind else None
+        try:
+            return await Rosters(dht, peer, "run").agree(key, view, wait=6.0)  # type: ignore[arg-type]
+        finally:
+            if token is not None:
+                timebase.reset(token)
+
+    chosen = await asyncio.gather(agree(ranked[3], 0.0), *(agree(p, 0.0) for p in readers[:10]),
+                                  agree(ranked[0], 4.5, behind=True),
+                                  *(agree(p, 5.0) for p in readers[10:20]))
+    assert set(chosen) == {tuple(sorted(view))}
+    assert set(dht.values[f"run/roster/{key}"]) == {ranked[3]}
