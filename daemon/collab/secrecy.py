@@ -3,7 +3,8 @@
 The owner draws 32 random bytes when it creates a closed run and keeps them with the run's
 ledger (ownership.py); each token it issues carries them sealed to the token's peer (sealing.py,
 membership.py), so members learn the secret when they join and nobody else can. Every record
-value under the run's keys, except the owner's public revocation list, is then stored as
+value under the run's keys, except the owner's (its public revocation list and its re-keying
+records, which hold sealed boxes only), is then stored as
 
     b"dlc1" || key id (4) || nonce (12) || ChaCha20-Poly1305(writer's key, nonce, value, context)
 
@@ -12,8 +13,14 @@ writer's records) and the key id come from the secret through HKDF (the secret i
 encrypts anything), and the associated `context` is the record's writer, DHT key and sub-key:
 a ciphertext moved to another key or sub-key, or re-signed by another writer, does not open.
 The DHT nodes that hold the record, members or not, keep and serve these bytes and never read
-them; only members can. The key id tells a reader whether it holds the key a record was written
-with (a run whose secret changed) from a record that was altered.
+them; only members can.
+
+The secret changes when the owner revokes a token (rekeying.py): each revocation draws a new
+*generation* of it, numbered from 0. A member holds several (`RunKeys`: the newest
+`KEPT_GENERATIONS`), writes with one and reads a record with whichever its key id names, so that
+records written before a change, and by members that change a little later, still open. The key
+id tells a reader whether it holds the key a record was written with from a record that was
+altered.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import collections
 import os
 import struct
+from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -29,7 +37,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from .errors import CollaborationError
 
-__all__ = ["RECORD_OVERHEAD", "RUN_SECRET_BYTES", "RecordUnreadable", "RunSecret"]
+__all__ = ["KEPT_GENERATIONS", "MAX_GENERATION", "RECORD_OVERHEAD", "RUN_SECRET_BYTES",
+           "RecordUnreadable", "RunKeys", "RunSecret", "join_secrets", "split_secrets"]
 
 RUN_SECRET_BYTES = 32
 MAGIC = b"dlc1"
@@ -41,6 +50,8 @@ _RECORDS_INFO = b"dedloc-closed-records-v1\0"
 _WRITER_KEYS = 4096  # writers whose derived keys are kept (one derivation each otherwise)
 _KEY_ID_INFO = b"dedloc-closed-key-id-v1\0"
 _CONTEXT_DOMAIN = b"dedloc-closed-record-v1\0"
+MAX_GENERATION = 2**31 - 1  # (a generation read from the network is checked against it)
+KEPT_GENERATIONS = 8  # generations of a run's secret a peer keeps (the newest)
 
 
 class RecordUnreadable(CollaborationError):
@@ -98,8 +109,9 @@ class RunSecret:
                                    "version)")
         head = len(MAGIC)
         if stored[head:head + _KEY_ID] != self.key_id:
-            raise RecordUnreadable("written with another key of the run than the one this peer "
-                                   "holds")
+            raise RecordUnreadable("written with another key of the run than the ones this "
+                                   "peer holds (a newer generation not learned yet, or a "
+                                   "foreign key)")
         nonce = stored[head + _KEY_ID:head + _KEY_ID + _NONCE]
         try:
             return self._aead(writer).decrypt(nonce, stored[head + _KEY_ID + _NONCE:],
@@ -107,3 +119,87 @@ class RunSecret:
         except InvalidTag:
             raise RecordUnreadable("it does not authenticate: altered, or moved from another "
                                    "key, sub-key or writer") from None
+
+
+def join_secrets(secrets: Sequence[RunSecret]) -> bytes:
+    """Secrets of consecutive generations, newest first, as one byte string (to seal)."""
+    return b"".join(secret.secret for secret in secrets)
+
+
+def split_secrets(data: bytes, most: int) -> list[RunSecret]:
+    """`join_secrets` undone; ValueError unless `data` holds 1 to `most` secrets."""
+    count, rest = divmod(len(data), RUN_SECRET_BYTES)
+    if rest or not 1 <= count <= most:
+        raise ValueError(f"{len(data)} bytes are not 1 to {most} run secrets")
+    return [RunSecret(data[i * RUN_SECRET_BYTES:(i + 1) * RUN_SECRET_BYTES]) for i in range(count)]
+
+
+class RunKeys:
+    """The generations of one closed run's secret that a peer holds: it reads records written
+    with any of them (by key id) and writes with one, `writing`, which moves to the newest
+    `grace` seconds after that was learned (so that the other members learn it first)."""
+
+    def __init__(self, generation: int, secrets: Sequence[RunSecret]) -> None:
+        """`secrets`: those of `generation`, `generation - 1`, ... (newest first)."""
+        self._secrets: dict[int, RunSecret] = {}
+        self.newest = -1
+        self.writing = generation
+        self._switch_at: float | None = None
+        self.learn(generation, secrets, now=0.0, grace=0.0)
+
+    def learn(self, generation: int, secrets: Sequence[RunSecret], now: float,
+              grace: float) -> bool:
+        """Keep the secrets of `generation` and the ones before it (newest first); True if
+        `generation` is newer than any held, which is then written with from `now + grace`."""
+        if not 0 <= generation <= MAX_GENERATION or not 1 <= len(secrets) <= KEPT_GENERATIONS:
+            raise ValueError(f"generation {generation} with {len(secrets)} secrets is out of "
+                             f"bounds (0..{MAX_GENERATION}, 1..{KEPT_GENERATIONS} secrets)")
+        for offset, secret in enumerate(secrets):
+            if generation - offset >= 0:
+                self._secrets.setdefault(generation - offset, secret)
+        newer = generation > self.newest
+        if newer:
+            self.newest = generation
+            self._switch_at = now + grace
+            if grace <= 0:
+                self.writing, self._switch_at = generation, None
+        for old in sorted(self._secrets)[:-KEPT_GENERATIONS]:
+            del self._secrets[old]
+        if self.writing not in self._secrets:  # (fell out: many generations came at once)
+            self.writing, self._switch_at = self.newest, None
+        return newer
+
+    def generations(self) -> list[int]:
+        return sorted(self._secrets)
+
+    def secret(self, generation: int) -> RunSecret | None:
+        return self._secrets.get(generation)
+
+    def newest_first(self, most: int) -> list[RunSecret]:
+        """The newest `most` secrets of consecutive generations, newest first."""
+        found = []
+        for generation in range(self.newest, max(-1, self.newest - most), -1):
+            secret = self._secrets.get(generation)
+            if secret is None:
+                break
+            found.append(secret)
+        return found
+
+    def writer(self, now: float) -> RunSecret:
+        """The secret to write with at `now`."""
+        if self._switch_at is not None and now >= self._switch_at:
+            self.writing, self._switch_at = self.newest, None
+        return self._secrets[self.writing]
+
+    def decrypt(self, writer: str, key: str, sub_key: str | None, stored: bytes) -> bytes:
+        """`RunSecret.decrypt` with the generation whose key id `stored` carries."""
+        key_id = stored[len(MAGIC):len(MAGIC) + _KEY_ID] if stored.startswith(MAGIC) else None
+        matching = [s for s in self._secrets.values() if s.key_id == key_id]
+        if not matching or len(stored) < RECORD_OVERHEAD:
+            return self._secrets[self.writing].decrypt(writer, key, sub_key, stored)  # (says why)
+        for secret in matching[:-1]:  # (two generations with one key id: 2^-32 a pair)
+            try:
+                return secret.decrypt(writer, key, sub_key, stored)
+            except RecordUnreadable:
+                continue
+        return matching[-1].decrypt(writer, key, sub_key, stored)
