@@ -8,18 +8,22 @@ is in the run's manifest. Only peers holding a token the owner signed may take p
 A token names the one peer id it is for, so it is useless to anyone else (every peer-to-peer call
 is made over a link authenticated by the caller's peer id), and it travels openly: with every DHT
 request and record under the run's keys, with matchmaking messages and state requests. Its `key`
-is the run's secret (secrecy.py) sealed to that peer id (sealing.py): only that peer opens it,
-when it takes the token (`MembershipRegistry.hold`), and from then on encrypts what it stores
-under the run's keys and decrypts what it reads there (`conceal`, `reveal`), so that the DHT nodes
-that store the run's records, members or not, hold only ciphertext.
+is the run's secret (secrecy.py) sealed to that peer id (sealing.py): the secret's current
+generation (`generation`, 0 until the owner first revoked a token; the claim is left out then)
+and the one before it. Only that peer opens it, when it takes the token
+(`MembershipRegistry.hold`), and from then on encrypts what it stores under the run's keys and
+decrypts what it reads there (`conceal`, `reveal`), so that the DHT nodes that store the run's
+records, members or not, hold only ciphertext. Generations the owner draws later reach the
+members through its re-keying records (rekeying.py), not through their tokens.
 
 The run's DHT keys live under `closed/<owner>/<run>/`, so that any DHT node, member or not, knows
 from a key alone whose tokens it needs and checks them: a read needs the reader's token; a write
 needs its signer's token, which travels with the record (replicas pass it on). The owner's
 revocation list is the one record under a closed run's keys that anyone may read and only the
 owner may write (`closed/<owner>/<run>/revoked`); members fetch it every `REVOCATIONS_REFRESH`
-seconds, and a newer list (by `version`) replaces an older one, never the reverse. It is the one
-record of the run stored in clear.
+seconds, and a newer list (by `version`) replaces an older one, never the reverse. It and the
+owner's re-keying records (`closed/<owner>/<run>/rekey/<n>`, which members only read: sealed
+boxes, one per member) are the records of the run stored in clear, and only the owner writes them.
 
 Open runs keep their keys under `collab/<run>/` and check nothing.
 """
@@ -33,7 +37,7 @@ import dataclasses
 import heapq
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -45,7 +49,7 @@ from ..dht import AccessDenied, Entry
 from ..identity import Identity, verify
 from ..sealing import SealError, open_sealed, seal
 from .errors import CollaborationError
-from .secrecy import RecordUnreadable, RunSecret
+from .secrecy import MAX_GENERATION, RecordUnreadable, RunKeys, RunSecret, join_secrets, split_secrets
 
 log = structlog.get_logger(__name__)
 
@@ -63,6 +67,8 @@ OPEN_PREFIX = "collab/"
 MAX_REFUSING = 4096  # peers whose refusals are counted one by one (the most recent)
 REFUSAL_LOG_EVERY = 60.0  # seconds between two log lines of refusals of one peer
 MAX_PEER_ID_CHARS = 128
+SEALED_GENERATIONS = 2  # generations of the run's secret a token or a re-keying entry carries
+MAX_REKEY_CHUNKS = 32  # re-keying records of a run (rekeying.py)
 
 
 class MembershipError(CollaborationError):
@@ -97,6 +103,16 @@ def revocations_key(owner: str, name: str) -> str:
     return f"{namespace(name, owner)}/revoked"
 
 
+def rekey_key(owner: str, name: str, chunk: int) -> str:
+    """Where the owner's re-keying record number `chunk` of a closed run lives (rekeying.py)."""
+    return f"{namespace(name, owner)}/rekey/{chunk}"
+
+
+def _owners_only(key: str, closed: tuple[str, str]) -> bool:
+    """Is `key` one that only the run's owner writes, in clear (its list and re-keying)?"""
+    return key == revocations_key(*closed) or key.startswith(f"{namespace(closed[1], closed[0])}/rekey/")
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
@@ -112,7 +128,8 @@ def _run_key_context(owner: str, run: str) -> bytes:
 @dataclass(frozen=True)
 class MembershipToken:
     """An owner's permission for one peer to take part in one run, until `expires`; `key` is the
-    run's secret sealed to that peer (`run_secret` opens it)."""
+    run's secret (generation `generation` and the one before) sealed to that peer (`run_keys`
+    opens it)."""
 
     owner: str
     run: str
@@ -122,12 +139,15 @@ class MembershipToken:
     expires: float
     serial: str
     key: bytes = field(default=b"", repr=False)
+    generation: int = 0
     signature: bytes = field(default=b"", repr=False)
 
     def _claims(self) -> dict[str, Any]:
         claims = asdict(self)
         del claims["signature"]
         claims["key"] = _b64(self.key)
+        if not self.generation:  # (as tokens were before the secret had generations)
+            del claims["generation"]
         return claims
 
     def signing_bytes(self) -> bytes:
@@ -135,24 +155,34 @@ class MembershipToken:
 
     @classmethod
     def issue(cls, owner: Identity, run: str, peer: str, role: str, seconds: float,
-              secret: RunSecret) -> MembershipToken:
+              secret: RunSecret, *, generation: int = 0,
+              earlier: Sequence[RunSecret] = ()) -> MembershipToken:
+        """A token carrying `secret` (of `generation`) and `earlier` (generation - 1, ...)."""
         if role not in ROLES:
             raise MembershipError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         if not (math.isfinite(seconds) and seconds > 0):
             raise MembershipError(f"a token must be valid for a positive time, not {seconds!r} s")
         try:
-            sealed = seal(peer, secret.secret, _run_key_context(owner.peer_id, run))
+            sealed = seal(peer, join_secrets([secret, *earlier][:SEALED_GENERATIONS]),
+                          _run_key_context(owner.peer_id, run))
         except SealError as exc:
             raise MembershipError(f"cannot issue a token to {peer[:60]!r}: {exc}") from None
         now = timebase.now()
         unsigned = cls(owner.peer_id, run, peer, role, now, now + seconds, os.urandom(8).hex(),
-                       sealed)
+                       sealed, generation)
         return dataclasses.replace(unsigned, signature=owner.sign(unsigned.signing_bytes()))
 
     def run_secret(self, identity: Identity) -> RunSecret:
-        """Open the run's secret (only the token's peer can); MembershipError if it does not open."""
+        """The run's secret of the token's generation (see `run_keys`)."""
+        return self.run_keys(identity)[0]
+
+    def run_keys(self, identity: Identity) -> list[RunSecret]:
+        """Open the run's secrets, newest first (only the token's peer can); MembershipError if
+        they do not open."""
         try:
-            return RunSecret(open_sealed(identity, self.key, _run_key_context(self.owner, self.run)))
+            return split_secrets(open_sealed(identity, self.key,
+                                             _run_key_context(self.owner, self.run)),
+                                 min(SEALED_GENERATIONS, self.generation + 1))
         except (SealError, ValueError):
             raise MembershipError(f"the run key in the token (serial {self.serial}) of run "
                                   f"{self.run!r} does not open with this node's identity; ask the "
@@ -183,9 +213,11 @@ class MembershipToken:
             raise MembershipError(f"the token is garbled ({exc})") from None
         expected = {"owner": str, "run": str, "peer": str, "role": str, "issued": (int, float),
                     "expires": (int, float), "serial": str, "key": str}
+        if isinstance(claims, dict) and "generation" in claims:
+            expected["generation"] = int
         if key is None or not isinstance(claims, dict) or set(claims) != set(expected) or any(
                 not isinstance(claims[k], kind) or isinstance(claims[k], bool)
-                for k, kind in expected.items()):
+                for k, kind in expected.items()) or not 0 <= claims.get("generation", 0) <= MAX_GENERATION:
             raise MembershipError("the token's fields are wrong (was it made by another version?)")
         token = cls(**{**claims, "key": key}, signature=signature)
         if token.role not in ROLES:
@@ -197,17 +229,22 @@ class MembershipToken:
 
 @dataclass(frozen=True)
 class Revocations:
-    """The owner's list of revoked token serials and peers of one run; `version` orders lists."""
+    """The owner's list of revoked token serials and peers of one run; `version` orders lists.
+    `generation` is the run secret's current one, sealed to each member in the `chunks`
+    re-keying records (rekeying.py; none while it is 0)."""
 
     owner: str
     run: str
     version: float
     serials: frozenset[str] = frozenset()
     peers: frozenset[str] = frozenset()
+    generation: int = 0
+    chunks: int = 0
 
     def to_bytes(self) -> bytes:
         return orjson.dumps({"owner": self.owner, "run": self.run, "version": self.version,
-                             "serials": sorted(self.serials), "peers": sorted(self.peers)})
+                             "serials": sorted(self.serials), "peers": sorted(self.peers),
+                             "generation": self.generation, "chunks": self.chunks})
 
     @classmethod
     def from_bytes(cls, data: bytes, owner: str, run: str) -> Revocations:
@@ -218,10 +255,15 @@ class Revocations:
                     or not all(isinstance(s, str) for s in raw.get("serials", []))
                     or not all(isinstance(p, str) for p in raw.get("peers", []))):
                 raise ValueError("wrong fields")
+            generation, chunks = raw.get("generation", 0), raw.get("chunks", 0)
+            if (type(generation) is not int or type(chunks) is not int
+                    or not 0 <= generation <= MAX_GENERATION or not 0 <= chunks <= MAX_REKEY_CHUNKS
+                    or (generation > 0) != (chunks > 0)):
+                raise ValueError(f"generation {generation!r} with {chunks!r} re-keying records")
         except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
             raise MembershipError(f"malformed revocation list of run {run!r}: {exc}") from None
         return cls(owner, run, float(raw["version"]), frozenset(raw.get("serials", [])),
-                   frozenset(raw.get("peers", [])))
+                   frozenset(raw.get("peers", [])), generation, chunks)
 
     def revokes(self, token: MembershipToken) -> bool:
         return token.serial in self.serials or token.peer in self.peers
@@ -235,9 +277,9 @@ class MembershipRegistry:
         self.identity = identity
         self._clock = clock
         self._held: dict[tuple[str, str], MembershipToken] = {}
-        # the secrets of the closed runs this peer takes part in: opened from held tokens, or
-        # its own runs' (ownership.py hands them over)
-        self._secrets: dict[tuple[str, str], RunSecret] = {}
+        # the secrets of the closed runs this peer takes part in (their generations): opened
+        # from held tokens and the owner's re-keying records, or its own runs' (ownership.py)
+        self._secrets: dict[tuple[str, str], RunKeys] = {}
         self._revocations: dict[tuple[str, str], Revocations] = {}
         self._decoded: collections.OrderedDict[str, MembershipToken | MembershipError] = (
             collections.OrderedDict())
@@ -277,16 +319,36 @@ class MembershipRegistry:
             raise MembershipError(f"this token is for peer {token.peer}, not for this node "
                                   f"({self.identity.peer_id}); ask the run's owner for one")
         self._check_fresh(token)
-        secret = token.run_secret(self.identity)
+        secrets = token.run_keys(self.identity)
         self._held[(token.owner, token.run)] = token
-        self._secrets[(token.owner, token.run)] = secret
+        # (what it learned before goes: a board re-learns newer generations as it starts)
+        self._secrets[(token.owner, token.run)] = RunKeys(token.generation, secrets)
 
     def held(self, owner: str, run: str) -> MembershipToken | None:
         return self._held.get((owner, run))
 
     def keep_secret(self, run: str, secret: RunSecret) -> None:
-        """The secret of a closed run this node owns (its ledger keeps it)."""
-        self._secrets[(self.identity.peer_id, run)] = secret
+        """The secret of a closed run this node owns (its ledger keeps it), of generation 0."""
+        self.keep_keys(run, 0, [secret], 0.0)
+
+    def keep_keys(self, run: str, generation: int, secrets: Sequence[RunSecret],
+                  grace: float) -> None:
+        """The secrets of a closed run this node owns (ownership.py's `on_keys`)."""
+        self.learn_keys(self.identity.peer_id, run, generation, secrets, grace)
+
+    def learn_keys(self, owner: str, run: str, generation: int, secrets: Sequence[RunSecret],
+                   grace: float) -> bool:
+        """Hold the run's secrets of `generation`, `generation - 1`, ... (newest first); True if
+        that generation is new here: it is written with from `grace` seconds on (RunKeys)."""
+        keys = self._secrets.get((owner, run))
+        if keys is None:
+            self._secrets[(owner, run)] = RunKeys(generation, secrets)
+            return True
+        return keys.learn(generation, secrets, self._clock(), grace)
+
+    def keys(self, owner: str, run: str) -> RunKeys | None:
+        """The generations of run's secret this node holds."""
+        return self._secrets.get((owner, run))
 
     def credential(self, key: str) -> str | None:
         """The token to present with a request about `key` (None: open run, or we own it)."""
@@ -378,10 +440,11 @@ class MembershipRegistry:
         closed = closed_run_of(key)
         if closed is None:
             return
-        if key == revocations_key(*closed):
+        if _owners_only(key, closed):
             if signer != closed[0]:
                 self._refuse(signer, "dht_write", run=closed[1], reason="not the owner")
-                raise NotAMember(f"only the run's owner writes the revocation list of {closed[1]!r}")
+                raise NotAMember(f"only the run's owner writes the revocation list and re-keying "
+                                 f"records of {closed[1]!r}")
             return
         self.check(signer, closed[0], closed[1], proof, "dht_write")
 
@@ -423,11 +486,11 @@ class MembershipRegistry:
 
     # --- the records' secrecy -------------------------------------------------------------------
 
-    def _secret_of(self, key: str) -> tuple[tuple[str, str], RunSecret | None] | None:
-        """(run, its secret if this node holds it) for a key whose values are encrypted, else
-        None (an open run's key, or a closed run's revocation list)."""
+    def _secret_of(self, key: str) -> tuple[tuple[str, str], RunKeys | None] | None:
+        """(run, its secrets if this node holds them) for a key whose values are encrypted, else
+        None (an open run's key, or a closed run's owner's records)."""
         closed = closed_run_of(key)
-        if closed is None or key == revocations_key(*closed):
+        if closed is None or _owners_only(key, closed):
             return None
         return closed, self._secrets.get(closed)
 
@@ -442,7 +505,7 @@ class MembershipRegistry:
             raise NotAMember(f"this node holds no key of closed run {run!r} (owner "
                              f"{owner[:16]}), so it cannot write its records; join the run "
                              "with a token from its owner first")
-        return secret.encrypt(self.identity.peer_id, key, sub_key, value)
+        return secret.writer(self._clock()).encrypt(self.identity.peer_id, key, sub_key, value)
 
     def reveal(self, entry: Entry) -> bytes | None:
         """The plain value of `entry` read from the DHT; None when it does not decrypt (counted
