@@ -18,7 +18,8 @@ succeeded, which asked every node that this one asks; every `FULL_READ_EVERY` se
 `READ_TURNS` full reads in a row go round all the nodes again. In a closed run every publish
 first checks this peer's own membership (the owner's revocation list, refreshed every
 `REVOCATIONS_REFRESH` seconds): a revoked or expired token raises MembershipError, which ends the
-run.
+run. When the list names a newer generation of the run's secret than this peer holds, it learns
+it then from the owner's re-keying records (rekeying.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..net import TransportError
 from .manifest import REFRESH_EVERY, RunManifest, owner_signing_bytes, publish_manifest, run_key
 from .membership import REVOCATIONS_REFRESH, MembershipError, Revocations, revocations_key
 from .progress import PeerProgress, Role, reports_from_sub_keys
+from .rekeying import KeyCatchUp
 
 if TYPE_CHECKING:
     from ..dht import DHTNode
@@ -81,6 +83,8 @@ class DhtProgressBoard:
         self._reads: deque[float | None] = deque(maxlen=READ_TURNS)
         self._turn = int.from_bytes(hashlib.sha256(self.peer_id.encode()).digest()[:4], "big")
         self._last_full = float("-inf")  # monotonic
+        self.rekeying = None if manifest.owner is None else KeyCatchUp(
+            dht, membership, manifest.owner, name)
 
     @property
     def owner_signature(self) -> str | None:
@@ -164,12 +168,14 @@ class DhtProgressBoard:
 
     async def check_membership(self) -> None:
         """In a closed run: refresh the owner's revocation list (every REVOCATIONS_REFRESH s) and
-        raise MembershipError once our own token is revoked or expired (the run then stops)."""
+        raise MembershipError once our own token is revoked or expired (the run then stops);
+        then learn the run secret's newer generation if the list names one."""
         manifest, dht = self.manifest, self.dht
         if not manifest.closed or manifest.owner is None or manifest.owner == self.peer_id:
             return
         now = timebase.monotonic()
-        if now - self._revocations_checked >= REVOCATIONS_REFRESH:
+        refresh = now - self._revocations_checked >= REVOCATIONS_REFRESH
+        if refresh:
             self._revocations_checked = now
             try:
                 record = await dht.get(revocations_key(manifest.owner, self.name), timeout=DHT_TIMEOUT)
@@ -190,6 +196,8 @@ class DhtProgressBoard:
         if token is None:
             raise MembershipError(f"this peer holds no token of closed run {self.name!r}")
         self.membership.check_own(token)
+        if refresh and self.rekeying is not None:
+            await self.rekeying.step()
 
 
 class LocalBoard:

@@ -8,15 +8,20 @@ owner's peer id as sub-key: nobody else may write it) whenever it changes, when 
 and then every `REPUBLISH_EVERY` seconds, with a long expiry so that it outlives short absences.
 
 The ledger also keeps the run's secret (secrecy.py), drawn when the ledger is made (the run's
-creation, or the first token issued) and never changed: every token carries it sealed to its
-peer, and the owner's daemon encrypts its own records with it after a restart as before. The
-file is written with mode 0600 in a 0700 directory.
+creation, or the first token issued): every token carries it sealed to its peer, and the
+owner's daemon encrypts its own records with it after a restart as before. Every revocation
+draws a new generation of it (the ledger keeps the newest `KEPT_GENERATIONS`): tokens issued
+from then on carry the new one, and the members that held a token when it was drawn learn it
+from the owner's re-keying records (rekeying.py), published with the revocation list, so that a
+revoked member reads none of the records written with it. The file is written with mode 0600 in
+a 0700 directory.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,55 +34,140 @@ import structlog
 from .. import timebase
 from ..identity import Identity
 from ..net import TransportError
-from .membership import MembershipError, MembershipToken, Revocations, revocations_key
-from .secrecy import RUN_SECRET_BYTES, RunSecret
+from .membership import (
+    MAX_REKEY_CHUNKS,
+    MembershipError,
+    MembershipToken,
+    Revocations,
+    revocations_key,
+)
+from .rekeying import MAX_REKEYED_PEERS, REKEY_GRACE, RekeyError, plan_chunks, publish_rekeying
+from .secrecy import KEPT_GENERATIONS, MAX_GENERATION, RUN_SECRET_BYTES, RunSecret
 
 if TYPE_CHECKING:
     from ..dht import DHTNode
 
 log = structlog.get_logger(__name__)
 
+#: told (run, generation, secrets newest first, grace) of each owned run's secret
+KeysListener = Callable[[str, int, list[RunSecret], float], None]
+
 REVOCATIONS_TTL = 3 * 24 * 3600.0
 REPUBLISH_EVERY = 6 * 3600.0
 MAX_TOKEN_DAYS = 3650.0
 
 
+def _secret_of(text: Any) -> RunSecret:
+    raw = base64.b64decode(str(text), validate=True)
+    if len(raw) != RUN_SECRET_BYTES:
+        raise ValueError(f"the run's secret is {len(raw)} bytes, not {RUN_SECRET_BYTES}")
+    return RunSecret(raw)
+
+
+def _first_secrets() -> dict[int, RunSecret]:
+    return {0: RunSecret.generate()}
+
+
 @dataclass
 class RunLedger:
-    """What the owner issued and revoked for one closed run."""
+    """What the owner issued and revoked for one closed run, and its secret's generations."""
 
     run: str
     owner: str
-    secret: RunSecret = field(default_factory=RunSecret.generate, repr=False)
+    secrets: dict[int, RunSecret] = field(default_factory=_first_secrets, repr=False)
     issued: list[dict[str, Any]] = field(default_factory=list)
     revoked_serials: set[str] = field(default_factory=set)
     revoked_peers: set[str] = field(default_factory=set)
     version: float = 0.0
+    generation: int = 0  # the secret's current one (one more each revocation)
+    chunks: int = 0  # the current generation's re-keying records (rekeying.py)
+    rotated: float = 0.0  # when it was drawn: tokens issued later carry it
+
+    @property
+    def secret(self) -> RunSecret:
+        return self.secrets[self.generation]
+
+    def newest_first(self) -> list[RunSecret]:
+        """The secrets of the current generation and of those before it that are kept."""
+        return [self.secrets[g] for g in sorted(self.secrets, reverse=True)]
+
+    def members(self, now: float, issued_by: float = math.inf,
+                revoked: tuple[set[str], set[str]] | None = None) -> list[str]:
+        """The peers holding an unexpired, unrevoked token (issued by `issued_by`; `revoked`:
+        serials and peers, the ledger's unless given)."""
+        serials, peers = revoked or (self.revoked_serials, self.revoked_peers)
+        return sorted({item["peer"] for item in self.issued
+                       if item["expires"] > now and item["issued"] <= issued_by
+                       and item["serial"] not in serials and item["peer"] not in peers})
+
+    def issue(self, identity: Identity, peer: str, role: str, seconds: float) -> MembershipToken:
+        now = timebase.now()
+        if len({*self.members(now), peer}) > MAX_REKEYED_PEERS:
+            raise RekeyError(f"closed run {self.run!r} has {MAX_REKEYED_PEERS} member peers, as "
+                             "many as a revocation can re-key: revoke the tokens of peers that "
+                             "no longer take part (dedloc token revoke), wait for some to "
+                             "expire, or start another run")
+        secrets = self.newest_first()
+        token = MembershipToken.issue(identity, self.run, peer, role, seconds, secrets[0],
+                                      generation=self.generation, earlier=secrets[1:])
+        self.issued.append({"serial": token.serial, "peer": peer, "role": role,
+                            "issued": token.issued, "expires": token.expires})
+        return token
+
+    def revoke(self, serial: str | None, peer: str | None) -> None:
+        """Revoke, and draw the secret's next generation (nothing changes on an error)."""
+        serials = self.revoked_serials | ({serial} if serial is not None else set())
+        peers = self.revoked_peers | ({peer} if peer is not None else set())
+        if self.generation >= MAX_GENERATION:
+            raise MembershipError(f"closed run {self.run!r} was re-keyed {MAX_GENERATION} times; "
+                                  "start another run")
+        now = timebase.now()
+        chunks = plan_chunks(self.members(now, revoked=(serials, peers)))
+        self.revoked_serials, self.revoked_peers = serials, peers
+        self.generation += 1
+        self.secrets[self.generation] = RunSecret.generate()
+        for old in sorted(self.secrets)[:-KEPT_GENERATIONS]:
+            del self.secrets[old]
+        self.chunks, self.rotated = chunks, now
+        self.version = max(now, self.version + 1e-3)  # strictly newer than the last
 
     def revocations(self) -> Revocations:
         return Revocations(self.owner, self.run, self.version, frozenset(self.revoked_serials),
-                           frozenset(self.revoked_peers))
+                           frozenset(self.revoked_peers), self.generation, self.chunks)
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "owner": self.owner,
-                "secret": base64.b64encode(self.secret.secret).decode(), "issued": self.issued,
-                "revoked_serials": sorted(self.revoked_serials),
+                "secret": base64.b64encode(self.secret.secret).decode(),
+                "generation": self.generation, "chunks": self.chunks, "rotated": self.rotated,
+                "earlier": {str(g): base64.b64encode(s.secret).decode()
+                            for g, s in self.secrets.items() if g != self.generation},
+                "issued": self.issued, "revoked_serials": sorted(self.revoked_serials),
                 "revoked_peers": sorted(self.revoked_peers), "version": self.version}
 
     @classmethod
     def from_json(cls, data: Any) -> tuple[RunLedger, bool]:
         """The ledger, and whether its secret is new (a ledger written before runs had one)."""
         text = data.get("secret")
-        if text is None:
-            secret, fresh = RunSecret.generate(), True
-        else:
-            raw = base64.b64decode(str(text), validate=True)
-            if len(raw) != RUN_SECRET_BYTES:
-                raise ValueError(f"the run's secret is {len(raw)} bytes, not {RUN_SECRET_BYTES}")
-            secret, fresh = RunSecret(raw), False
-        ledger = cls(str(data["run"]), str(data["owner"]), secret, list(data.get("issued", [])),
+        generation, chunks = data.get("generation", 0), data.get("chunks", 0)
+        if type(generation) is not int or not 0 <= generation <= MAX_GENERATION or type(
+                chunks) is not int or not 0 <= chunks <= MAX_REKEY_CHUNKS:
+            raise ValueError(f"generation {generation!r} or re-keying records {chunks!r} out of "
+                             "bounds")
+        fresh = text is None
+        secrets = {generation: RunSecret.generate() if fresh else _secret_of(text)}
+        for key, value in dict(data.get("earlier", {})).items():
+            if not 0 <= int(key) < generation:
+                raise ValueError(f"an earlier generation {key!r} of the secret is not before "
+                                 f"{generation}")
+            secrets[int(key)] = _secret_of(value)
+        if len(secrets) > KEPT_GENERATIONS or set(secrets) != set(
+                range(generation + 1 - len(secrets), generation + 1)):
+            raise ValueError(f"generations {sorted(secrets)} of the secret are not the newest "
+                             f"ones in a row (at most {KEPT_GENERATIONS})")
+        ledger = cls(str(data["run"]), str(data["owner"]), secrets, list(data.get("issued", [])),
                      set(data.get("revoked_serials", [])), set(data.get("revoked_peers", [])),
-                     float(data.get("version", 0.0)))
+                     float(data.get("version", 0.0)), generation, chunks,
+                     float(data.get("rotated", 0.0)))
         return ledger, fresh
 
 
@@ -85,19 +175,21 @@ class OwnedRuns:
     """The ledgers of the closed runs this daemon owns."""
 
     def __init__(self, identity: Identity, directory: Path,
-                 on_secret: Callable[[str, RunSecret], None] | None = None) -> None:
-        """`on_secret(run, secret)` is told each owned run's secret (loaded or new)."""
+                 on_keys: KeysListener | None = None) -> None:
+        """`on_keys(run, generation, secrets, grace)` is told each owned run's secret (loaded,
+        new, or a new generation of it: to be written with `grace` seconds later), with the
+        earlier generations kept, newest first (MembershipRegistry.keep_keys)."""
         self.identity = identity
         self.directory = directory
-        self._on_secret = on_secret
+        self._on_keys = on_keys
         self._ledgers: dict[str, RunLedger] = {}
         self._unreadable: set[str] = set()  # runs whose ledger file could not be read
         self._load()
 
-    def _keep(self, ledger: RunLedger) -> None:
+    def _keep(self, ledger: RunLedger, grace: float = 0.0) -> None:
         self._ledgers[ledger.run] = ledger
-        if self._on_secret is not None:
-            self._on_secret(ledger.run, ledger.secret)
+        if self._on_keys is not None:
+            self._on_keys(ledger.run, ledger.generation, ledger.newest_first(), grace)
 
     def _path(self, run: str) -> Path:
         return self.directory / f"{run}.json"
@@ -159,9 +251,7 @@ class OwnedRuns:
         if not 0 < days <= MAX_TOKEN_DAYS:
             raise MembershipError(f"days must be in (0, {MAX_TOKEN_DAYS:.0f}], not {days}")
         ledger = self.ledger(run)
-        token = MembershipToken.issue(self.identity, run, peer, role, days * 86400.0, ledger.secret)
-        ledger.issued.append({"serial": token.serial, "peer": peer, "role": role,
-                              "issued": token.issued, "expires": token.expires})
+        token = ledger.issue(self.identity, peer, role, days * 86400.0)
         self._save(ledger)
         log.info("token_issued", run=run, peer=peer[:16], role=role, serial=token.serial,
                  expires=token.expires)
@@ -173,16 +263,15 @@ class OwnedRuns:
         if serial is None and peer is None:
             raise MembershipError("name a token serial or a peer id to revoke")
         ledger = self._ledgers[run]
-        if serial is not None:
-            if serial not in {item["serial"] for item in ledger.issued}:
-                raise MembershipError(f"no token of run {run!r} has serial {serial!r} "
-                                      "(see dedloc token list)")
-            ledger.revoked_serials.add(serial)
-        if peer is not None:
-            ledger.revoked_peers.add(peer)
-        ledger.version = max(timebase.now(), ledger.version + 1e-3)  # strictly newer than the last
+        if serial is not None and serial not in {item["serial"] for item in ledger.issued}:
+            raise MembershipError(f"no token of run {run!r} has serial {serial!r} "
+                                  "(see dedloc token list)")
+        ledger.revoke(serial, peer)
         self._save(ledger)
-        log.info("token_revoked", run=run, serial=serial, peer=None if peer is None else peer[:16])
+        self._keep(ledger, grace=REKEY_GRACE)  # (the members learn it first)
+        log.info("token_revoked", run=run, serial=serial, peer=None if peer is None else peer[:16],
+                 generation=ledger.generation, rekeyed=len(ledger.members(
+                     timebase.now(), ledger.rotated)))
         return ledger.revocations()
 
     def listing(self, run: str) -> dict[str, Any]:
@@ -197,14 +286,26 @@ class OwnedRuns:
                 "revoked_peers": sorted(ledger.revoked_peers)}
 
     async def publish(self, dht: DHTNode, run: str) -> bool:
-        """Store run's revocation list in the DHT (nothing to do if nothing was revoked)."""
+        """Store run's revocation list and re-keying records in the DHT (`publish_ledger`)."""
         ledger = self._ledgers.get(run)
-        if ledger is None or ledger.version == 0.0:
-            return True
-        try:
-            stored = await dht.store(revocations_key(ledger.owner, run), ledger.revocations().to_bytes(),
-                                     timebase.now() + REVOCATIONS_TTL, sub_key=ledger.owner, timeout=10.0)
-        except (TransportError, TimeoutError) as exc:
-            log.warning("revocations_publish_failed", run=run, error=str(exc))
-            return False
-        return stored > 0
+        return True if ledger is None else await publish_ledger(dht, ledger)
+
+
+async def publish_ledger(dht: DHTNode, ledger: RunLedger) -> bool:
+    """Store a run's re-keying records, then its revocation list (so that a member that reads
+    the list finds them), under the owner's sub-key; nothing to do if nothing was revoked.
+    True if all were stored."""
+    if ledger.version == 0.0:
+        return True
+    run, owner = ledger.run, ledger.owner
+    now = timebase.now()
+    rekeyed = ledger.generation == 0 or await publish_rekeying(
+        dht, owner, run, ledger.generation, ledger.newest_first(),
+        ledger.members(now, ledger.rotated), ledger.chunks, now + REVOCATIONS_TTL)
+    try:
+        stored = await dht.store(revocations_key(owner, run), ledger.revocations().to_bytes(),
+                                 now + REVOCATIONS_TTL, sub_key=owner, timeout=10.0)
+    except (TransportError, TimeoutError) as exc:
+        log.warning("revocations_publish_failed", run=run, error=str(exc))
+        return False
+    return stored > 0 and rekeyed

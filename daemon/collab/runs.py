@@ -52,7 +52,7 @@ class RunRegistry:
         self._closing = False
         self.owned = (None if network is None
                       else OwnedRuns(network.identity, state_dir / "owned",
-                                     on_secret=network.membership.keep_secret))
+                                     on_keys=network.membership.keep_keys))
         idle = (IdleMonitor(own_process_tree, limits.idle_cpu_share, limits.idle_seconds)
                 if limits.idle_only else None)
         self.availability = Availability(TrainingHours.parse(limits.hours), idle)

@@ -182,17 +182,21 @@ def test_records_that_do_not_open_are_dropped_and_counted_against_their_writer()
 
 
 def test_the_owners_secret_survives_a_restart_in_a_private_file(tmp_path: Path) -> None:
-    told: list[tuple[str, bytes]] = []
-    owned = OwnedRuns(OWNER, tmp_path / "owned", on_secret=lambda run, s: told.append((run, s.secret)))
+    told: list[tuple[str, int, bytes]] = []
+
+    def listener(run: str, generation: int, secrets: list[RunSecret], grace: float) -> None:
+        told.append((run, generation, secrets[0].secret))
+
+    owned = OwnedRuns(OWNER, tmp_path / "owned", on_keys=listener)
     secret = owned.ledger("club").secret
     path = tmp_path / "owned" / "club.json"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # written before any token is issued
     token = owned.issue("club", MEMBER.peer_id, "trainer", 1.0)
     assert token.run_secret(MEMBER).secret == secret.secret
-    assert told == [("club", secret.secret)]
-    again = OwnedRuns(OWNER, tmp_path / "owned", on_secret=lambda run, s: told.append((run, s.secret)))
+    assert told == [("club", 0, secret.secret)]
+    again = OwnedRuns(OWNER, tmp_path / "owned", on_keys=listener)
     assert again.ledger("club").secret.secret == secret.secret
-    assert told[-1] == ("club", secret.secret)
+    assert told[-1] == ("club", 0, secret.secret)
     assert again.issue("club", OTHER.peer_id, "aux", 1.0).run_secret(OTHER).secret == secret.secret
 
 
