@@ -3,9 +3,11 @@ peer, composed as the node composes them, on a `SimNetwork`, with a `VectorTrain
 
 `Swarm` starts, stops and crashes `SimPeer`s; each peer's tasks run in a context of its own (its
 clock, with its own skew). Liars (`Lie`) publish false progress reports and are otherwise honest.
-A closed run (`RunSpec.closed`) has an owner outside the swarm that issued every peer a token;
-a peer of role "dht" runs only a DHT node, which takes no part in the run (in a closed run: a
-non-member that stores the run's records, as any node close to their keys does).
+A closed run (`RunSpec.closed`) has an owner outside the swarm that issued every peer a token
+(from `Swarm.ledger`); a peer of role "dht" runs only a DHT node, which takes no part in the run
+(in a closed run: a non-member that stores the run's records, as any node close to their keys
+does). A peer of role "owner" is the owner's DHT node: through it `Swarm.revoke` publishes a
+revocation and the re-keying it brings (collab/rekeying.py).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from dedloc.daemon.collab.donors import DonorChoice
 from dedloc.daemon.collab.engine import RunEngine, RunProgress
 from dedloc.daemon.collab.lineage import initial_lineage
 from dedloc.daemon.collab.manifest import RunManifest, owner_signing_bytes
-from dedloc.daemon.collab.membership import MembershipRegistry, MembershipToken
+from dedloc.daemon.collab.membership import MembershipRegistry
+from dedloc.daemon.collab.ownership import RunLedger, publish_ledger
 from dedloc.daemon.collab.policy import Schedule, Timing
 from dedloc.daemon.collab.progress import PeerProgress
+from dedloc.daemon.collab.rekeying import REKEY_GRACE
 from dedloc.daemon.collab.rounds import NetworkRounds
 from dedloc.daemon.collab.secrecy import RunSecret
 from dedloc.daemon.collab.state_sync import NetworkStates, StateSharing
@@ -81,7 +85,8 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class PeerSpec:
-    role: Literal["trainer", "aux", "dht"] = "trainer"  # "dht": a DHT node only (module docstring)
+    # "dht": a DHT node only; "owner": the closed run's owner's DHT node (module docstring)
+    role: Literal["trainer", "aux", "dht", "owner"] = "trainer"
     samples_per_second: float = 100.0
     link: LinkProfile = field(default_factory=LinkProfile)
     skew: float = 0.0  # seconds this peer's clock is off
@@ -137,6 +142,8 @@ class SimPeer:
         self.index = index
         self.spec = spec
         self.identity = Identity.from_seed(swarm.rng.randbytes(32))
+        if spec.role == "owner":
+            self.identity = swarm.owner
         self.rng = random.Random(swarm.rng.random())
         self.peer_id = self.identity.peer_id
         self.context = contextvars.copy_context()
@@ -175,15 +182,17 @@ class SimPeer:
         self.dht = DHTNode(self.transport, self.identity, SIM_DHT, access=self.membership,
                            rng=random.Random(self.rng.random()))
         role = self.spec.role
-        if role == "dht":
+        if role in ("dht", "owner"):
+            if role == "owner":
+                ledger = swarm.ledger
+                self.membership.keep_keys("sim", ledger.generation, ledger.newest_first(), 0.0)
             await self.dht.start(bootstrap, wait=True)
             self.dht_serving = True
             return
         owner_signature = None
         if run.closed:
             owner = swarm.owner
-            self.membership.hold(MembershipToken.issue(owner, "sim", self.peer_id, role,
-                                                       30 * 86400.0, swarm.secret))
+            self.membership.hold(swarm.ledger.issue(owner, self.peer_id, role, 30 * 86400.0))
             owner_signature = owner.sign(owner_signing_bytes(
                 "sim", run.manifest(owner.peer_id).fingerprint())).hex()
         averaging = AveragingSettings(window=run.window, max_group_size=run.max_group_size,
@@ -278,6 +287,20 @@ class Swarm:
         owner_rng = random.Random(f"owner-{seed}")
         self.owner = Identity.from_seed(owner_rng.randbytes(32))
         self.secret = RunSecret(owner_rng.randbytes(32))
+        self.ledger = RunLedger("sim", self.owner.peer_id, {0: self.secret})
+
+    async def revoke(self, peer: SimPeer) -> bool:
+        """The owner revokes `peer` (a new generation of the run's secret) and publishes it
+        through its DHT node (a live "owner" peer); True if it was stored."""
+        owner = next(p for p in self.live if p.spec.role == "owner")
+        return bool(await owner._in_context(self._revoke(owner, peer)))
+
+    async def _revoke(self, owner: SimPeer, peer: SimPeer) -> bool:
+        ledger = self.ledger
+        ledger.revoke(None, peer.peer_id)
+        owner.membership.learn(ledger.revocations())
+        owner.membership.keep_keys("sim", ledger.generation, ledger.newest_first(), REKEY_GRACE)
+        return await publish_ledger(owner.dht, ledger)
 
     @property
     def live(self) -> list[SimPeer]:
