@@ -1,0 +1,347 @@
+"""Re-keying a closed run on revocation (pure parts: the key ring, tokens, the ledger, the
+re-keying records and a member's reading of them). The swarm test
+(tests/sim/test_rekeying_swarm.py) runs them over the real protocol."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from structlog.testing import capture_logs
+
+from dedloc.daemon.collab import ownership
+from dedloc.daemon.collab.membership import (
+    MAX_REKEY_CHUNKS,
+    MembershipError,
+    MembershipRegistry,
+    MembershipToken,
+    NotAMember,
+    Revocations,
+    namespace,
+    rekey_key,
+)
+from dedloc.daemon.collab.ownership import OwnedRuns
+from dedloc.daemon.collab.rekeying import (
+    CHUNK_MOST,
+    MAX_REKEYED_PEERS,
+    REKEY_GRACE,
+    KeyCatchUp,
+    RekeyError,
+    chunk_of,
+    open_chunk,
+    plan_chunks,
+    seal_chunks,
+)
+from dedloc.daemon.collab.secrecy import (
+    KEPT_GENERATIONS,
+    MAX_GENERATION,
+    RecordUnreadable,
+    RunKeys,
+    RunSecret,
+)
+from dedloc.daemon.dht.records import Entry, Record, RecordLimits
+from dedloc.daemon.identity import Identity
+from dedloc.daemon.sealing import SEAL_OVERHEAD
+
+OWNER = Identity.from_seed(b"o" * 32)
+MEMBERS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(6)]
+RUN = namespace("club", OWNER.peer_id)
+PROGRESS = f"{RUN}/abc/progress"
+
+
+# --- the key ring ----------------------------------------------------------------------------
+
+
+def test_a_member_reads_every_generation_it_holds_and_writes_the_new_one_after_the_grace() -> None:
+    old, new = RunSecret.generate(), RunSecret.generate()
+    keys = RunKeys(0, [old])
+    before = old.encrypt("w", PROGRESS, "w", b"before")
+    assert keys.learn(1, [new, old], now=100.0, grace=60.0)
+    assert not keys.learn(1, [new, old], now=101.0, grace=60.0)  # (not newer: nothing moves)
+    assert keys.newest == 1 and keys.writer(159.0) is old  # others may not hold it yet
+    assert keys.writer(160.0) is new and keys.writing == 1
+    after = keys.writer(161.0).encrypt("w", PROGRESS, "w", b"after")
+    assert keys.decrypt("w", PROGRESS, "w", before) == b"before"  # (by key id)
+    assert keys.decrypt("w", PROGRESS, "w", after) == b"after"
+    with pytest.raises(RecordUnreadable, match="another key"):  # the old generation alone
+        RunKeys(0, [old]).decrypt("w", PROGRESS, "w", after)
+    with pytest.raises(RecordUnreadable, match="not learned yet"):
+        RunKeys(0, [old]).decrypt("w", PROGRESS, "w", after)
+
+
+def test_the_key_ring_is_bounded() -> None:
+    secrets = [RunSecret.generate() for _ in range(KEPT_GENERATIONS + 5)]
+    keys = RunKeys(0, [secrets[0]])
+    for generation in range(1, len(secrets)):
+        keys.learn(generation, [secrets[generation]], now=0.0, grace=0.0)
+    assert len(keys.generations()) == KEPT_GENERATIONS
+    assert keys.generations()[-1] == len(secrets) - 1 and keys.writing == keys.newest
+    # many at once during a grace: the one written with fell out, the newest takes over
+    keys = RunKeys(0, [secrets[0]])
+    keys.learn(KEPT_GENERATIONS, secrets[1:KEPT_GENERATIONS + 1], now=0.0, grace=60.0)
+    assert keys.writing == KEPT_GENERATIONS and 0 not in keys.generations()
+    for generation, given in ((-1, secrets[:1]), (MAX_GENERATION + 1, secrets[:1]), (3, []),
+                              (20, secrets[:KEPT_GENERATIONS + 1])):
+        with pytest.raises(ValueError, match="out of bounds"):
+            keys.learn(generation, given, now=0.0, grace=0.0)
+
+
+# --- tokens ----------------------------------------------------------------------------------
+
+
+def test_a_token_carries_its_generation_and_the_one_before() -> None:
+    old, new = RunSecret.generate(), RunSecret.generate()
+    member = MEMBERS[0]
+    token = MembershipToken.decode(MembershipToken.issue(
+        OWNER, "club", member.peer_id, "trainer", 60.0, new, generation=4, earlier=[old]).encode())
+    assert token.generation == 4
+    assert [s.secret for s in token.run_keys(member)] == [new.secret, old.secret]
+    registry = MembershipRegistry(member)
+    registry.hold(token)
+    keys = registry.keys(OWNER.peer_id, "club")
+    assert keys is not None and (keys.newest, keys.writing, keys.generations()) == (4, 4, [3, 4])
+    # The generation is signed: changing it breaks the owner's signature.
+    forged = dataclasses.replace(token, generation=9)
+    with pytest.raises(MembershipError, match="not signed"):
+        MembershipToken.decode(forged.encode())
+    # A generation-0 token is as tokens were before (no claim): those stay valid.
+    first = MembershipToken.issue(OWNER, "club", member.peer_id, "trainer", 60.0, old)
+    claims = orjson.loads(base64.urlsafe_b64decode(first.encode().split(".")[1] + "=="))
+    assert "generation" not in claims
+    assert MembershipToken.decode(first.encode()).run_secret(member).secret == old.secret
+
+
+def test_a_token_with_a_generation_out_of_bounds_is_refused() -> None:
+    token = MembershipToken.issue(OWNER, "club", MEMBERS[0].peer_id, "trainer", 60.0,
+                                  RunSecret.generate(), generation=1)
+    for generation in (-1, MAX_GENERATION + 1, True, 1.5):
+        bad = dataclasses.replace(token, generation=generation)  # type: ignore[arg-type]
+        bad = dataclasses.replace(bad, signature=OWNER.sign(bad.signing_bytes()))
+        with pytest.raises(MembershipError, match="fields are wrong"):
+            MembershipToken.decode(bad.encode())
+
+
+# --- the revocation list ---------------------------------------------------------------------
+
+
+def test_the_revocation_list_names_the_generation_and_checks_it() -> None:
+    listed = Revocations(OWNER.peer_id, "club", 5.0, frozenset({"ab"}), frozenset(), 3, 2)
+    assert Revocations.from_bytes(listed.to_bytes(), OWNER.peer_id, "club") == listed
+    older = orjson.dumps({"owner": OWNER.peer_id, "run": "club", "version": 1.0})
+    assert Revocations.from_bytes(older, OWNER.peer_id, "club").generation == 0
+    base = orjson.loads(listed.to_bytes())
+    for generation, chunks in ((-1, 1), (MAX_GENERATION + 1, 1), (True, 1), (2, 0), (0, 2),
+                               (2, MAX_REKEY_CHUNKS + 1), ("2", 1), (2, 1.0)):
+        data = orjson.dumps({**base, "generation": generation, "chunks": chunks})
+        with pytest.raises(MembershipError, match="malformed"):
+            Revocations.from_bytes(data, OWNER.peer_id, "club")
+
+
+def test_only_the_owner_writes_the_rekeying_records_and_only_members_read_them() -> None:
+    member = MembershipRegistry(MEMBERS[0])
+    secret = RunSecret.generate()
+    token = MembershipToken.issue(OWNER, "club", MEMBERS[0].peer_id, "trainer", 600.0, secret)
+    member.hold(token)
+    key = rekey_key(OWNER.peer_id, "club", 0)
+    assert member.conceal(key, OWNER.peer_id, b"boxes") == b"boxes"  # (the boxes are sealed)
+    entry = Entry.create(OWNER, key, b"boxes", time.time() + 60, OWNER.peer_id)
+    assert member.reveal(entry) is entry.value
+    member.authorize_write(OWNER.peer_id, key, None)
+    with pytest.raises(NotAMember, match="only the run's owner writes"):
+        member.authorize_write(MEMBERS[0].peer_id, key, token.encode())
+    member.authorize_read(MEMBERS[0].peer_id, key, token.encode())
+    with pytest.raises(NotAMember):
+        member.authorize_read(MEMBERS[1].peer_id, key, None)
+
+
+# --- the owner's ledger ----------------------------------------------------------------------
+
+
+def test_a_revocation_draws_a_new_generation_that_outlives_a_restart(tmp_path: Path) -> None:
+    told: list[tuple[int, list[bytes], float]] = []
+
+    def listener(run: str, generation: int, secrets: list[RunSecret], grace: float) -> None:
+        told.append((generation, [s.secret for s in secrets], grace))
+
+    owned = OwnedRuns(OWNER, tmp_path / "owned", on_keys=listener)
+    first = owned.issue("club", MEMBERS[0].peer_id, "trainer", 1.0)
+    owned.issue("club", MEMBERS[1].peer_id, "trainer", 1.0)
+    gen0 = owned.ledger("club").secret
+    listed = owned.revoke("club", first.serial, None)
+    ledger = owned.ledger("club")
+    assert (listed.generation, listed.chunks) == (1, 1) and ledger.generation == 1
+    assert ledger.secret.secret != gen0.secret
+    assert told[-1] == (1, [ledger.secret.secret, gen0.secret], REKEY_GRACE)
+    assert ledger.members(time.time(), ledger.rotated) == [MEMBERS[1].peer_id]
+    # tokens issued from now on carry it (and the one before)
+    later = owned.issue("club", MEMBERS[2].peer_id, "aux", 1.0)
+    assert later.generation == 1
+    assert [s.secret for s in later.run_keys(MEMBERS[2])] == [ledger.secret.secret, gen0.secret]
+    path = tmp_path / "owned" / "club.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = OwnedRuns(OWNER, tmp_path / "owned", on_keys=listener)
+    reloaded = again.ledger("club")
+    assert reloaded.generation == 1 and reloaded.chunks == 1
+    assert [s.secret for s in reloaded.newest_first()] == [ledger.secret.secret, gen0.secret]
+    assert told[-1] == (1, [ledger.secret.secret, gen0.secret], 0.0)
+    # A revocation that fails changes nothing; the generations kept are bounded.
+    with pytest.raises(MembershipError, match="no token of run 'club' has serial"):
+        again.revoke("club", "feed", None)
+    assert again.ledger("club").generation == 1
+    for _ in range(KEPT_GENERATIONS + 2):
+        again.revoke("club", None, MEMBERS[5].peer_id)
+    assert len(again.ledger("club").secrets) == KEPT_GENERATIONS
+    assert OwnedRuns(OWNER, tmp_path / "owned").ledger("club").generation == KEPT_GENERATIONS + 3
+
+
+def test_a_ledger_with_generations_out_of_bounds_is_not_replaced(tmp_path: Path) -> None:
+    directory = tmp_path / "owned"
+    OwnedRuns(OWNER, directory).ledger("club")
+    data = orjson.loads((directory / "club.json").read_bytes())
+    for bad in ({"generation": -1}, {"generation": 2, "chunks": 1, "earlier": {"5": data["secret"]}},
+                {"generation": 1, "chunks": MAX_REKEY_CHUNKS + 1},
+                {"generation": 2, "chunks": 1, "earlier": {"0": data["secret"]}}):  # (a gap)
+        (directory / "club.json").write_bytes(orjson.dumps({**data, **bad}))
+        before = (directory / "club.json").read_bytes()
+        owned = OwnedRuns(OWNER, directory)
+        with pytest.raises(MembershipError, match="could not be read: restore it"):
+            owned.ledger("club")
+        assert (directory / "club.json").read_bytes() == before
+
+
+def test_the_owner_is_refused_more_members_than_a_revocation_can_rekey(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ownership, "MAX_REKEYED_PEERS", 2)
+    owned = OwnedRuns(OWNER, tmp_path / "owned")
+    owned.issue("club", MEMBERS[0].peer_id, "trainer", 1.0)
+    owned.issue("club", MEMBERS[1].peer_id, "trainer", 1.0)
+    owned.issue("club", MEMBERS[1].peer_id, "trainer", 2.0)  # (the same peer again)
+    with pytest.raises(RekeyError, match=r"as many as a revocation can re-key: revoke"):
+        owned.issue("club", MEMBERS[2].peer_id, "trainer", 1.0)
+    owned.revoke("club", None, MEMBERS[0].peer_id)
+    owned.issue("club", MEMBERS[2].peer_id, "trainer", 1.0)
+
+
+# --- the re-keying records -------------------------------------------------------------------
+
+
+def _records(generation: int, secrets: list[RunSecret], members: list[Identity]) -> list[bytes]:
+    peers = [m.peer_id for m in members]
+    return seal_chunks(OWNER.peer_id, "club", generation, secrets, peers, plan_chunks(peers))
+
+
+def test_each_member_opens_its_own_entry_and_nobody_else_does() -> None:
+    new, old = RunSecret.generate(), RunSecret.generate()
+    staying, revoked = MEMBERS[:4], MEMBERS[4]
+    values = _records(3, [new, old], staying)
+    assert len(values) == 1 and len(values[0]) < 13 + 4 * (8 + SEAL_OVERHEAD + 64) + 1
+    for member in staying:
+        opened = open_chunk(member, OWNER.peer_id, "club", values[0], 0, 1)
+        assert opened is not None and opened[0] == 3
+        assert [s.secret for s in opened[1]] == [new.secret, old.secret]
+        assert new.secret not in values[0]
+    assert open_chunk(revoked, OWNER.peer_id, "club", values[0], 0, 1) is None
+    # bound to the owner and run (a box moved to another run's records does not open)
+    assert open_chunk(staying[0], OWNER.peer_id, "other", values[0], 0, 1) is None
+    # and to the generation: a record whose header claims another one opens for nobody
+    altered = values[0][:4] + (9).to_bytes(4, "big") + values[0][8:]
+    assert open_chunk(staying[0], OWNER.peer_id, "club", altered, 0, 1) is None
+
+
+def test_malformed_rekeying_records_are_refused() -> None:
+    value = _records(2, [RunSecret.generate()], MEMBERS[:2])[0]
+    member = MEMBERS[0]
+    for bad, reason in ((b"", "too short"), (b"dlk9" + value[4:], "known format"),
+                        (value[:4] + bytes(4) + value[8:], "known format"),
+                        (value[:12] + b"\x00" + value[13:], "secrets in a box"),
+                        (value[:12] + b"\x09" + value[13:], "secrets in a box"),
+                        (value[:-1], "not at most"), (value + bytes(7), "not at most")):
+        with pytest.raises(MembershipError, match=reason):
+            open_chunk(member, OWNER.peer_id, "club", bad, 0, 1)
+    with pytest.raises(MembershipError, match="filed as 1 of 2"):
+        open_chunk(member, OWNER.peer_id, "club", value, 1, 2)
+
+
+def test_rekeying_records_are_bounded() -> None:
+    entry = 8 + SEAL_OVERHEAD + 2 * 32
+    assert 13 + CHUNK_MOST * entry <= RecordLimits().max_value_bytes
+    peers = [f"peer-{i}" for i in range(MAX_REKEYED_PEERS)]  # (chunk_of only hashes them)
+    chunks = plan_chunks(peers)
+    assert chunks <= MAX_REKEY_CHUNKS
+    counts = [0] * chunks
+    for peer in peers:
+        counts[chunk_of(peer, chunks)] += 1
+    assert max(counts) <= CHUNK_MOST
+    assert plan_chunks(peers[:10]) == 1
+    with pytest.raises(RekeyError, match="more than the 8192 that a revocation can re-key"):
+        plan_chunks([*peers, "one-more"])
+
+
+# --- a member learns the new generation --------------------------------------------------------
+
+
+class _Dht:
+    """Answers `get` with whatever the test put under a key."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, Record | Exception] = {}
+
+    async def get(self, key: str, **_: Any) -> Record | None:
+        found = self.records.get(key)
+        if isinstance(found, Exception):
+            raise found
+        return found
+
+
+def _stored(writer: Identity, key: str, value: bytes, sub_key: str | None = None) -> Record:
+    return Record(key, (Entry.create(writer, key, value, time.time() + 600,
+                                     sub_key or writer.peer_id),))
+
+
+async def test_a_member_learns_the_new_generation_from_its_entry_and_checks_what_it_reads() -> None:
+    member = MEMBERS[0]
+    old, new = RunSecret.generate(), RunSecret.generate()
+    registry = MembershipRegistry(member)
+    registry.hold(MembershipToken.issue(OWNER, "club", member.peer_id, "trainer", 600.0, old))
+    dht = _Dht()
+    catch_up = KeyCatchUp(dht, registry, OWNER.peer_id, "club")  # type: ignore[arg-type]
+    assert not await catch_up.step()  # (no list yet)
+    registry.learn(Revocations(OWNER.peer_id, "club", 5.0, frozenset({"x"}), frozenset(), 1, 1))
+    key = rekey_key(OWNER.peer_id, "club", 0)
+    good = _records(1, [new, old], MEMBERS[:3])[0]
+    hostile = [
+        (TimeoutError("slow"), "unreachable"),
+        (None, "missing"),
+        (_stored(MEMBERS[1], key, good, OWNER.peer_id), "missing"),  # (not the owner's entry)
+        (_stored(MEMBERS[1], key, good), "missing"),  # (another writer's sub-key)
+        (_stored(OWNER, key, b"dlk1 garbage"), "malformed"),
+        (_stored(OWNER, key, _records(1, [new], MEMBERS[1:3])[0]), "no_entry"),
+    ]
+    with capture_logs() as logs:
+        for stored, _ in [*hostile, *hostile]:
+            if stored is None:
+                dht.records.pop(key, None)
+            else:
+                dht.records[key] = stored
+            assert not await catch_up.step()
+    reasons = [reason for _, reason in hostile]
+    assert catch_up.problems == {r: 2 * reasons.count(r) for r in reasons}
+    assert sorted(e["reason"] for e in logs if e["event"] == "rekey_not_learned") == sorted(
+        set(reasons))  # (once each a generation)
+    keys = registry.keys(OWNER.peer_id, "club")
+    assert keys is not None and keys.newest == 0
+    dht.records[key] = _stored(OWNER, key, good)
+    assert await catch_up.step()
+    assert keys.newest == 1 and keys.writing == 0  # it writes with it after the grace
+    assert keys.writer(time.time() + REKEY_GRACE + 1) is keys.secret(1)
+    assert keys.secret(1) is not None and keys.secret(1).secret == new.secret  # type: ignore[union-attr]
+    assert not await catch_up.step()  # (nothing newer named)
+    # an older record that a node still serves after the next generation is named: not taken
+    registry.learn(Revocations(OWNER.peer_id, "club", 6.0, frozenset({"x"}), frozenset(), 2, 1))
+    assert not await catch_up.step() and catch_up.problems["stale"] == 1
