@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from ..dht.errors import InvalidRecord
 from ..identity import Identity
 from ..net import TransportError
 from ..sealing import SEAL_OVERHEAD, SealError, open_sealed, seal
@@ -175,14 +176,24 @@ async def publish_rekeying(dht: DHTNode, owner: str, run: str, generation: int,
     else:
         values = seal_chunks(owner, run, generation, secrets, peers, chunks)
     try:
-        async with asyncio.timeout(PUBLISH_TIMEOUT):
+        async with asyncio.timeout(PUBLISH_TIMEOUT):  # (each store has half of it: all end)
             stored = await asyncio.gather(*(
                 dht.store(rekey_key(owner, run, chunk), value, expiration, sub_key=owner,
-                          timeout=PUBLISH_TIMEOUT / 2) for chunk, value in enumerate(values)))
-    except (TransportError, TimeoutError) as exc:
-        log.warning("rekey_publish_failed", run=run, generation=generation, error=str(exc))
+                          timeout=PUBLISH_TIMEOUT / 2) for chunk, value in enumerate(values)),
+                return_exceptions=True)
+    except TimeoutError as exc:
+        stored = [exc]
+    failed = [r for r in stored if isinstance(r, BaseException)]
+    for problem in failed:
+        if not isinstance(problem, TransportError | TimeoutError | InvalidRecord):
+            raise problem
+    if failed:
+        log.warning("rekey_publish_failed", run=run, generation=generation, error=str(failed[0]),
+                    failed=len(failed), records=len(values),
+                    hint="republished every few hours; a DHT whose values must be smaller than "
+                         f"{len(max(values, key=len))} bytes cannot carry them (dht.max_value_bytes)")
         return False
-    return all(count > 0 for count in stored)
+    return all(isinstance(count, int) and count > 0 for count in stored)
 
 
 class KeyCatchUp:
@@ -210,7 +221,8 @@ class KeyCatchUp:
         held; True if one was learned."""
         membership, owner = self.membership, self.owner
         revocations, keys = membership.revocations(owner, self.run), membership.keys(owner, self.run)
-        if revocations is None or keys is None or revocations.generation <= keys.newest:
+        if (revocations is None or keys is None or revocations.generation <= keys.newest
+                or revocations.chunks < 1):
             return False
         generation, chunks = revocations.generation, revocations.chunks
         chunk = chunk_of(membership.identity.peer_id, chunks)

@@ -36,6 +36,7 @@ from dedloc.daemon.collab.rekeying import (
     chunk_of,
     open_chunk,
     plan_chunks,
+    publish_rekeying,
     seal_chunks,
 )
 from dedloc.daemon.collab.secrecy import (
@@ -45,6 +46,7 @@ from dedloc.daemon.collab.secrecy import (
     RunKeys,
     RunSecret,
 )
+from dedloc.daemon.dht.errors import RecordTooLarge
 from dedloc.daemon.dht.records import Entry, Record, RecordLimits
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.sealing import SEAL_OVERHEAD
@@ -345,3 +347,35 @@ async def test_a_member_learns_the_new_generation_from_its_entry_and_checks_what
     # an older record that a node still serves after the next generation is named: not taken
     registry.learn(Revocations(OWNER.peer_id, "club", 6.0, frozenset({"x"}), frozenset(), 2, 1))
     assert not await catch_up.step() and catch_up.problems["stale"] == 1
+
+
+class _StoringDht:
+    """Keeps what is stored; refuses values over `largest` as a DHT node would."""
+
+    def __init__(self, largest: int = 1 << 16) -> None:
+        self.largest = largest
+        self.stored: dict[tuple[str, str | None], bytes] = {}
+
+    async def store(self, key: str, value: bytes, expiration: float, sub_key: str | None = None,
+                    **_: Any) -> int:
+        if len(value) > self.largest:
+            raise RecordTooLarge(f"value of {len(value)} bytes")
+        self.stored[(key, sub_key)] = value
+        return 1
+
+
+async def test_the_owner_publishes_each_record_under_its_own_sub_key_and_says_when_it_cannot() -> None:
+    secrets, peers = [RunSecret.generate()], [m.peer_id for m in MEMBERS]
+    dht = _StoringDht()
+    assert await publish_rekeying(dht, OWNER.peer_id, "club", 1, secrets, peers, 2,  # type: ignore[arg-type]
+                                  time.time() + 60)
+    assert set(dht.stored) == {(rekey_key(OWNER.peer_id, "club", n), OWNER.peer_id) for n in (0, 1)}
+    for member in MEMBERS:
+        chunk = chunk_of(member.peer_id, 2)
+        value = dht.stored[(rekey_key(OWNER.peer_id, "club", chunk), OWNER.peer_id)]
+        assert open_chunk(member, OWNER.peer_id, "club", value, chunk, 2) is not None
+    with capture_logs() as logs:
+        assert not await publish_rekeying(_StoringDht(largest=100), OWNER.peer_id, "club", 1,  # type: ignore[arg-type]
+                                          secrets, peers, 2, time.time() + 60)
+    (failed,) = [e for e in logs if e["event"] == "rekey_publish_failed"]
+    assert "dht.max_value_bytes" in failed["hint"]
