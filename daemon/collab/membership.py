@@ -37,6 +37,7 @@ import dataclasses
 import heapq
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ REFUSAL_LOG_EVERY = 60.0  # seconds between two log lines of refusals of one pee
 MAX_PEER_ID_CHARS = 128
 SEALED_GENERATIONS = 2  # generations of the run's secret a token or a re-keying entry carries
 MAX_REKEY_CHUNKS = 32  # re-keying records of a run (rekeying.py)
+_KEY_ID_HEX = re.compile(r"[0-9a-f]{8}")
 
 
 class MembershipError(CollaborationError):
@@ -215,6 +217,12 @@ class MembershipToken:
                     "expires": (int, float), "serial": str, "key": str}
         if isinstance(claims, dict) and "generation" in claims:
             expected["generation"] = int
+        unknown = sorted(set(claims) - {*expected, "generation"}) if isinstance(claims, dict) else []
+        if unknown:
+            raise MembershipError(
+                f"the token carries fields this dedloc does not know ({', '.join(unknown)[:200]}): "
+                "it was issued by a newer version. Upgrade this node (every member of a closed run "
+                "and the nodes it uses need the owner's version)")
         if key is None or not isinstance(claims, dict) or set(claims) != set(expected) or any(
                 not isinstance(claims[k], kind) or isinstance(claims[k], bool)
                 for k, kind in expected.items()) or not 0 <= claims.get("generation", 0) <= MAX_GENERATION:
@@ -231,7 +239,9 @@ class MembershipToken:
 class Revocations:
     """The owner's list of revoked token serials and peers of one run; `version` orders lists.
     `generation` is the run secret's current one, sealed to each member in the `chunks`
-    re-keying records (rekeying.py; none while it is 0)."""
+    re-keying records (rekeying.py; none while it is 0), `key_id` its key id (hex: which secret
+    that number is, should the owner ever draw one twice) and `rekeyed` when those records were
+    first stored (the owner's clock; None until then): the members' grace runs from then."""
 
     owner: str
     run: str
@@ -240,11 +250,18 @@ class Revocations:
     peers: frozenset[str] = frozenset()
     generation: int = 0
     chunks: int = 0
+    key_id: str = ""
+    rekeyed: float | None = None
 
     def to_bytes(self) -> bytes:
-        return orjson.dumps({"owner": self.owner, "run": self.run, "version": self.version,
-                             "serials": sorted(self.serials), "peers": sorted(self.peers),
-                             "generation": self.generation, "chunks": self.chunks})
+        data: dict[str, Any] = {"owner": self.owner, "run": self.run, "version": self.version,
+                                "serials": sorted(self.serials), "peers": sorted(self.peers),
+                                "generation": self.generation, "chunks": self.chunks}
+        if self.key_id:
+            data["key_id"] = self.key_id
+        if self.rekeyed is not None:
+            data["rekeyed"] = self.rekeyed
+        return orjson.dumps(data)
 
     @classmethod
     def from_bytes(cls, data: bytes, owner: str, run: str) -> Revocations:
@@ -260,10 +277,17 @@ class Revocations:
                     or not 0 <= generation <= MAX_GENERATION or not 0 <= chunks <= MAX_REKEY_CHUNKS
                     or (generation > 0) != (chunks > 0)):
                 raise ValueError(f"generation {generation!r} with {chunks!r} re-keying records")
+            key_id, rekeyed = raw.get("key_id", ""), raw.get("rekeyed")
+            if not isinstance(key_id, str) or (key_id and not _KEY_ID_HEX.fullmatch(key_id)):
+                raise ValueError(f"key id {str(key_id)[:20]!r}")
+            if rekeyed is not None and (not isinstance(rekeyed, int | float) or isinstance(
+                    rekeyed, bool) or not 0 <= rekeyed < math.inf):
+                raise ValueError(f"re-keyed at {str(rekeyed)[:20]!r}")
         except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
             raise MembershipError(f"malformed revocation list of run {run!r}: {exc}") from None
         return cls(owner, run, float(raw["version"]), frozenset(raw.get("serials", [])),
-                   frozenset(raw.get("peers", [])), generation, chunks)
+                   frozenset(raw.get("peers", [])), generation, chunks, key_id,
+                   None if rekeyed is None else float(rekeyed))
 
     def revokes(self, token: MembershipToken) -> bool:
         return token.serial in self.serials or token.peer in self.peers
@@ -332,19 +356,26 @@ class MembershipRegistry:
         self.keep_keys(run, 0, [secret], 0.0)
 
     def keep_keys(self, run: str, generation: int, secrets: Sequence[RunSecret],
-                  grace: float) -> None:
+                  grace: float, rekeyed: float | None = None) -> None:
         """The secrets of a closed run this node owns (ownership.py's `on_keys`)."""
-        self.learn_keys(self.identity.peer_id, run, generation, secrets, grace)
+        self.learn_keys(self.identity.peer_id, run, generation, secrets, grace, rekeyed)
 
     def learn_keys(self, owner: str, run: str, generation: int, secrets: Sequence[RunSecret],
-                   grace: float) -> bool:
+                   grace: float, rekeyed: float | None = None) -> bool:
         """Hold the run's secrets of `generation`, `generation - 1`, ... (newest first); True if
-        that generation is new here: it is written with from `grace` seconds on (RunKeys)."""
+        that generation is new here: it is written with `grace` seconds after `rekeyed` or, if
+        that is unknown, after now (RunKeys.learn; until then with the one before, if given)."""
         keys = self._secrets.get((owner, run))
         if keys is None:
-            self._secrets[(owner, run)] = RunKeys(generation, secrets)
-            return True
-        return keys.learn(generation, secrets, self._clock(), grace)
+            start = 0 if grace <= 0 or generation == 0 or len(secrets) < 2 else 1
+            keys = self._secrets[(owner, run)] = RunKeys(generation - start, secrets[start:])
+            if not start:
+                return True
+        return keys.learn(generation, secrets, self._clock(), grace, rekeyed)
+
+    def now(self) -> float:
+        """This registry's clock (unix seconds)."""
+        return self._clock()
 
     def keys(self, owner: str, run: str) -> RunKeys | None:
         """The generations of run's secret this node holds."""

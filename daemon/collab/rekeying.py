@@ -22,10 +22,14 @@ value), `CHUNK_TARGET` on average; a run has at most `MAX_REKEY_CHUNKS` records,
 `MAX_REKEYED_PEERS` member peers: the owner is refused tokens past that (ownership.py).
 
 A member (`KeyCatchUp`, stepped where board.py refreshes the revocation list) reads its record
-when the list names a newer generation than it holds, opens and checks its entry and reads the
-new generation's records from then on; it writes with it `REKEY_GRACE` seconds later, once every
-member has refreshed the list, so that nobody is left unable to read the others' records for a
-while (members keep the earlier generations to read by key id: secrecy.py). A revoked member has
+when the list names a newer generation than it holds (or, with another key id, one it holds: a
+number the owner drew twice; the list wins), opens and checks its entry and reads the new
+generation's records from then on; it writes with it `REKEY_GRACE` seconds after the owner first
+stored the records (the list's `rekeyed`: at once for an old rotation; never later than
+`REKEY_GRACE` after it learned it), once every member has refreshed the list, so that nobody is
+left unable to read the others' records for a while (members keep the earlier generations to
+read by key id: secrecy.py); the owner switches then too (ownership.py). A member that could not
+learn it by then says so as an error (`rekey_overdue`), once a generation, and writes on. A revoked member has
 no entry and reads nothing written with the new generation. Anything read is checked; a record
 that is missing, malformed or holds no entry of ours is counted and logged once a generation.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import math
 import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -56,7 +61,8 @@ from .secrecy import MAX_GENERATION, RUN_SECRET_BYTES, RunSecret, join_secrets, 
 
 if TYPE_CHECKING:
     from ..dht import DHTNode
-    from .membership import MembershipRegistry
+    from .membership import MembershipRegistry, Revocations
+    from .secrecy import RunKeys
 
 log = structlog.get_logger(__name__)
 
@@ -71,8 +77,8 @@ _CONTEXT_DOMAIN = b"dedloc-rekey-v1\0"
 CHUNK_TARGET = 256  # entries per record, on average
 CHUNK_MOST = 480  # entries in one record (the hash spreads peers unevenly): 57.6 kB at most
 MAX_REKEYED_PEERS = CHUNK_TARGET * MAX_REKEY_CHUNKS
-# a member writes with a new generation this long after it learned it: every member refreshes
-# the list every REVOCATIONS_REFRESH s, so by then all have it (one refresh may fail)
+# members (and the owner) write with a new generation this long after its records were first
+# stored: every member refreshes the list every REVOCATIONS_REFRESH s, so by then all have it
 REKEY_GRACE = 2 * REVOCATIONS_REFRESH
 DHT_TIMEOUT = 5.0
 PUBLISH_TIMEOUT = 30.0
@@ -209,44 +215,87 @@ class KeyCatchUp:
 
     def _problem(self, reason: str, generation: int, **context: object) -> None:
         self.problems[reason] += 1
-        if (reason, generation) not in self._logged:
-            if len(self._logged) >= _LOGGED:
-                self._logged.clear()
-            self._logged.add((reason, generation))
+        if self._once(reason, generation):
             log.warning("rekey_not_learned", run=self.run, generation=generation, reason=reason,
                         **context)
 
+    def _once(self, reason: str, generation: int) -> bool:
+        """Is this the first (reason, generation) to log (bounded)?"""
+        if (reason, generation) in self._logged:
+            return False
+        if len(self._logged) >= _LOGGED:
+            self._logged.clear()
+        self._logged.add((reason, generation))
+        return True
+
+    def _overdue(self, revocations: Revocations, keys: RunKeys) -> None:
+        """Say loudly when the grace of a generation we could not learn is over: we still write
+        with one that the owner superseded (which the revoked member reads)."""
+        if revocations.rekeyed is None or self.membership.now() < revocations.rekeyed + REKEY_GRACE:
+            return
+        self.problems["overdue"] += 1
+        if self._once("overdue", revocations.generation):
+            log.error("rekey_overdue", run=self.run, generation=revocations.generation,
+                      writing=keys.writing,
+                      hint="this peer still writes with a generation of the run's secret that a "
+                           "revoked member holds, and cannot read what the others write with the "
+                           "new one: check that it reaches the DHT (dedloc info), or ask the "
+                           "run's owner for a new token (dedloc token issue) and join with it")
+
     async def step(self) -> bool:
-        """Learn the generation the owner's revocation list names if it is newer than the ones
-        held; True if one was learned."""
+        """Learn the generation the owner's revocation list names if we do not hold it (a newer
+        one, or one that contradicts ours); True if one was learned."""
         membership, owner = self.membership, self.owner
         revocations, keys = membership.revocations(owner, self.run), membership.keys(owner, self.run)
-        if (revocations is None or keys is None or revocations.generation <= keys.newest
-                or revocations.chunks < 1):
+        if revocations is None or keys is None:
             return False
         generation, chunks = revocations.generation, revocations.chunks
+        held = keys.secret(generation)
+        conflict = bool(revocations.key_id) and held is not None and (
+            held.key_id.hex() != revocations.key_id)
+        if generation <= keys.newest and not conflict:
+            return False
+        if conflict:  # (a number drawn twice: the owner's ledger went back)
+            self.problems["conflict"] += 1
+            if self._once("conflict", generation):
+                log.error("rekey_conflict", run=self.run, generation=generation,
+                          held=held.key_id.hex() if held else None, listed=revocations.key_id,
+                          hint="the run's owner drew this generation of its secret twice (its "
+                               "ledger was restored from a backup, or could not be saved): this "
+                               "peer takes the one its newest list names, as every member does; "
+                               "the owner should check its ledger (dedloc token list)")
+        if chunks < 1:
+            return False
         chunk = chunk_of(membership.identity.peer_id, chunks)
         try:
             record = await self.dht.get(rekey_key(owner, self.run, chunk), timeout=DHT_TIMEOUT)
         except (TransportError, TimeoutError) as exc:
             self._problem("unreachable", generation, error=str(exc))
+            self._overdue(revocations, keys)
             return False
         entry = None if record is None or not record.has_sub_keys else record.sub_keys.get(owner)
+        opened = None
         if entry is None or entry.signer != owner:
             self._problem("missing", generation, chunk=chunk)
+        else:
+            try:
+                opened = open_chunk(membership.identity, owner, self.run, entry.value, chunk,
+                                    chunks)
+            except MembershipError as exc:
+                self._problem("malformed", generation, error=str(exc))
+            else:
+                if opened is None:  # (revoked; or this record is an older one, being replaced)
+                    self._problem("no_entry", generation, chunk=chunk)
+                elif opened[0] != generation or (revocations.key_id and (
+                        opened[1][0].key_id.hex() != revocations.key_id)):
+                    self._problem("stale", generation, found=opened[0])  # (an older record)
+                    opened = None
+        if opened is None:
+            self._overdue(revocations, keys)
             return False
-        try:
-            opened = open_chunk(membership.identity, owner, self.run, entry.value, chunk, chunks)
-        except MembershipError as exc:
-            self._problem("malformed", generation, error=str(exc))
-            return False
-        if opened is None:  # (revoked; or this record is an older one, still being replaced)
-            self._problem("no_entry", generation, chunk=chunk)
-            return False
-        found, secrets = opened
-        if found <= keys.newest:
-            self._problem("stale", generation, found=found)
-            return False
-        membership.learn_keys(owner, self.run, found, secrets, grace=REKEY_GRACE)
-        log.info("run_rekeyed", run=self.run, generation=found, writes_in=REKEY_GRACE)
+        membership.learn_keys(owner, self.run, generation, opened[1], grace=REKEY_GRACE,
+                              rekeyed=revocations.rekeyed)
+        log.info("run_rekeyed", run=self.run, generation=generation, writing=keys.writing,
+                 writes_in=round(max(0.0, min(REKEY_GRACE, (revocations.rekeyed or math.inf)
+                                              + REKEY_GRACE - membership.now())), 1))
         return True

@@ -26,6 +26,7 @@ altered.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -136,8 +137,14 @@ def split_secrets(data: bytes, most: int) -> list[RunSecret]:
 
 class RunKeys:
     """The generations of one closed run's secret that a peer holds: it reads records written
-    with any of them (by key id) and writes with one, `writing`, which moves to the newest
-    `grace` seconds after that was learned (so that the other members learn it first)."""
+    with any of them (by key id) and writes with one, `writing`, which moves to the newest a
+    grace after that was drawn or learned (so that the other members learn it first).
+
+    The owner's word is final: a generation learned again with another secret (the owner's
+    ledger was restored from a backup, or drew a number twice) replaces the one held, and
+    generations held past the one learned (which the owner no longer has) are dropped; both are
+    counted in `conflicts`. The generation written with is kept even when more than
+    `KEPT_GENERATIONS` newer ones arrive at once."""
 
     def __init__(self, generation: int, secrets: Sequence[RunSecret]) -> None:
         """`secrets`: those of `generation`, `generation - 1`, ... (newest first)."""
@@ -145,28 +152,44 @@ class RunKeys:
         self.newest = -1
         self.writing = generation
         self._switch_at: float | None = None
+        self.conflicts = 0
         self.learn(generation, secrets, now=0.0, grace=0.0)
 
-    def learn(self, generation: int, secrets: Sequence[RunSecret], now: float,
-              grace: float) -> bool:
+    def learn(self, generation: int, secrets: Sequence[RunSecret], now: float, grace: float,
+              rekeyed: float | None = None) -> bool:
         """Keep the secrets of `generation` and the ones before it (newest first); True if
-        `generation` is newer than any held, which is then written with from `now + grace`."""
+        `generation` is newer than any held. It is written with from `grace` seconds after it
+        reached the members (`rekeyed`, the owner's clock: at once if that is long past) or, if
+        that is unknown, after `now`; never later than `now + grace` (an owner's clock ahead of
+        ours does not hold it back). Learning the newest again can bring that time forward."""
         if not 0 <= generation <= MAX_GENERATION or not 1 <= len(secrets) <= KEPT_GENERATIONS:
             raise ValueError(f"generation {generation} with {len(secrets)} secrets is out of "
                              f"bounds (0..{MAX_GENERATION}, 1..{KEPT_GENERATIONS} secrets)")
-        for offset, secret in enumerate(secrets):
-            if generation - offset >= 0:
-                self._secrets.setdefault(generation - offset, secret)
+        replaced = {generation - offset for offset, secret in enumerate(secrets)
+                    if generation - offset >= 0 and (held := self._secrets.get(
+                        generation - offset)) is not None and held.secret != secret.secret}
+        dropped = {g for g in self._secrets if g > generation}
         newer = generation > self.newest
-        if newer:
-            self.newest = generation
-            self._switch_at = now + grace
-            if grace <= 0:
-                self.writing, self._switch_at = generation, None
-        for old in sorted(self._secrets)[:-KEPT_GENERATIONS]:
-            del self._secrets[old]
-        if self.writing not in self._secrets:  # (fell out: many generations came at once)
+        for offset, secret in enumerate(secrets):
+            if generation - offset >= 0 and (generation - offset in replaced
+                                             or generation - offset not in self._secrets):
+                self._secrets[generation - offset] = secret
+        for gone in dropped:
+            del self._secrets[gone]
+        switch_at = min(now + grace, math.inf if rekeyed is None else rekeyed + grace)
+        if replaced or dropped:  # (the owner's newest word wins: write with it at once)
+            self.conflicts += 1
+            self.newest = self.writing = generation
+            self._switch_at = None
+        elif newer:
+            self.newest, self._switch_at = generation, switch_at
+        elif generation == self.newest and self._switch_at is not None:
+            self._switch_at = min(self._switch_at, switch_at)
+        if self._switch_at is not None and self._switch_at <= now:
             self.writing, self._switch_at = self.newest, None
+        kept = {*sorted(self._secrets)[-KEPT_GENERATIONS:], self.writing}
+        for old in set(self._secrets) - kept:  # (the one written with stays: readers hold it)
+            del self._secrets[old]
         return newer
 
     def generations(self) -> list[int]:
