@@ -58,8 +58,11 @@ class MembershipApi:
         """Revoke a token (or every token of a peer) and publish the run's revocation list.
 
         Members fetch the list every 30 s and refuse the revoked peer from then on; `published`
-        says whether the DHT took the new list (it is published again periodically). The run's
-        key is not changed: records that reach a node the revoked peer runs stay readable to it.
+        says whether the DHT took the new list and re-keying records (if not, they are tried
+        again after 5 s, backing off to 5 min). The revocation draws a new `generation` of the
+        run's key, sealed to each remaining member; `rekeyed` is false (with `rekey_error`, what
+        to do) when the members were too many to re-key: the revoked peer then still reads what
+        they write. Records written before stay readable to it.
         """
         return await self._runs.token_revoke(name, serial, peer)
 

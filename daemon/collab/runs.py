@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .engine import RunEngine
 
 if TYPE_CHECKING:
+    from ..dht import DHTNode
     from ..network import PeerNetwork
 
 log = structlog.get_logger(__name__)
@@ -50,6 +51,7 @@ class RunRegistry:
         self._runs: dict[str, Run | AuxRun] = {}
         self._lock = asyncio.Lock()
         self._closing = False
+        self._publish_now = asyncio.Event()  # a revocation that was not published: try again
         self.owned = (None if network is None
                       else OwnedRuns(network.identity, state_dir / "owned",
                                      on_keys=network.membership.keep_keys))
@@ -266,9 +268,14 @@ class RunRegistry:
         published = False
         if self.network.dht is not None and self.network.joined:
             published = await owned.publish(self.network.dht, name)
+        if not published:  # (tried again soon, backing off: publish_revocations)
+            self._publish_now.set()
+        rekey_error = owned.rekey_errors.get(name)
         return {"run": name, "revoked_serials": sorted(revocations.serials),
                 "revoked_peers": sorted(revocations.peers), "version": revocations.version,
-                "published": published}
+                "published": published, "generation": revocations.generation,
+                "rekeyed": rekey_error is None,
+                **({} if rekey_error is None else {"rekey_error": rekey_error})}
 
     def token_list(self, name: str) -> dict[str, Any]:
         return self._owned().listing(name)
@@ -278,15 +285,14 @@ class RunRegistry:
         owned = self.owned
         if owned is None or self.network is None:
             return
+        network = self.network
         for name in owned.names():
-            self.network.membership.learn(owned.ledger(name).revocations())
-        while not self._closing:
-            if not await self.network.wait_joined(timeout=REPUBLISH_EVERY):
-                continue
-            assert self.network.dht is not None
-            for name in owned.names():
-                await owned.publish(self.network.dht, name)
-            await asyncio.sleep(REPUBLISH_EVERY)
+            network.membership.learn(owned.ledger(name).revocations())
+
+        async def joined() -> DHTNode | None:
+            return network.dht if await network.wait_joined(timeout=REPUBLISH_EVERY) else None
+
+        await owned.keep_published(joined, self._publish_now, lambda: self._closing)
 
     def statuses(self) -> list[dict[str, Any]]:
         return [run.status() for run in self._runs.values()]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -299,8 +300,13 @@ class Swarm:
         ledger = self.ledger
         ledger.revoke(None, peer.peer_id)
         owner.membership.learn(ledger.revocations())
-        owner.membership.keep_keys("sim", ledger.generation, ledger.newest_first(), REKEY_GRACE)
-        return await publish_ledger(owner.dht, ledger)
+        # as OwnedRuns does: the owner writes with it only a grace after its records are stored
+        owner.membership.keep_keys("sim", ledger.generation, ledger.newest_first(), math.inf)
+        stored = await publish_ledger(owner.dht, ledger)
+        if ledger.rekeyed:
+            owner.membership.keep_keys("sim", ledger.generation, ledger.newest_first(),
+                                       REKEY_GRACE, ledger.rekeyed)
+        return stored
 
     @property
     def live(self) -> list[SimPeer]:
