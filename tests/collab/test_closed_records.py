@@ -184,7 +184,8 @@ def test_records_that_do_not_open_are_dropped_and_counted_against_their_writer()
 def test_the_owners_secret_survives_a_restart_in_a_private_file(tmp_path: Path) -> None:
     told: list[tuple[str, int, bytes]] = []
 
-    def listener(run: str, generation: int, secrets: list[RunSecret], grace: float) -> None:
+    def listener(run: str, generation: int, secrets: list[RunSecret], grace: float,
+                 rekeyed: float | None) -> None:
         told.append((run, generation, secrets[0].secret))
 
     owned = OwnedRuns(OWNER, tmp_path / "owned", on_keys=listener)

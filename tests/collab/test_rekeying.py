@@ -4,8 +4,10 @@ re-keying records and a member's reading of them). The swarm test
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
+import math
 import stat
 import time
 from pathlib import Path
@@ -84,10 +86,16 @@ def test_the_key_ring_is_bounded() -> None:
         keys.learn(generation, [secrets[generation]], now=0.0, grace=0.0)
     assert len(keys.generations()) == KEPT_GENERATIONS
     assert keys.generations()[-1] == len(secrets) - 1 and keys.writing == keys.newest
-    # many at once during a grace: the one written with fell out, the newest takes over
+    # many at once during a grace (a burst of revocations): the one written with is kept
+    # until the switch (an owner whose records are not stored yet writes with it meanwhile)
     keys = RunKeys(0, [secrets[0]])
-    keys.learn(KEPT_GENERATIONS, secrets[1:KEPT_GENERATIONS + 1], now=0.0, grace=60.0)
-    assert keys.writing == KEPT_GENERATIONS and 0 not in keys.generations()
+    for generation in range(1, KEPT_GENERATIONS + 3):
+        keys.learn(generation, secrets[generation:generation + 1], now=0.0, grace=math.inf)
+    assert keys.writing == 0 and keys.writer(1e9) is secrets[0]
+    assert keys.generations() == [0, *range(3, KEPT_GENERATIONS + 3)]
+    keys.learn(KEPT_GENERATIONS + 2, secrets[KEPT_GENERATIONS + 2:KEPT_GENERATIONS + 3], now=0.0,
+               grace=60.0, rekeyed=-100.0)  # (stored long ago: it switches at once)
+    assert keys.writing == KEPT_GENERATIONS + 2 and 0 not in keys.generations()
     for generation, given in ((-1, secrets[:1]), (MAX_GENERATION + 1, secrets[:1]), (3, []),
                               (20, secrets[:KEPT_GENERATIONS + 1])):
         with pytest.raises(ValueError, match="out of bounds"):
@@ -166,10 +174,11 @@ def test_only_the_owner_writes_the_rekeying_records_and_only_members_read_them()
 
 
 def test_a_revocation_draws_a_new_generation_that_outlives_a_restart(tmp_path: Path) -> None:
-    told: list[tuple[int, list[bytes], float]] = []
+    told: list[tuple[int, list[bytes], float, float | None]] = []
 
-    def listener(run: str, generation: int, secrets: list[RunSecret], grace: float) -> None:
-        told.append((generation, [s.secret for s in secrets], grace))
+    def listener(run: str, generation: int, secrets: list[RunSecret], grace: float,
+                 rekeyed: float | None) -> None:
+        told.append((generation, [s.secret for s in secrets], grace, rekeyed))
 
     owned = OwnedRuns(OWNER, tmp_path / "owned", on_keys=listener)
     first = owned.issue("club", MEMBERS[0].peer_id, "trainer", 1.0)
@@ -179,8 +188,9 @@ def test_a_revocation_draws_a_new_generation_that_outlives_a_restart(tmp_path: P
     ledger = owned.ledger("club")
     assert (listed.generation, listed.chunks) == (1, 1) and ledger.generation == 1
     assert ledger.secret.secret != gen0.secret
-    assert told[-1] == (1, [ledger.secret.secret, gen0.secret], REKEY_GRACE)
-    assert ledger.members(time.time(), ledger.rotated) == [MEMBERS[1].peer_id]
+    # (the owner writes with it only once its re-keying records were stored: not yet)
+    assert told[-1] == (1, [ledger.secret.secret, gen0.secret], math.inf, None)
+    assert ledger.members(time.time(), ledger.generation) == [MEMBERS[1].peer_id]
     # tokens issued from now on carry it (and the one before)
     later = owned.issue("club", MEMBERS[2].peer_id, "aux", 1.0)
     assert later.generation == 1
@@ -191,7 +201,7 @@ def test_a_revocation_draws_a_new_generation_that_outlives_a_restart(tmp_path: P
     reloaded = again.ledger("club")
     assert reloaded.generation == 1 and reloaded.chunks == 1
     assert [s.secret for s in reloaded.newest_first()] == [ledger.secret.secret, gen0.secret]
-    assert told[-1] == (1, [ledger.secret.secret, gen0.secret], 0.0)
+    assert told[-1] == (1, [ledger.secret.secret, gen0.secret], math.inf, None)
     # A revocation that fails changes nothing; the generations kept are bounded.
     with pytest.raises(MembershipError, match="no token of run 'club' has serial"):
         again.revoke("club", "feed", None)
@@ -379,3 +389,250 @@ async def test_the_owner_publishes_each_record_under_its_own_sub_key_and_says_wh
                                           secrets, peers, 2, time.time() + 60)
     (failed,) = [e for e in logs if e["event"] == "rekey_publish_failed"]
     assert "dht.max_value_bytes" in failed["hint"]
+
+
+# --- when a member switches (the grace runs from when the owner stored the records) --------------
+
+
+def test_the_grace_runs_from_when_the_records_were_stored_bounded_by_our_clock() -> None:
+    old, new = RunSecret.generate(), RunSecret.generate()
+    # stored days ago (a member restarted, or back from a long absence): at once
+    keys = RunKeys(0, [old])
+    keys.learn(1, [new, old], now=1e6, grace=60.0, rekeyed=1e6 - 86400.0)
+    assert keys.writing == 1 and keys.writer(1e6) is new
+    # stored 50 s ago: 10 s from now
+    keys = RunKeys(0, [old])
+    keys.learn(1, [new, old], now=1000.0, grace=60.0, rekeyed=950.0)
+    assert keys.writer(1009.0) is old and keys.writer(1010.0) is new
+    # an owner's clock ahead of ours (stored "in the future"): a full grace from now, no more
+    keys = RunKeys(0, [old])
+    keys.learn(1, [new, old], now=1000.0, grace=60.0, rekeyed=5000.0)
+    assert keys.writer(1059.0) is old and keys.writer(1060.0) is new
+    # unknown (a list without it): a full grace from now; learning when brings it forward
+    keys = RunKeys(0, [old])
+    keys.learn(1, [new, old], now=1000.0, grace=60.0)
+    assert keys.writer(1030.0) is old
+    keys.learn(1, [new, old], now=1030.0, grace=60.0, rekeyed=900.0)
+    assert keys.writer(1030.0) is new
+
+
+def _member(generation: int = 0, secrets: list[RunSecret] | None = None,
+            ) -> tuple[MembershipRegistry, _Dht, KeyCatchUp]:
+    member = MEMBERS[0]
+    registry = MembershipRegistry(member)
+    secrets = secrets or [RunSecret.generate()]
+    registry.hold(MembershipToken.issue(OWNER, "club", member.peer_id, "trainer", 1e6,
+                                        secrets[0], generation=generation, earlier=secrets[1:]))
+    dht = _Dht()
+    return registry, dht, KeyCatchUp(dht, registry, OWNER.peer_id, "club")  # type: ignore[arg-type]
+
+
+async def test_a_member_that_learns_an_old_rotation_late_writes_with_it_at_once() -> None:
+    registry, dht, catch_up = _member()
+    keys = registry.keys(OWNER.peer_id, "club")
+    assert keys is not None
+    new, old = RunSecret.generate(), keys.secret(0)
+    assert old is not None
+    key = rekey_key(OWNER.peer_id, "club", 0)
+    dht.records[key] = _stored(OWNER, key, _records(1, [new, old], MEMBERS[:3])[0])
+    registry.learn(Revocations(OWNER.peer_id, "club", 5.0, frozenset({"x"}), frozenset(), 1, 1,
+                               new.key_id.hex(), time.time() - 3 * 86400.0))
+    assert await catch_up.step()
+    assert keys.writing == 1 and keys.writer(time.time()) is keys.secret(1)
+
+
+async def test_a_member_that_cannot_learn_a_generation_past_its_grace_says_so_loudly() -> None:
+    registry, _, catch_up = _member()
+    registry.learn(Revocations(OWNER.peer_id, "club", 5.0, frozenset({"x"}), frozenset(), 1, 1,
+                               RunSecret.generate().key_id.hex(), time.time() - 3600.0))
+    with capture_logs() as logs:
+        assert not await catch_up.step()
+        assert not await catch_up.step()
+    assert catch_up.problems["overdue"] == 2 and catch_up.problems["missing"] == 2
+    (overdue,) = [e for e in logs if e["event"] == "rekey_overdue"]
+    assert overdue["log_level"] == "error" and "new token" in overdue["hint"]
+    # within the grace: not yet
+    registry, _, catch_up = _member()
+    registry.learn(Revocations(OWNER.peer_id, "club", 5.0, frozenset({"x"}), frozenset(), 1, 1,
+                               "", time.time() - 1.0))
+    assert not await catch_up.step() and catch_up.problems["overdue"] == 0
+
+
+# --- a generation number drawn twice ------------------------------------------------------------
+
+
+async def test_a_generation_drawn_twice_is_taken_from_the_newest_list_with_an_error() -> None:
+    old, first, second = RunSecret.generate(), RunSecret.generate(), RunSecret.generate()
+    registry, dht, catch_up = _member(1, [first, old])  # (holds generation 1 = first)
+    keys = registry.keys(OWNER.peer_id, "club")
+    assert keys is not None and keys.writer(time.time()).secret == first.secret
+    key = rekey_key(OWNER.peer_id, "club", 0)
+    # the owner's ledger went back and drew generation 1 again (second): its list says so
+    registry.learn(Revocations(OWNER.peer_id, "club", 9.0, frozenset({"x"}), frozenset(), 1, 1,
+                               second.key_id.hex(), time.time() - 10.0))
+    # a node still serving the first's records is not believed
+    dht.records[key] = _stored(OWNER, key, _records(1, [first, old], MEMBERS[:3])[0])
+    with capture_logs() as logs:
+        assert not await catch_up.step()
+        assert catch_up.problems["stale"] == 1
+        assert keys.writer(time.time()).secret == first.secret
+        dht.records[key] = _stored(OWNER, key, _records(1, [second, old], MEMBERS[:3])[0])
+        assert await catch_up.step()
+    assert [e["log_level"] for e in logs if e["event"] == "rekey_conflict"] == ["error"]
+    assert catch_up.problems["conflict"] == 2 and keys.conflicts == 1
+    held = keys.secret(1)
+    assert held is not None and held.secret == second.secret
+    assert keys.writer(time.time()).secret == second.secret  # (at once: the owner's word)
+    assert not await catch_up.step()  # (settled)
+
+
+async def test_an_owner_whose_ledger_went_back_rekeys_above_what_the_members_hold(
+        tmp_path: Path) -> None:
+    directory = tmp_path / "owned"
+    owned = OwnedRuns(OWNER, directory)
+    token = owned.issue("club", MEMBERS[0].peer_id, "trainer", 1.0)
+    owned.issue("club", MEMBERS[1].peer_id, "trainer", 1.0)
+    backup = (directory / "club.json").read_bytes()
+    owned.revoke("club", token.serial, None)
+    dht = _OwnDht()
+    assert await owned.publish(dht, "club")  # type: ignore[arg-type]
+    published = owned.ledger("club").revocations()
+    (directory / "club.json").write_bytes(backup)  # restored from the backup (generation 0)
+    restored = OwnedRuns(OWNER, directory)
+    with capture_logs() as logs:
+        assert await restored.publish(dht, "club")  # type: ignore[arg-type]
+    assert [e["log_level"] for e in logs if e["event"] == "owned_run_ledger_behind"] == ["error"]
+    ledger = restored.ledger("club")
+    assert ledger.generation == published.generation + 1 and ledger.version > published.version
+    assert OwnedRuns(OWNER, directory).ledger("club").generation == ledger.generation  # (saved)
+    # the list the members now read names it, and its records are there
+    now = Revocations.from_bytes(dht.stored[("revoked", OWNER.peer_id)], OWNER.peer_id, "club")
+    assert now.generation == ledger.generation and now.key_id == ledger.secret.key_id.hex()
+
+
+# --- the owner's ledger: saved before it changes, members by generation --------------------------
+
+
+def test_a_revocation_that_cannot_be_saved_changes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    owned = OwnedRuns(OWNER, tmp_path / "owned")
+    token = owned.issue("club", MEMBERS[0].peer_id, "trainer", 1.0)
+    secret = owned.ledger("club").secret
+
+    def full(ledger: ownership.RunLedger) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(owned, "_save", full)
+    with pytest.raises(OSError, match="No space"):
+        owned.revoke("club", token.serial, None)
+    ledger = owned.ledger("club")  # (no generation 1 drawn that a retry would draw again)
+    assert (ledger.generation, ledger.revoked_serials, ledger.secret) == (0, set(), secret)
+    with pytest.raises(OSError, match="No space"):
+        owned.issue("club", MEMBERS[1].peer_id, "trainer", 1.0)
+    assert len(owned.ledger("club").issued) == 1
+
+
+def test_the_members_to_rekey_are_chosen_by_their_tokens_generation_not_the_clock(
+        tmp_path: Path) -> None:
+    owned = OwnedRuns(OWNER, tmp_path / "owned")
+    owned.issue("club", MEMBERS[0].peer_id, "trainer", 1.0)
+    owned.issue("club", MEMBERS[1].peer_id, "trainer", 1.0)
+    owned.revoke("club", None, MEMBERS[5].peer_id)
+    owned.issue("club", MEMBERS[2].peer_id, "trainer", 1.0)  # (carries generation 1)
+    ledger = owned.ledger("club")
+    # the owner's clock stepped back at the revocation: issue times say nothing of it
+    for item in ledger.issued:
+        item["issued"] = ledger.rotated + 1000.0
+    ledger.issued[0].pop("generation")  # (a ledger written before tokens had generations)
+    assert ledger.members(time.time(), ledger.generation) == sorted(
+        m.peer_id for m in MEMBERS[:2])
+
+
+def test_a_revocation_that_cannot_rekey_is_still_recorded_and_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dedloc.daemon.collab import rekeying
+    owned = OwnedRuns(OWNER, tmp_path / "owned")
+    tokens = [owned.issue("club", m.peer_id, "trainer", 1.0) for m in MEMBERS[:4]]
+    monkeypatch.setattr(rekeying, "MAX_REKEYED_PEERS", 2)  # (a ledger from before the cap)
+    with capture_logs() as logs:
+        listed = owned.revoke("club", tokens[0].serial, None)
+    assert tokens[0].serial in listed.serials and listed.generation == 0
+    (logged,) = [e for e in logs if e["event"] == "token_revoked_without_rekeying"]
+    assert logged["log_level"] == "error" and "still read" in logged["hint"]
+    assert "revoke or let expire" in (owned.rekey_errors["club"] or "")
+    assert tokens[0].serial in OwnedRuns(OWNER, tmp_path / "owned").ledger("club").revoked_serials
+
+
+# --- the owner publishes until it is stored, then switches ---------------------------------------
+
+
+class _OwnDht(_StoringDht):
+    """Stores (failing the first `failures` stores) and answers the owner's list back."""
+
+    def __init__(self, failures: int = 0) -> None:
+        super().__init__()
+        self.failures = failures
+        self.tries: list[float] = []
+
+    async def store(self, key: str, value: bytes, expiration: float, sub_key: str | None = None,
+                    **kwargs: Any) -> int:
+        self.tries.append(asyncio.get_running_loop().time())
+        if self.failures > 0:
+            self.failures -= 1
+            raise TimeoutError("no node answered")
+        return await super().store(key.rsplit("/", 1)[-1] if key.endswith("/revoked") else key,
+                                   value, expiration, sub_key)
+
+    async def get(self, key: str, **_: Any) -> Record | None:
+        value = self.stored.get(("revoked", OWNER.peer_id)) if key.endswith("/revoked") else None
+        return None if value is None else _stored(OWNER, key, value)
+
+
+@pytest.mark.virtual_time
+async def test_a_failed_publish_is_retried_backing_off_and_the_owner_switches_after_it(
+        tmp_path: Path) -> None:
+    told: list[tuple[int, float, float | None]] = []
+    owned = OwnedRuns(OWNER, tmp_path / "owned",
+                      on_keys=lambda run, g, secrets, grace, rekeyed: told.append((g, grace, rekeyed)))
+    owned.issue("club", MEMBERS[0].peer_id, "trainer", 1.0)
+    owned.revoke("club", None, MEMBERS[5].peer_id)
+    assert told[-1] == (1, math.inf, None)  # (nobody can learn it yet)
+    dht = _OwnDht(failures=6)  # (a try stores one record, then the list)
+    wake, loop = asyncio.Event(), asyncio.get_running_loop()
+    start = loop.time()
+
+    async def joined() -> Any:
+        return dht
+
+    task = asyncio.create_task(owned.keep_published(joined, wake, lambda: False))
+    await asyncio.sleep(1000.0)
+    # each try stores the records, then (if they failed) the list: 5, 10, 20 s apart
+    tries = sorted({round(t - start) for t in dht.tries})
+    assert tries[:4] == [0, 5, 15, 35], tries
+    ledger = owned.ledger("club")
+    assert ledger.rekeyed and told[-1] == (1, REKEY_GRACE, ledger.rekeyed)
+    assert round(ledger.rekeyed - ledger.rotated) == 35  # (when they were first stored)
+    listed = Revocations.from_bytes(dht.stored[("revoked", OWNER.peer_id)], OWNER.peer_id, "club")
+    assert listed.rekeyed == ledger.rekeyed and listed.key_id == ledger.secret.key_id.hex()
+    count = len(dht.tries)
+    await asyncio.sleep(3600.0)
+    assert len(dht.tries) == count  # (then every REPUBLISH_EVERY)
+    wake.set()
+    await asyncio.sleep(1.0)
+    assert len(dht.tries) > count
+    task.cancel()
+
+
+# --- versions -------------------------------------------------------------------------------------
+
+
+def test_a_token_with_fields_of_a_newer_version_says_to_upgrade() -> None:
+    token = MembershipToken.issue(OWNER, "club", MEMBERS[0].peer_id, "trainer", 60.0,
+                                  RunSecret.generate(), generation=1)
+    claims = {**token._claims(), "scope": "all"}
+    signature = OWNER.sign(b"dedloc-run-token-v2\0" + orjson.dumps(claims,
+                                                                     option=orjson.OPT_SORT_KEYS))
+    text = ".".join(("dlt2", base64.urlsafe_b64encode(orjson.dumps(claims)).rstrip(b"=").decode(),
+                     base64.urlsafe_b64encode(signature).rstrip(b"=").decode()))
+    with pytest.raises(MembershipError, match=r"does not know \(scope\).*newer version.*Upgrade"):
+        MembershipToken.decode(text)
