@@ -3,6 +3,16 @@
 The swarm simulator runs the real DHT, progress board, matchmaking and engine of each peer on
 virtual time; the owner is a DHT node of its own ("owner" peer) through which `Swarm.revoke`
 publishes the revocation list and the re-keying records (collab/rekeying.py).
+
+What it shows: members whose refreshes of the list are out of step (they joined 7 s apart) all
+learn the new generation and switch to it without one member's record going unreadable to
+another (`unreadable_record` refusals stay as they were: with REKEY_GRACE = 0 the first to learn
+writes records the others cannot read yet, and this fails); no trainer's round fails; what they
+write then does not open with the old generation; the revoked member has no entry in the
+re-keying records; a token issued afterwards carries the new generation. What it does not show:
+members offline across the rotation, failing re-keying publishes, clock skew (tests/collab/
+test_rekeying.py covers those on their own), or that the revoked member cannot get the records
+(it is refused by the members' nodes only once they hold the list).
 """
 
 from __future__ import annotations
@@ -11,8 +21,13 @@ import asyncio
 
 import pytest
 
-from dedloc.daemon.collab.membership import MembershipError, MembershipToken, closed_run_of
-from dedloc.daemon.collab.rekeying import REKEY_GRACE
+from dedloc.daemon.collab.membership import (
+    MembershipError,
+    MembershipToken,
+    closed_run_of,
+    rekey_key,
+)
+from dedloc.daemon.collab.rekeying import REKEY_GRACE, chunk_of, open_chunk
 from dedloc.daemon.collab.secrecy import MAGIC, RecordUnreadable
 from dedloc.sim.network import LinkProfile
 from dedloc.sim.swarm import PeerSpec, RunSpec, SimPeer, Swarm
@@ -30,6 +45,10 @@ async def _until(swarm: Swarm, peers: list[SimPeer], epoch: int, seconds: float)
         await asyncio.sleep(1.0)  # (virtual time)
     epochs = [None if p.engine is None else p.engine.progress.epoch for p in peers]
     raise AssertionError(f"the members did not reach epoch {epoch}: {epochs}")
+
+
+def _unreadable(peers: list[SimPeer]) -> int:
+    return sum(p.membership.refusals_by_reason.get("unreadable_record", 0) for p in peers)
 
 
 def _failed(peers: list[SimPeer]) -> int:
@@ -54,6 +73,7 @@ async def test_a_revocation_rekeys_the_run_and_the_others_train_on() -> None:
         old_keys = revoked.membership.keys(owner.peer_id, "sim")
         assert old_keys is not None and old_keys.newest == 0
         failed_before = _failed(staying)
+        unreadable_before = _unreadable(members)
         epoch = max(p.engine.progress.epoch for p in staying if p.engine is not None)
 
         revoked_at = swarm.loop.time()
@@ -74,6 +94,8 @@ async def test_a_revocation_rekeys_the_run_and_the_others_train_on() -> None:
             assert keys is not None and (keys.newest, keys.writing) == (1, 1)
         assert _failed(staying) == failed_before, [p.engine and p.engine.progress.failed_rounds
                                                    for p in members]
+        # no member met a record of another that it could not read yet (the grace's purpose)
+        assert _unreadable(members) == unreadable_before
         assert len({p.trainer.parameters.tobytes() for p in staying if p.trainer}) == 1
         for peer in staying:
             assert peer.engine is not None
@@ -92,8 +114,15 @@ async def test_a_revocation_rekeys_the_run_and_the_others_train_on() -> None:
             with pytest.raises(RecordUnreadable, match="another key"):
                 old_keys.decrypt(entry.signer, entry.key, entry.sub_key, entry.value)
             assert b"samples" in (staying[0].membership.reveal(entry) or b"")
-        # The revoked member finds no re-keying entry of its own (and no node lets it read).
-        assert revoked.membership.keys(owner.peer_id, "sim") is old_keys
+        # The re-keying records hold an entry for each member and none for the revoked one.
+        rekeying = [e for e in owner.dht.storage.entries() if "/rekey/" in e.key]
+        chunks = swarm.ledger.chunks
+        assert len(rekeying) == chunks >= 1
+        for peer in [*members, revoked]:
+            chunk = chunk_of(peer.peer_id, chunks)
+            (value,) = [e.value for e in rekeying if e.key == rekey_key(owner.peer_id, "sim", chunk)]
+            opened = open_chunk(peer.identity, owner.peer_id, "sim", value, chunk, chunks)
+            assert (opened is None) == (peer is revoked)
 
         # A token issued after the re-keying carries the new generation: its holder joins and
         # trains with the others.
