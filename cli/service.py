@@ -276,7 +276,8 @@ def _check_config(text: str) -> None:
 
 
 def _check_token(args: argparse.Namespace) -> str | None:
-    from dedloc.daemon.collab.membership import MembershipError, MembershipToken
+    from dedloc.daemon.collab.errors import MembershipError
+    from dedloc.daemon.collab.tokens import MembershipToken
 
     if args.token is None:
         if args.join is None and args.manifest is None:

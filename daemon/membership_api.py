@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from dedloc.rpc import ErrorCode, InvalidParams, rpc_method
 
-from .collab.membership import MembershipError
+from .collab.errors import MembershipError
 from .collab.settings import RUN_NAME
 from .dht.records import is_peer_id
 

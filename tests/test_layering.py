@@ -26,7 +26,7 @@ COMPOSITION_ROOT = {"dedloc.daemon", "dedloc.daemon.__main__", CONFIG, "dedloc.d
 # the training hours' syntax).
 CONFIG_MAY_REACH = {"dedloc.daemon.averaging", "dedloc.daemon.averaging.settings",
                     "dedloc.daemon.collab", "dedloc.daemon.collab.settings",
-                    "dedloc.daemon.collab.availability", "dedloc.daemon.collab.membership",
+                    "dedloc.daemon.collab.availability", "dedloc.daemon.collab.tokens",
                     "dedloc.daemon.collab.secrecy", "dedloc.daemon.collab.errors"}
 
 

@@ -26,8 +26,8 @@ from support import dedloc_cli, p2p_address
 from dedloc.cli import service_steps
 from dedloc.cli.main import build_parser, main
 from dedloc.daemon.collab.autojoin import read_manifest_file
-from dedloc.daemon.collab.membership import MembershipToken
 from dedloc.daemon.collab.secrecy import RunSecret
+from dedloc.daemon.collab.tokens import MembershipToken
 from dedloc.daemon.config import load_config
 from dedloc.daemon.identity import Identity
 

@@ -27,10 +27,10 @@ import structlog
 
 from .. import timebase
 from ..errors import RunExistsError, RunNotActiveError, ShuttingDownError, UnknownRunError
-from .errors import ManifestError
+from .errors import ManifestError, MembershipError
 from .manifest import RunManifest
-from .membership import MembershipError, MembershipToken
 from .settings import BASE_DELAY, RunSettings
+from .tokens import MembershipToken
 
 if TYPE_CHECKING:
     from .aux import AuxRun

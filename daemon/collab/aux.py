@@ -19,8 +19,8 @@ from .. import timebase
 from ..errors import RunNotActiveError
 from .board import DhtProgressBoard
 from .engine import RunEngine
+from .errors import MembershipError
 from .manifest import PublishedManifest
-from .membership import MembershipError
 from .rounds import NetworkRounds
 from .run import RunState, finish_or_cancel, schedule_of
 from .status import aux_status

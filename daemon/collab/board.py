@@ -33,10 +33,12 @@ import structlog
 
 from .. import timebase
 from ..net import TransportError
+from .errors import MembershipError
 from .manifest import REFRESH_EVERY, RunManifest, owner_signing_bytes, publish_manifest, run_key
-from .membership import REVOCATIONS_REFRESH, MembershipError, Revocations, revocations_key
+from .membership import revocations_key
 from .progress import PeerProgress, Role, reports_from_sub_keys
 from .rekeying import KeyCatchUp
+from .revocations import REVOCATIONS_REFRESH, Revocations
 
 if TYPE_CHECKING:
     from ..dht import DHTNode

@@ -28,3 +28,7 @@ class RoundSatOut(CollaborationError):
 
 class ManifestError(CollaborationError):
     """A run manifest is invalid, or no single run of a name could be found to join."""
+
+
+class MembershipError(CollaborationError):
+    """A token is malformed, forged, expired or revoked, or a peer is not a member of a run."""

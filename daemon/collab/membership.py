@@ -26,55 +26,36 @@ owner's re-keying records (`closed/<owner>/<run>/rekey/<n>`, which members only 
 boxes, one per member) are the records of the run stored in clear, and only the owner writes them.
 
 Open runs keep their keys under `collab/<run>/` and check nothing.
+
+The token itself is tokens.py's, the owner's revocation list revocations.py's; this module keeps
+the runs' key layout and the registry that checks them.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import collections
-import dataclasses
 import heapq
-import math
-import os
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import orjson
 import structlog
 
 from .. import timebase
 from ..dht import AccessDenied, Entry
-from ..identity import Identity, verify
-from ..sealing import SealError, open_sealed, seal
-from .errors import CollaborationError
-from .secrecy import MAX_GENERATION, RecordUnreadable, RunKeys, RunSecret, join_secrets, split_secrets
+from ..identity import Identity
+from .errors import MembershipError
+from .revocations import Revocations
+from .secrecy import RecordUnreadable, RunKeys, RunSecret
+from .tokens import MembershipToken
 
 log = structlog.get_logger(__name__)
 
-TOKEN_PREFIX = "dlt2"
-OLD_TOKEN_PREFIXES = ("dlt1",)  # tokens without the run's key (before records were encrypted)
-_TOKEN_DOMAIN = b"dedloc-run-token-v2\0"
-_RUN_KEY_DOMAIN = b"dedloc-run-key-v1\0"
-_REVOCATIONS_DOMAIN = b"dedloc-run-revocations-v1\0"
-MAX_TOKEN_CHARS = 2048
-ROLES = ("trainer", "aux")
-REVOCATIONS_REFRESH = 30.0
 CLOSED_PREFIX = "closed/"
 NESTING_PREFIXES = ("averaging/",)  # daemon/averaging/matchmaking.py's DHT_PREFIX
 OPEN_PREFIX = "collab/"
 MAX_REFUSING = 4096  # peers whose refusals are counted one by one (the most recent)
 REFUSAL_LOG_EVERY = 60.0  # seconds between two log lines of refusals of one peer
 MAX_PEER_ID_CHARS = 128
-SEALED_GENERATIONS = 2  # generations of the run's secret a token or a re-keying entry carries
-MAX_REKEY_CHUNKS = 32  # re-keying records of a run (rekeying.py)
-_KEY_ID_HEX = re.compile(r"[0-9a-f]{8}")
-
-
-class MembershipError(CollaborationError):
-    """A token is malformed, forged, expired or revoked, or a peer is not a member of a run."""
 
 
 class NotAMember(MembershipError, AccessDenied):
@@ -113,184 +94,6 @@ def rekey_key(owner: str, name: str, chunk: int) -> str:
 def _owners_only(key: str, closed: tuple[str, str]) -> bool:
     """Is `key` one that only the run's owner writes, in clear (its list and re-keying)?"""
     return key == revocations_key(*closed) or key.startswith(f"{namespace(closed[1], closed[0])}/rekey/")
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
-def _run_key_context(owner: str, run: str) -> bytes:
-    return _RUN_KEY_DOMAIN + owner.encode() + b"\0" + run.encode()
-
-
-@dataclass(frozen=True)
-class MembershipToken:
-    """An owner's permission for one peer to take part in one run, until `expires`; `key` is the
-    run's secret (generation `generation` and the one before) sealed to that peer (`run_keys`
-    opens it)."""
-
-    owner: str
-    run: str
-    peer: str
-    role: str
-    issued: float
-    expires: float
-    serial: str
-    key: bytes = field(default=b"", repr=False)
-    generation: int = 0
-    signature: bytes = field(default=b"", repr=False)
-
-    def _claims(self) -> dict[str, Any]:
-        claims = asdict(self)
-        del claims["signature"]
-        claims["key"] = _b64(self.key)
-        if not self.generation:  # (as tokens were before the secret had generations)
-            del claims["generation"]
-        return claims
-
-    def signing_bytes(self) -> bytes:
-        return _TOKEN_DOMAIN + orjson.dumps(self._claims(), option=orjson.OPT_SORT_KEYS)
-
-    @classmethod
-    def issue(cls, owner: Identity, run: str, peer: str, role: str, seconds: float,
-              secret: RunSecret, *, generation: int = 0,
-              earlier: Sequence[RunSecret] = ()) -> MembershipToken:
-        """A token carrying `secret` (of `generation`) and `earlier` (generation - 1, ...)."""
-        if role not in ROLES:
-            raise MembershipError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise MembershipError(f"a token must be valid for a positive time, not {seconds!r} s")
-        try:
-            sealed = seal(peer, join_secrets([secret, *earlier][:SEALED_GENERATIONS]),
-                          _run_key_context(owner.peer_id, run))
-        except SealError as exc:
-            raise MembershipError(f"cannot issue a token to {peer[:60]!r}: {exc}") from None
-        now = timebase.now()
-        unsigned = cls(owner.peer_id, run, peer, role, now, now + seconds, os.urandom(8).hex(),
-                       sealed, generation)
-        return dataclasses.replace(unsigned, signature=owner.sign(unsigned.signing_bytes()))
-
-    def run_secret(self, identity: Identity) -> RunSecret:
-        """The run's secret of the token's generation (see `run_keys`)."""
-        return self.run_keys(identity)[0]
-
-    def run_keys(self, identity: Identity) -> list[RunSecret]:
-        """Open the run's secrets, newest first (only the token's peer can); MembershipError if
-        they do not open."""
-        try:
-            return split_secrets(open_sealed(identity, self.key,
-                                             _run_key_context(self.owner, self.run)),
-                                 min(SEALED_GENERATIONS, self.generation + 1))
-        except (SealError, ValueError):
-            raise MembershipError(f"the run key in the token (serial {self.serial}) of run "
-                                  f"{self.run!r} does not open with this node's identity; ask the "
-                                  "run's owner for a new token") from None
-
-    def encode(self) -> str:
-        return ".".join((TOKEN_PREFIX, _b64(orjson.dumps(self._claims())), _b64(self.signature)))
-
-    @classmethod
-    def decode(cls, text: str) -> MembershipToken:
-        """Parse and check the owner's signature (not expiry or revocation); MembershipError."""
-        if not isinstance(text, str) or len(text) > MAX_TOKEN_CHARS:
-            raise MembershipError("a token is a string of at most 2048 characters")
-        parts = text.strip().split(".")
-        if parts[0] in OLD_TOKEN_PREFIXES:
-            raise MembershipError(
-                f"this token ({parts[0]}.) was issued by an older dedloc, before closed runs "
-                "encrypted their records: it carries no run key. Ask the run's owner to upgrade "
-                "and issue you a new one (dedloc token issue)")
-        if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
-            raise MembershipError(f"not a dedloc run token (it starts with {TOKEN_PREFIX}.)")
-        try:
-            claims = orjson.loads(_unb64(parts[1]))
-            signature = _unb64(parts[2])
-            key = _unb64(claims["key"]) if isinstance(claims, dict) and isinstance(
-                claims.get("key"), str) else None
-        except (orjson.JSONDecodeError, binascii.Error, ValueError) as exc:
-            raise MembershipError(f"the token is garbled ({exc})") from None
-        expected = {"owner": str, "run": str, "peer": str, "role": str, "issued": (int, float),
-                    "expires": (int, float), "serial": str, "key": str}
-        if isinstance(claims, dict) and "generation" in claims:
-            expected["generation"] = int
-        unknown = sorted(set(claims) - {*expected, "generation"}) if isinstance(claims, dict) else []
-        if unknown:
-            raise MembershipError(
-                f"the token carries fields this dedloc does not know ({', '.join(unknown)[:200]}): "
-                "it was issued by a newer version. Upgrade this node (every member of a closed run "
-                "and the nodes it uses need the owner's version)")
-        if key is None or not isinstance(claims, dict) or set(claims) != set(expected) or any(
-                not isinstance(claims[k], kind) or isinstance(claims[k], bool)
-                for k, kind in expected.items()) or not 0 <= claims.get("generation", 0) <= MAX_GENERATION:
-            raise MembershipError("the token's fields are wrong (was it made by another version?)")
-        token = cls(**{**claims, "key": key}, signature=signature)
-        if token.role not in ROLES:
-            raise MembershipError(f"the token's role {token.role!r} is unknown")
-        if not verify(token.owner, signature, token.signing_bytes()):
-            raise MembershipError(f"the token is not signed by the run's owner {token.owner[:16]}")
-        return token
-
-
-@dataclass(frozen=True)
-class Revocations:
-    """The owner's list of revoked token serials and peers of one run; `version` orders lists.
-    `generation` is the run secret's current one, sealed to each member in the `chunks`
-    re-keying records (rekeying.py; none while it is 0), `key_id` its key id (hex: which secret
-    that number is, should the owner ever draw one twice) and `rekeyed` when those records were
-    first stored (the owner's clock; None until then): the members' grace runs from then."""
-
-    owner: str
-    run: str
-    version: float
-    serials: frozenset[str] = frozenset()
-    peers: frozenset[str] = frozenset()
-    generation: int = 0
-    chunks: int = 0
-    key_id: str = ""
-    rekeyed: float | None = None
-
-    def to_bytes(self) -> bytes:
-        data: dict[str, Any] = {"owner": self.owner, "run": self.run, "version": self.version,
-                                "serials": sorted(self.serials), "peers": sorted(self.peers),
-                                "generation": self.generation, "chunks": self.chunks}
-        if self.key_id:
-            data["key_id"] = self.key_id
-        if self.rekeyed is not None:
-            data["rekeyed"] = self.rekeyed
-        return orjson.dumps(data)
-
-    @classmethod
-    def from_bytes(cls, data: bytes, owner: str, run: str) -> Revocations:
-        try:
-            raw = orjson.loads(data)
-            if (not isinstance(raw, dict) or raw.get("owner") != owner or raw.get("run") != run
-                    or not isinstance(raw.get("version"), int | float)
-                    or not all(isinstance(s, str) for s in raw.get("serials", []))
-                    or not all(isinstance(p, str) for p in raw.get("peers", []))):
-                raise ValueError("wrong fields")
-            generation, chunks = raw.get("generation", 0), raw.get("chunks", 0)
-            if (type(generation) is not int or type(chunks) is not int
-                    or not 0 <= generation <= MAX_GENERATION or not 0 <= chunks <= MAX_REKEY_CHUNKS
-                    or (generation > 0) != (chunks > 0)):
-                raise ValueError(f"generation {generation!r} with {chunks!r} re-keying records")
-            key_id, rekeyed = raw.get("key_id", ""), raw.get("rekeyed")
-            if not isinstance(key_id, str) or (key_id and not _KEY_ID_HEX.fullmatch(key_id)):
-                raise ValueError(f"key id {str(key_id)[:20]!r}")
-            if rekeyed is not None and (not isinstance(rekeyed, int | float) or isinstance(
-                    rekeyed, bool) or not 0 <= rekeyed < math.inf):
-                raise ValueError(f"re-keyed at {str(rekeyed)[:20]!r}")
-        except (orjson.JSONDecodeError, ValueError, TypeError) as exc:
-            raise MembershipError(f"malformed revocation list of run {run!r}: {exc}") from None
-        return cls(owner, run, float(raw["version"]), frozenset(raw.get("serials", [])),
-                   frozenset(raw.get("peers", [])), generation, chunks, key_id,
-                   None if rekeyed is None else float(rekeyed))
-
-    def revokes(self, token: MembershipToken) -> bool:
-        return token.serial in self.serials or token.peer in self.peers
 
 
 class MembershipRegistry:

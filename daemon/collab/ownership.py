@@ -41,15 +41,12 @@ import structlog
 from .. import timebase
 from ..identity import Identity
 from ..net import TransportError
-from .membership import (
-    MAX_REKEY_CHUNKS,
-    MembershipError,
-    MembershipToken,
-    Revocations,
-    revocations_key,
-)
+from .errors import MembershipError
+from .membership import revocations_key
 from .rekeying import MAX_REKEYED_PEERS, REKEY_GRACE, RekeyError, plan_chunks, publish_rekeying
+from .revocations import MAX_REKEY_CHUNKS, Revocations
 from .secrecy import KEPT_GENERATIONS, MAX_GENERATION, RUN_SECRET_BYTES, RunSecret
+from .tokens import MembershipToken
 
 if TYPE_CHECKING:
     from ..dht import DHTNode

@@ -50,18 +50,16 @@ from ..dht.errors import InvalidRecord
 from ..identity import Identity
 from ..net import TransportError
 from ..sealing import SEAL_OVERHEAD, SealError, open_sealed, seal
-from .membership import (
-    MAX_REKEY_CHUNKS,
-    REVOCATIONS_REFRESH,
-    SEALED_GENERATIONS,
-    MembershipError,
-    rekey_key,
-)
+from .errors import MembershipError
+from .membership import rekey_key
+from .revocations import MAX_REKEY_CHUNKS, REVOCATIONS_REFRESH
 from .secrecy import MAX_GENERATION, RUN_SECRET_BYTES, RunSecret, join_secrets, split_secrets
+from .tokens import SEALED_GENERATIONS
 
 if TYPE_CHECKING:
     from ..dht import DHTNode
-    from .membership import MembershipRegistry, Revocations
+    from .membership import MembershipRegistry
+    from .revocations import Revocations
     from .secrecy import RunKeys
 
 log = structlog.get_logger(__name__)

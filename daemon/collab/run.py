@@ -30,10 +30,9 @@ from .availability import Availability
 from .board import DhtProgressBoard, LocalBoard
 from .checkpoints import CheckpointStore
 from .engine import RunEngine, RunProgress
-from .errors import ManifestError
+from .errors import ManifestError, MembershipError
 from .lineage import initial_lineage
 from .manifest import RunManifest
-from .membership import MembershipError
 from .policy import Schedule
 from .rounds import NetworkRounds, SoloRounds
 from .state_sync import NetworkStates

@@ -17,12 +17,12 @@ from ..workers.process import WorkerProcess
 from ..workers.settings import WorkerSettings
 from .aux import AuxRun
 from .availability import Availability, IdleMonitor, TrainingHours, own_process_tree
-from .errors import ManifestError
+from .errors import ManifestError, MembershipError
 from .manifest import AUTO_AGGREGATION, PublishedManifest, RunManifest, choose_manifest, find_manifests
-from .membership import MembershipError, MembershipToken
 from .ownership import REPUBLISH_EVERY, OwnedRuns
 from .run import Run, RunSpec
 from .settings import RUN_NAME, LimitsSettings
+from .tokens import MembershipToken
 
 if TYPE_CHECKING:
     from .engine import RunEngine

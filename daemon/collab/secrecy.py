@@ -2,7 +2,7 @@
 
 The owner draws 32 random bytes when it creates a closed run and keeps them with the run's
 ledger (ownership.py); each token it issues carries them sealed to the token's peer (sealing.py,
-membership.py), so members learn the secret when they join and nobody else can. Every record
+tokens.py), so members learn the secret when they join and nobody else can. Every record
 value under the run's keys, except the owner's (its public revocation list and its re-keying
 records, which hold sealed boxes only), is then stored as
 

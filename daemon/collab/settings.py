@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..settings import documented
 from .availability import TrainingHours
-from .membership import MembershipError, MembershipToken
+from .errors import MembershipError
+from .tokens import MembershipToken
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 BASE_DELAY = 2.0  # seconds before the second attempt to join; doubles up to retry_max_seconds

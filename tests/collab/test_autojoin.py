@@ -15,8 +15,8 @@ from support import DaemonProcess, dedloc_cli, p2p_address, wait_until
 
 from dedloc.cli.main import main as dedloc_main
 from dedloc.daemon.collab.autojoin import BASE_DELAY, backoff_delay
-from dedloc.daemon.collab.membership import MembershipToken
 from dedloc.daemon.collab.secrecy import RunSecret
+from dedloc.daemon.collab.tokens import MembershipToken
 from dedloc.daemon.config import ConfigError, build_config
 from dedloc.daemon.identity import Identity
 from dedloc.rpc import RpcCallError

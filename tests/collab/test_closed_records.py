@@ -19,16 +19,16 @@ from pathlib import Path
 import orjson
 import pytest
 
+from dedloc.daemon.collab.errors import MembershipError
 from dedloc.daemon.collab.membership import (
-    MembershipError,
     MembershipRegistry,
-    MembershipToken,
     NotAMember,
     namespace,
     revocations_key,
 )
 from dedloc.daemon.collab.ownership import OwnedRuns
 from dedloc.daemon.collab.secrecy import MAGIC, RECORD_OVERHEAD, RecordUnreadable, RunSecret
+from dedloc.daemon.collab.tokens import MembershipToken
 from dedloc.daemon.dht.records import Entry
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.sealing import seal

@@ -17,9 +17,10 @@ import pytest
 from support import p2p_address, wait_until
 
 from dedloc.daemon.collab.errors import StateSyncError
-from dedloc.daemon.collab.membership import MembershipToken, Revocations
+from dedloc.daemon.collab.revocations import Revocations
 from dedloc.daemon.collab.secrecy import MAGIC, RunSecret
 from dedloc.daemon.collab.state_sync import download_state
+from dedloc.daemon.collab.tokens import MembershipToken
 from dedloc.daemon.dht import protocol as dht_protocol
 from dedloc.daemon.dht.records import Entry
 from dedloc.daemon.identity import Identity

@@ -18,16 +18,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from dedloc.daemon.collab import ownership
-from dedloc.daemon.collab.membership import (
-    MAX_REKEY_CHUNKS,
-    MembershipError,
-    MembershipRegistry,
-    MembershipToken,
-    NotAMember,
-    Revocations,
-    namespace,
-    rekey_key,
-)
+from dedloc.daemon.collab.errors import MembershipError
+from dedloc.daemon.collab.membership import MembershipRegistry, NotAMember, namespace, rekey_key
 from dedloc.daemon.collab.ownership import OwnedRuns
 from dedloc.daemon.collab.rekeying import (
     CHUNK_MOST,
@@ -41,6 +33,7 @@ from dedloc.daemon.collab.rekeying import (
     publish_rekeying,
     seal_chunks,
 )
+from dedloc.daemon.collab.revocations import MAX_REKEY_CHUNKS, Revocations
 from dedloc.daemon.collab.secrecy import (
     KEPT_GENERATIONS,
     MAX_GENERATION,
@@ -48,6 +41,7 @@ from dedloc.daemon.collab.secrecy import (
     RunKeys,
     RunSecret,
 )
+from dedloc.daemon.collab.tokens import MembershipToken
 from dedloc.daemon.dht.errors import RecordTooLarge
 from dedloc.daemon.dht.records import Entry, Record, RecordLimits
 from dedloc.daemon.identity import Identity

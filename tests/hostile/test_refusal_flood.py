@@ -8,14 +8,9 @@ from __future__ import annotations
 import pytest
 import structlog
 
-from dedloc.daemon.collab.membership import (
-    MAX_REFUSING,
-    MembershipRegistry,
-    MembershipToken,
-    NotAMember,
-    namespace,
-)
+from dedloc.daemon.collab.membership import MAX_REFUSING, MembershipRegistry, NotAMember, namespace
 from dedloc.daemon.collab.secrecy import RunSecret
+from dedloc.daemon.collab.tokens import MembershipToken
 from dedloc.daemon.identity import Identity
 
 

@@ -244,8 +244,9 @@ async def test_a_members_only_relay_serves_its_closed_runs_members(make_transpor
                                                                    hidden: Any) -> None:
     """relay.members_only: reservations and circuits need a valid token of a closed run the relay
     takes part in (here: one it owns); others are refused and counted."""
-    from dedloc.daemon.collab.membership import MembershipRegistry, MembershipToken
+    from dedloc.daemon.collab.membership import MembershipRegistry
     from dedloc.daemon.collab.secrecy import RunSecret
+    from dedloc.daemon.collab.tokens import MembershipToken
 
     relay_identity = Identity.generate()
     registry = MembershipRegistry(relay_identity)

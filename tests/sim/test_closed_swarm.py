@@ -17,9 +17,10 @@ import pytest
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.matchmaking import DHT_PREFIX
 from dedloc.daemon.collab.manifest import run_key
-from dedloc.daemon.collab.membership import MembershipToken, closed_run_of
+from dedloc.daemon.collab.membership import closed_run_of
 from dedloc.daemon.collab.roster import Rosters, writers
 from dedloc.daemon.collab.secrecy import MAGIC, RunSecret
+from dedloc.daemon.collab.tokens import MembershipToken
 from dedloc.daemon.dht.records import Entry
 from dedloc.sim.network import LinkProfile
 from dedloc.sim.scenarios import run_scenario

@@ -21,14 +21,11 @@ import asyncio
 
 import pytest
 
-from dedloc.daemon.collab.membership import (
-    MembershipError,
-    MembershipToken,
-    closed_run_of,
-    rekey_key,
-)
+from dedloc.daemon.collab.errors import MembershipError
+from dedloc.daemon.collab.membership import closed_run_of, rekey_key
 from dedloc.daemon.collab.rekeying import REKEY_GRACE, chunk_of, open_chunk
 from dedloc.daemon.collab.secrecy import MAGIC, RecordUnreadable
+from dedloc.daemon.collab.tokens import MembershipToken
 from dedloc.sim.network import LinkProfile
 from dedloc.sim.swarm import PeerSpec, RunSpec, SimPeer, Swarm
 
