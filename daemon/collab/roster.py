@@ -15,13 +15,12 @@ So every grid round has a *roster*: the first `WRITERS` trainers of its view, in
 by a hash of the round's key (`writers`), publish the trainers they see under the round's key
 in the DHT (one sub-key each, signed) as they begin the round; every peer then lays the grid
 out on the roster published *first* (`pick`: the earliest publication time the writers signed,
-ties by rank), waiting at most `wait` seconds for one (in a later round, if none is out when
-half of it is over, the writer of the next rank publishes its own), and once
-one is out, until it is `SETTLE` seconds old (a writer that began at the same moment is then
-seen too). Peers begin a round seconds apart; the first roster is out before the later ones
-look, so they all take it, and a writer that finds a roster it would take already out
-publishes none (a writer whose clock runs behind would otherwise sign an earlier time after the
-fact and take the later readers away from the first roster).
+ties by rank), waiting at most `wait` seconds for one, and once one is out, until it is
+`SETTLE` seconds old (a writer that began at the same moment is then seen too). Peers begin a
+round seconds apart; the first roster is out before the later ones look, so they all take it,
+and a writer that finds a roster it would take already out publishes none (a writer whose clock
+runs behind would otherwise sign an earlier time after the fact and take the later readers away
+from the first roster).
 (The first rule, the best-ranked writer's roster, split a 128-peer round in two: peers that
 began early waited `wait` for the best-ranked writer, then took another's; those that began
 after it came took its.) A roster is taken only from a writer among the first
@@ -36,10 +35,7 @@ write a roster that agrees but moves up to half the trainers out of the cells an
 them to ids that never come; the round then fails, and the next one ranks writers anew. In a
 first round, identities that appear at the head just before it count in every reader's view:
 as many as the honest trainers make every honest roster disagree, and each peer lays out its
-own grid (the round fails). A later round's fallback roster (the fourth writer's, when the
-first three are late) can still be taken by some readers and not by others when a reader's view
-ranks two more trainers before its writer, or when the writer's clock runs ahead by more than
-the time between it and a first writer that comes late with another view. The
+own grid (the round fails). The
 roster stays in the DHT for `TTL` seconds: a round that failed and runs again under the same key
 lays out the same grid.
 """
@@ -174,36 +170,17 @@ class Rosters:
         # (seen in the simulator: clocks 3 s apart, a 24-peer step 3.3e-3 apart)
         # (only a roster of one of the first WRITERS counts for that: one from the slack ranks
         # may not be taken by readers whose views rank it lower, and they need an honest one)
-        # (in a later round the fallback writer, the next rank, counts too: see below)
-        later = not seen
-        first = set(writers(key, view, WRITERS + 1 if later else WRITERS))
+        first = set(writers(key, view))
         if write and publishes(key, self.peer_id, view, drawn) and self.peer_id not in entries \
                 and pick(key, view, {w: e for w, e in entries.items() if w in first}) is None:
             published = await self._write(dht_key, drawn)
             if published is not None:
                 entries[self.peer_id] = published
-        # a later round whose first writers begin late (or left): the next writer by rank
-        # publishes once half the wait is over with none out (256 trainers: 108 of one epoch's
-        # peers found no roster in their window, each laid out its own grid, and the round
-        # failed). Only the next one: readers take rosters from the first WRITERS +
-        # WRITER_SLACK of their own views, and a reader whose board showed one more trainer
-        # ranked before it must still take its roster (a fallback of the last slack rank was
-        # outside such a view, a first writer that came late published too, and readers took
-        # two rosters); a first writer that comes late and finds its roster out publishes none
-        fallback = write and later and self.peer_id in drawn \
-            and self.peer_id in writers(key, view, WRITERS + 1)
         give_up = timebase.monotonic() + max(0.0, wait)
         pause = POLL
         while True:
             chosen = pick(key, view, entries)
             left = give_up - timebase.monotonic()
-            if chosen is None and fallback and left <= wait / 2 and self.peer_id not in entries:
-                fallback = False
-                published = await self._write(dht_key, drawn)
-                if published is not None:
-                    log.info("grid_roster_fallback", key=key, trainers=len(drawn))
-                    entries[self.peer_id] = published
-                    continue
             if chosen is not None:
                 # taken once it is SETTLE old: one published at about the same moment (and
                 # signed a little earlier) is in the DHT by then
