@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import dataclasses
 import math
 import os
@@ -412,11 +413,9 @@ class OwnedRuns:
                 wait, retry = retry, min(2 * retry, RETRY_MOST)
             else:
                 wait, retry = REPUBLISH_EVERY, RETRY_FIRST
-            try:
+            with contextlib.suppress(TimeoutError):  # (woken early by a revocation)
                 async with asyncio.timeout(wait):
                     await wake.wait()
-            except TimeoutError:
-                pass
 
 
 async def _published(dht: DHTNode, ledger: RunLedger) -> Revocations | None:

@@ -62,7 +62,7 @@ async def test_a_revocation_rekeys_the_run_and_the_others_train_on() -> None:
         for _ in range(4):  # (a few seconds apart: each refreshes the revocation list in its turn)
             trainers.append(await swarm.add(PeerSpec("trainer", 100.0, LINK)))
             swarm.running = True
-            await asyncio.sleep(7.0)
+            await asyncio.sleep(7.0)  # (virtual time)
         aux = await swarm.add(PeerSpec("aux", link=LINK))
         await _until(swarm, trainers, 3, seconds=180.0)
         revoked, staying = trainers[-1], trainers[:-1]
@@ -78,7 +78,7 @@ async def test_a_revocation_rekeys_the_run_and_the_others_train_on() -> None:
         # every member learns the next generation within a refresh and writes with it after
         # the grace; the run goes on meanwhile
         await _until(swarm, staying, epoch + 4, seconds=120.0)
-        await asyncio.sleep(max(0.0, revoked_at + 30.0 + REKEY_GRACE + 20.0 - swarm.loop.time()))
+        await asyncio.sleep(max(0.0, revoked_at + 30.0 + REKEY_GRACE + 20.0 - swarm.loop.time()))  # (virtual)
         await _until(swarm, staying, epoch + 6, seconds=120.0)
 
         # The revoked member learnt of it and stopped, saying why; the others trained on in one
