@@ -98,7 +98,12 @@ async def test_a_trainer_killed_mid_round_a_newcomer_and_a_restart_end_on_the_sa
     async def averaging() -> dict[str, Any] | None:  # the victim mid outer round
         status = await _status(victim)
         assert status["state"] == "running", status
-        return status if status["phase"] == "averaging" and status["epoch"] >= 1 else None
+        # (and a checkpoint committed: one is written after the step, and a kill between the
+        # two left nothing to resume from on a loaded CI machine)
+        committed = any("checkpoint-" in path.read_text(errors="replace")
+                        for path in victim.root.rglob("run.json"))
+        return status if status["phase"] == "averaging" and status["epoch"] >= 1 \
+            and committed else None
 
     await wait_until(averaging, timeout=120, interval=0.02)
     await victim.kill()  # SIGKILL: no checkpoint, no farewell
