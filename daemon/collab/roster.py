@@ -140,6 +140,14 @@ def decode(value: bytes) -> tuple[str, ...] | None:
     return tuple(data)
 
 
+@dataclass
+class _Reads:
+    """How one peer's reads of a round's roster went (for its log when none was taken)."""
+
+    done: int = 0
+    failed: int = 0
+
+
 class Rosters:
     """Rosters of one run's grid rounds, through the DHT (see the module docstring)."""
 
@@ -163,7 +171,8 @@ class Rosters:
         drawn = frozenset(trainers)
         view = drawn | frozenset(seen)
         dht_key = f"{self.run_key}/roster/{key}"
-        entries = await self._read(dht_key)
+        reads = _Reads()
+        entries = await self._read(dht_key, reads=reads)
         # a writer that finds a roster it would take already out does not publish its own: a
         # later roster could only be ordered before it by a signed time, and a writer whose
         # clock runs behind would then split the round between those that took the first
@@ -171,9 +180,11 @@ class Rosters:
         # (only a roster of one of the first WRITERS counts for that: one from the slack ranks
         # may not be taken by readers whose views rank it lower, and they need an honest one)
         first = set(writers(key, view))
+        wrote: bool | None = None  # None: not a writer of this round (or one was out already)
         if write and publishes(key, self.peer_id, view, drawn) and self.peer_id not in entries \
                 and pick(key, view, {w: e for w, e in entries.items() if w in first}) is None:
             published = await self._write(dht_key, drawn)
+            wrote = published is not None
             if published is not None:
                 entries[self.peer_id] = published
         give_up = timebase.monotonic() + max(0.0, wait)
@@ -197,9 +208,16 @@ class Rosters:
                     break
                 await asyncio.sleep(min(pause, left))
                 pause = min(MAX_POLL, 2 * pause)
-            entries = {**entries, **await self._read(dht_key)}
+            entries = {**entries, **await self._read(dht_key, reads=reads)}
         if chosen is None:
-            log.info("grid_roster_missing", key=key, trainers=len(drawn))
+            # what was read, and why none of it was taken: the rosters out (by writer: whether
+            # it ranks among the writers this peer takes from, whether it agrees with the view)
+            allowed = set(writers(key, view, WRITERS + WRITER_SLACK))
+            log.info("grid_roster_missing", key=key, trainers=len(drawn), view=len(view),
+                     reads=reads.done, reads_failed=reads.failed, wrote=wrote,
+                     writers=[w[:12] for w in writers(key, view)],
+                     out={w[:12]: {"allowed": w in allowed, "agrees": agrees(e.roster, view),
+                                   "size": len(e.roster)} for w, e in entries.items()})
             return tuple(sorted(drawn))
         writer, entry = chosen
         log.debug("grid_roster", key=key, writer=writer[:12], trainers=len(entry.roster),
@@ -216,10 +234,14 @@ class Rosters:
         entries = await self._read(f"{self.run_key}/roster/{key}", timeout=timeout)
         return pick(key, frozenset(trainers), entries) is not None
 
-    async def _read(self, dht_key: str, timeout: float = DHT_TIMEOUT) -> dict[str, Published]:
+    async def _read(self, dht_key: str, timeout: float = DHT_TIMEOUT,
+                    reads: _Reads | None = None) -> dict[str, Published]:
+        reads = reads if reads is not None else _Reads()
+        reads.done += 1
         try:
             record = await self.dht.get(dht_key, timeout=max(0.1, min(DHT_TIMEOUT, timeout)))
         except (TransportError, TimeoutError) as exc:
+            reads.failed += 1
             log.debug("grid_roster_read_failed", key=dht_key, error=str(exc))
             return {}
         out: dict[str, tuple[str, ...]] = {}
@@ -237,4 +259,5 @@ class Rosters:
         except (TransportError, TimeoutError) as exc:
             log.info("grid_roster_write_failed", key=dht_key, error=str(exc))
             return None
+        log.debug("grid_roster_written", key=dht_key, trainers=len(set(view)))
         return Published(tuple(sorted(set(view))), now)
