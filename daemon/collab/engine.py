@@ -46,10 +46,10 @@ from .policy import (
     View,
     Wait,
     decide,
+    round_key,
 )
 from .ports import DownloadedState, ProgressBoard, RoundAverager, StateSource, Trainer
 from .progress import PeerProgress, Role
-from .roster_watch import ROSTER_POLL, ROSTER_READ_TIMEOUT, RosterWatch
 from .round_taking import HISTORY, RoundTaking
 from .run_progress import IN_ROUND, Phase, PhaseCell, RunProgress
 
@@ -58,6 +58,7 @@ log = structlog.get_logger(__name__)
 __all__ = ["IN_ROUND", "STALE_AFTER", "Phase", "PhaseCell", "RunEngine", "RunProgress"]
 
 STALE_AFTER = 30.0  # seconds a progress report stays believable
+ROSTER_POLL = 1.0  # seconds between reads of a grid round's roster while settling before it
 
 
 class RunEngine(RoundTaking, CatchingUp):
@@ -125,8 +126,8 @@ class RunEngine(RoundTaking, CatchingUp):
         self._averaged: Head | None = None  # aux: the head of its last good round
         self._head_group: tuple[str, ...] = ()  # the members of the round that made our head
         self._stepped_in: Head | None = None  # the head we came to by a round (not a download)
-        self.rosters = RosterWatch(averaging)  # whether the round at the head has begun
-        self._watching = False  # for its roster: train in steps of ROSTER_POLL seconds at most
+        self._roster_seen: Head | None = None  # the head whose grid round's roster we saw
+        self._roster_read_at = -ROSTER_POLL  # (monotonic) when we last read a roster's key
         self._aux_group: tuple[Head | None, tuple[str, ...]] = (None, ())  # aux: head it made
         self._promise: tuple[Head | None, int] = (None, 0)  # Local.promised, at that head
         self._farewell_sent = False
@@ -248,9 +249,6 @@ class RunEngine(RoundTaking, CatchingUp):
                 self._target_reached is None or self._target_reached[0] != run.head):
             self._target_reached = (run.head, self._estimate_reached(run, now))
         grew_at = self._note_head(run, now)
-        self._watching = self.rosters.due(run, at_head=self.role == "aux" or self.head == run.head)
-        if self._watching:
-            await self._look_for_roster(run, ROSTER_READ_TIMEOUT, fresh=True)
         p = self.progress
         promised = self._promise[1] if self._promise[0] == self.head else 0
         reached = self._target_reached
@@ -259,7 +257,7 @@ class RunEngine(RoundTaking, CatchingUp):
                       max_group_size=self.averaging.max_group_size,
                       knows_round_members=bool(self._grid_cells()), head_grew_at=grew_at,
                       ready_at=reached[1] if reached is not None and reached[0] == run.head else None,
-                      roster_published=self.rosters.published(run.head))
+                      roster_published=self._roster_seen == run.head)
         if self.schedule.epochs is not None and self.role == "trainer" \
                 and p.epoch >= self.schedule.epochs and self._finished_at is None:
             self._finished_at = now
@@ -325,9 +323,7 @@ class RunEngine(RoundTaking, CatchingUp):
     async def _train(self, action: Train) -> None:
         assert self.trainer is not None
         remaining = action.samples
-        # (watching for the round's roster: look again within a poll, roster_watch.py)
-        seconds = min(action.seconds, ROSTER_POLL) if self._watching else action.seconds
-        deadline = timebase.monotonic() + seconds
+        deadline = timebase.monotonic() + action.seconds
         while remaining > 0 and not self._stop.is_set():
             left = deadline - timebase.monotonic()
             if left <= 0:
@@ -370,20 +366,19 @@ class RunEngine(RoundTaking, CatchingUp):
         have passed since the last read; once a roster is out the policy begins (policy.py)."""
         run = self.global_progress
         left = until - timebase.now()
-        if run is not None and left > 0 and await self._look_for_roster(run, left):
-            return
+        if run is not None and left > 0 and timebase.monotonic() >= self._roster_read_at + ROSTER_POLL:
+            self._roster_read_at = timebase.monotonic()
+            trainers = {*run.donors, *((self.peer_id,) if self.role == "trainer" else ())}
+            if await self.averaging.roster_published(round_key("grad", run.head),
+                                                     trainers - set(self._aux_peers()),
+                                                     timeout=left):
+                self._roster_seen = run.head
+                return
         left = until - timebase.now()
         if left > 0:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await self._stop.wait()
-
-    async def _look_for_roster(self, run: GlobalProgress, timeout: float, *,
-                               fresh: bool = False) -> bool:
-        """Whether the grid round at the run's head has begun (roster_watch.py)."""
-        trainers = {*run.donors, *((self.peer_id,) if self.role == "trainer" else ())}
-        return await self.rosters.look(run.head, trainers - set(self._aux_peers()),
-                                       timeout=timeout, fresh=fresh)
 
     async def _enter_pause(self, reason: str) -> None:
         if self.paused_reason is None:

@@ -7,8 +7,7 @@ The rules, one each:
 - **Finished** (the manifest's epochs reached): a trainer lingers (waits, serving its state to
   others) while some live trainer of the run is behind, for at most `Timing.linger`; then leave.
 - **At the run's head** (estimate.py: the epoch and lineage a quorum of the trainers holds):
-  once the run's samples at the head reach the target (or the round's grid roster is out: the
-  others have begun, `Local.roster_published`) and at least `min_peers` trainers are
+  once the run's samples at the head reach the target and at least `min_peers` trainers are
   there, average with everyone there (a trainer that has accumulated nothing, e.g. just after a
   download, first trains one batch, so that it contributes and steps with the others instead of
   falling behind); until then train, and look again after half the time to the target
@@ -132,11 +131,7 @@ class Local:
     knows_round_members: bool = True
     head_grew_at: float | None = None
     ready_at: float | None = None
-    # the round at the head has a roster: it has begun. A first grid round's peer stops settling;
-    # any peer at the head begins (once it has kept its word, `promised`) even where its own
-    # estimate has the samples short of the target (roster_watch.py: at 256 trainers the peers
-    # of one round took its roster over 10-20 s, and a grid round's stages wait a window)
-    roster_published: bool = False
+    roster_published: bool = False  # the round at the head has a roster: it has begun
 
     @property
     def head(self) -> Head:
@@ -216,24 +211,21 @@ def decide(view: View) -> Action:
         return _finished(view)
     look = next_report_delay(run, local.samples_per_second, min_delay=timing.min_look,
                              max_delay=timing.max_look)
-    # a grid round's roster is out: the round at the head has begun (its writers publish as
-    # they begin), whatever this peer's estimate of the samples says (`Local.roster_published`)
-    ready = run.ready or local.roster_published
     if local.role == "aux":
-        if ready and run.trainers_at_epoch >= schedule.min_peers and view.averaged != run.head:
+        if run.ready and run.trainers_at_epoch >= schedule.min_peers and view.averaged != run.head:
             settling = _settling(view, run.trainers_at_epoch + run.live_aux)
             if settling is not None:
                 return settling
             return Average(run.head, run.trainers_at_epoch + run.live_aux, run.trainers_at_epoch)
         return Wait(now + look, "following the run")
     if local.head == run.head:
-        if ready and local.accumulated < local.promised:
+        if run.ready and local.accumulated < local.promised:
             # the others counted on what we said we would have: keep the word, or the round's
             # batch falls short of the target
             return Train(local.promised - local.accumulated, timing.max_chunk)
-        if ready and local.accumulated == 0:  # one batch first: every trainer contributes
+        if run.ready and local.accumulated == 0:  # one batch first: every trainer contributes
             return Train(1, timing.min_look)
-        if ready:
+        if run.ready:
             base = quorum_base(run)
             here = run.trainers_at_epoch
             if here >= schedule.min_peers and 2 * here > base:

@@ -71,11 +71,10 @@ class RoundAverager(Protocol):
         could run; RoundSatOut (errors.py) for an aux peer a grid round has no room for."""
 
     async def roster_published(self, key: str, trainers: Collection[str], *,
-                               timeout: float) -> float | None:
-        """When a grid round of `key` began, if it has: the time its writer signed the roster
-        this peer would take (one of its first writers, as this peer's view of the `trainers`
-        at the head ranks them, that agrees with that view: roster.py); read within `timeout`
-        seconds (else None)."""
+                               timeout: float) -> bool:
+        """Whether a grid round of `key` has begun: one of its first writers, as this peer's
+        view of the `trainers` at the head ranks them, has published a roster that agrees with
+        that view (roster.py); read within `timeout` seconds (else False)."""
 
 
 class StateBuffer(Protocol):

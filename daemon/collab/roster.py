@@ -227,14 +227,12 @@ class Rosters:
         return entry.roster
 
     async def published(self, key: str, trainers: Collection[str], *,
-                        timeout: float = DHT_TIMEOUT) -> float | None:
-        """When the roster this peer would take (`pick`: from one of the first writers of its
-        view of the `trainers`, agreeing with that view) was published for the round `key` (its
-        writer's signed time), or None while there is none: the round has begun (a peer still
-        settling before it begins now, see policy.py and roster_watch.py)."""
+                        timeout: float = DHT_TIMEOUT) -> bool:
+        """Whether a roster this peer would take (`pick`: from one of the first writers of its
+        view of the `trainers`, agreeing with that view) is out for the round `key`: the round
+        has begun (a peer still settling before it begins now, see policy.py)."""
         entries = await self._read(f"{self.run_key}/roster/{key}", timeout=timeout)
-        chosen = pick(key, frozenset(trainers), entries)
-        return None if chosen is None else chosen[1].at
+        return pick(key, frozenset(trainers), entries) is not None
 
     async def _read(self, dht_key: str, timeout: float = DHT_TIMEOUT,
                     reads: _Reads | None = None) -> dict[str, Published]:

@@ -46,7 +46,6 @@ from .progress import Role
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
 
-    from .roster_watch import RosterWatch
     from .run_progress import PhaseCell, RunProgress
 
 __all__ = ["HISTORY", "RoundTaking"]
@@ -78,7 +77,6 @@ class RoundTaking:
     pace: EpochPace
     step_overhead: float | None
     _weight_cap: float | None
-    rosters: RosterWatch
     _stop: asyncio.Event
     _target_reached: tuple[Head, float] | None
     _head_group: tuple[str, ...]
@@ -151,7 +149,6 @@ class RoundTaking:
                                                          len(report.failed_parts))
         if report is None or not step_allowed(result, action, self.schedule):
             p.failed_rounds += 1
-            self.rosters.failed(head)  # (its roster no longer says a round is on: roster_watch.py)
             self._schedule_look(0.0)
             self._log.warning("averaging_round_failed_no_step", epoch=p.epoch,
                               group_size=report and report.group_size,
@@ -340,7 +337,6 @@ class RoundTaking:
             self._aux_group = (stepped_to, report.members)
         else:
             self.progress.failed_rounds += 1
-            self.rosters.failed(action.head)
             self._log.info("aux_round_failed", epoch=action.head.epoch,
                            group_size=report and report.group_size,
                            trainers=report and report.trainers, expected=action.trainers,

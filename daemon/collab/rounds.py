@@ -135,10 +135,9 @@ class NetworkRounds:
                                        stage_round=stage, coming=coming)
 
     async def roster_published(self, key: str, trainers: Collection[str], *,
-                               timeout: float) -> float | None:
-        if self.rosters is None:
-            return None
-        return await self.rosters.published(key, trainers, timeout=timeout)
+                               timeout: float) -> bool:
+        return self.rosters is not None and await self.rosters.published(key, trainers,
+                                                                         timeout=timeout)
 
     async def _round(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                      role: Role, compression: str, min_trainers: int, peers: tuple[str, ...],
@@ -170,8 +169,8 @@ class SoloRounds:
         self.peer_id = peer_id
 
     async def roster_published(self, key: str, trainers: Collection[str], *,
-                               timeout: float) -> float | None:
-        return None
+                               timeout: float) -> bool:
+        return False
 
     async def average(self, vector: np.ndarray, key: str, *, weight: float, expected: int,
                       role: Role, compression: str = "none", aggregation: str = "mean",

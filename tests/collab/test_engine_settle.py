@@ -17,11 +17,10 @@ import numpy as np
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.report import AveragingReport
-from dedloc.daemon.collab.engine import RunEngine, RunProgress
+from dedloc.daemon.collab.engine import ROSTER_POLL, RunEngine, RunProgress
 from dedloc.daemon.collab.policy import Schedule, Timing
 from dedloc.daemon.collab.ports import DownloadedState, Trained
 from dedloc.daemon.collab.progress import PeerProgress, Role
-from dedloc.daemon.collab.roster_watch import ROSTER_FRESH, ROSTER_POLL, ROSTER_WATCH
 from dedloc.sim.clock import SkewedClock
 from dedloc.sim.loop import run_virtual
 
@@ -55,13 +54,9 @@ class GridAverager:
     seconds; None: never). `average` notes when the round began and ends the run."""
 
     roster_at: float | None
-    epoch: int = 0  # the head's, whose round's roster is asked for
-    written_before: float = 0.0  # the roster was written this long before it is out (a stale one)
-    rounds: int = 1  # the rounds it takes part in (each fails) before it ends the run
     engine: RunEngine | None = None
     roster_reads: list[float] = field(default_factory=list)
     began_at: float | None = None
-    tries: list[float] = field(default_factory=list)
     options: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -69,24 +64,18 @@ class GridAverager:
         return 4
 
     async def average(self, vector: np.ndarray, key: str, **options: object) -> AveragingReport | None:
-        now = asyncio.get_running_loop().time()
-        self.began_at = now if self.began_at is None else self.began_at
-        self.tries.append(now)
+        self.began_at = asyncio.get_running_loop().time()
         self.options = options
         assert self.engine is not None
-        if len(self.tries) >= self.rounds:
-            self.engine.stop()
-        await asyncio.sleep(5.0)  # (virtual) a window without the others: the round fails
+        self.engine.stop()
         return None
 
     async def roster_published(self, key: str, trainers: Collection[str], *,
-                               timeout: float) -> float | None:
+                               timeout: float) -> bool:
         now = asyncio.get_running_loop().time()
         self.roster_reads.append(now)
-        assert key.startswith(f"grad/{self.epoch}/") and len(trainers) == 12
-        if self.roster_at is None or now < self.roster_at:
-            return None
-        return timebase.now() - (now - self.roster_at) - self.written_before  # its writer's date
+        assert key.startswith("grad/0/") and len(trainers) == 12
+        return self.roster_at is not None and now >= self.roster_at
 
 
 class CountingTrainer:
@@ -154,88 +143,3 @@ def test_without_a_roster_it_settles_and_reads_the_key_at_most_once_a_poll() -> 
     assert len(reads) >= 5  # it kept watching while it settled ...
     gaps = [b - a for a, b in itertools.pairwise(reads)]
     assert min(gaps) >= ROSTER_POLL - 1e-9  # ... at most once a poll
-
-
-# --- a later round: a peer whose estimate has the round later begins on the roster -------------
-
-class FillingBoard:
-    """Eleven other trainers at epoch 3 (a later round: they stepped there), each 1 sample a
-    second from the board's first read: with our 10 a second, 1200 samples take about a minute."""
-
-    def __init__(self) -> None:
-        self.peers = [f"peer-{i:02d}" for i in range(11)]
-        self.start: float | None = None
-
-    async def publish(self, report: PeerProgress) -> None:
-        return None
-
-    async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
-        now = timebase.now()
-        self.start = now if self.start is None else self.start
-        done = int(now - self.start)
-        reports = [PeerProgress(peer, 3, done, 1.0, now, now + 30.0, "trainer", 100 + done,
-                                lineage=LINEAGE, stepped=True) for peer in self.peers]
-        return reports, {peer: now for peer in self.peers}
-
-    async def leave(self, report: PeerProgress) -> None:
-        return None
-
-
-class PacedTrainer(CountingTrainer):
-    """10 samples a second, however many it is asked for."""
-
-    async def train(self, samples: int, seconds: float) -> Trained:
-        done = max(1, min(samples, int(10 * seconds)))
-        await asyncio.sleep(done / 10.0)
-        return Trained(done, 1.0, 10.0)
-
-
-def run_later_round(roster_at: float | None, *, written_before: float = 0.0,
-                    rounds: int = 1) -> tuple[GridAverager, float]:
-    async def main() -> tuple[GridAverager, float]:
-        loop = asyncio.get_running_loop()
-        timebase.use(SkewedClock(loop))
-        averager = GridAverager(None if roster_at is None else loop.time() + roster_at, epoch=3,
-                                written_before=written_before, rounds=rounds)
-        engine = RunEngine(peer_id="peer-me", role="trainer", schedule=Schedule(1200),
-                           board=FillingBoard(), averaging=averager, trainer=PacedTrainer(),
-                           progress=RunProgress(epoch=3, lineage=LINEAGE), parameters=8,
-                           timing=TIMING)
-        averager.engine = engine
-        started = loop.time()
-        await asyncio.wait_for(engine.run(), timeout=3600)
-        return averager, started
-
-    return run_virtual(main())
-
-
-def test_a_peer_at_the_head_begins_a_later_grid_round_once_its_roster_is_out() -> None:
-    alone, started = run_later_round(roster_at=None)
-    assert alone.began_at is not None
-    due = alone.began_at - started  # when its own estimate had the target reached
-    assert due > ROSTER_WATCH + 10.0
-    # it read the key only in the last ROSTER_WATCH seconds before that, at most once a poll
-    reads = alone.roster_reads
-    assert reads and reads[0] >= started + due - ROSTER_WATCH - TIMING.max_look
-    assert min(b - a for a, b in itertools.pairwise(reads)) >= ROSTER_POLL - 1e-9
-    # with the roster out 8 s before that, it begins then (the others have begun)
-    early, started = run_later_round(roster_at=due - 8.0)
-    assert early.began_at is not None
-    assert started + due - 8.0 <= early.began_at < started + due - 8.0 + ROSTER_POLL + TIMING.max_look
-
-
-def test_a_stale_roster_or_one_of_a_failed_try_does_not_start_a_round() -> None:
-    """A roster stays in the DHT for minutes: one its writer dated long ago (an earlier try of the
-    round, which failed) says nobody is in a round now; and once a try of its own on a roster
-    failed, the peer trains to its own estimate again instead of trying again at once."""
-    alone, started = run_later_round(roster_at=None)
-    assert alone.began_at is not None
-    due = alone.began_at - started  # when its own estimate had the round due
-    stale, started = run_later_round(roster_at=0.0, written_before=ROSTER_FRESH + 60.0)
-    assert stale.began_at == started + due  # as without a roster
-    # a fresh roster 8 s early: it begins then, the round fails (the others are not there) ...
-    failing, started = run_later_round(roster_at=due - 8.0, rounds=3)
-    assert len(failing.tries) == 3
-    assert failing.tries[0] < started + due - 6.0
-    # ... and it does not try again at once: it trains on until its own estimate has it due
-    assert failing.tries[1] >= started + due - 1.0

@@ -19,7 +19,6 @@ from dedloc.daemon.collab.policy import (
     Local,
     RoundResult,
     Schedule,
-    Timing,
     Train,
     View,
     Wait,
@@ -415,27 +414,3 @@ def test_a_first_grid_round_waits_for_the_view_of_the_head_to_settle(
             assert action.settling  # (the engine watches for the round's roster meanwhile)
             assert action.until <= NOW + 0.5  # it looks again soon: the view may settle any time
 
-
-
-# --- a later grid round: the roster out means the round has begun ------------------------------
-
-def test_a_peer_at_the_head_begins_once_the_grid_rounds_roster_is_out() -> None:
-    """Its own estimate has the samples short of the target (the round not due for it yet), but
-    the round's roster is out: the others have begun. It keeps its word first, then averages."""
-    others = [peer(f"p{i}", 5, L2, samples=TARGET // 10) for i in range(5)]
-    me = peer("me", 5, L2, samples=TARGET // 10)
-    for roster, promised, expected in ((False, 0, Train), (True, 0, Average),
-                                       (True, TARGET // 10 + 30, Train)):
-        base = _grid_view(me, others, knows=True, grew=60.0, ready=None, roster=roster)
-        assert not base.run.ready
-        action = decide(dataclasses.replace(
-            base, local=dataclasses.replace(base.local, promised=promised)))
-        assert isinstance(action, expected), (roster, promised, action)
-        if roster and promised:
-            assert action == Train(30, Timing().max_chunk)  # the word first
-        if expected is Average:
-            assert action == Average(Head(5, L2), 6, 6)
-    aux = peer("me", 5, L2, samples=0, role="aux")
-    assert isinstance(decide(_grid_view(aux, others, knows=True, grew=60.0, ready=None)), Wait)
-    assert isinstance(decide(_grid_view(aux, others, knows=True, grew=60.0, ready=None,
-                                        roster=True)), Average)

@@ -56,8 +56,8 @@ class NoRounds:
     async def average(self, vector: np.ndarray, key: str, **options: object) -> AveragingReport | None:
         raise AssertionError("no round in this test")
 
-    async def roster_published(self, key: str, trainers: object, *, timeout: float) -> float | None:
-        return None
+    async def roster_published(self, key: str, trainers: object, *, timeout: float) -> bool:
+        return False
 
 
 class LoadingTrainer:

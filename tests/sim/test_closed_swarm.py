@@ -94,7 +94,7 @@ async def test_non_members_store_the_runs_records_as_ciphertext_only() -> None:
         view = [p.peer_id for p in trainers]
         first = next(p for p in trainers if p.peer_id == writers("grad/99", view)[0])
         assert await Rosters(first.dht, first.peer_id, prefix).agree("grad/99", view, wait=0.0)
-        assert await Rosters(reader.dht, reader.peer_id, prefix).published("grad/99", view) is not None
+        assert await Rosters(reader.dht, reader.peer_id, prefix).published("grad/99", view)
 
         # What the members read: every key of the run that a non-member holds, in clear.
         held = {e.key for p in outside for e in _closed_entries(p)}
