@@ -73,6 +73,7 @@ MAX_ROSTER = 1024  # peers a roster may list
 MAX_PEER_ID = 128  # characters of one peer id in a roster
 DHT_TIMEOUT = 2.0
 SETTLE = 1.0  # a roster is taken once it is this old (a near-simultaneous earlier one is seen)
+LOGGED_ROSTERS = 8  # rosters a peer that took none names in its log
 
 
 @dataclass(frozen=True)
@@ -212,12 +213,15 @@ class Rosters:
         if chosen is None:
             # what was read, and why none of it was taken: the rosters out (by writer: whether
             # it ranks among the writers this peer takes from, whether it agrees with the view)
+            # (at most LOGGED_ROSTERS of them, the writers this peer takes from first: anyone
+            # may write a sub-key of its own under the key)
             allowed = set(writers(key, view, WRITERS + WRITER_SLACK))
+            shown = sorted(entries, key=lambda w: (w not in allowed, _rank(key, w)))[:LOGGED_ROSTERS]
             log.info("grid_roster_missing", key=key, trainers=len(drawn), view=len(view),
                      reads=reads.done, reads_failed=reads.failed, wrote=wrote,
-                     writers=[w[:12] for w in writers(key, view)],
-                     out={w[:12]: {"allowed": w in allowed, "agrees": agrees(e.roster, view),
-                                   "size": len(e.roster)} for w, e in entries.items()})
+                     writers=[w[:12] for w in writers(key, view)], rosters_out=len(entries),
+                     out={w[:12]: {"allowed": w in allowed, "size": len(entries[w].roster),
+                                   "agrees": agrees(entries[w].roster, view)} for w in shown})
             return tuple(sorted(drawn))
         writer, entry = chosen
         log.debug("grid_roster", key=key, writer=writer[:12], trainers=len(entry.roster),

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.averager import RoundOptions
 from dedloc.daemon.averaging.settings import AveragingSettings
 from dedloc.daemon.collab.grid import grid_layout
 from dedloc.daemon.collab.roster import (
+    LOGGED_ROSTERS,
     SETTLE,
     TTL,
     Published,
@@ -136,6 +138,25 @@ async def test_views_differing_by_newcomers_lay_out_one_grid() -> None:
     own = {tuple(sorted(grid_layout(key, view, 16).cells.items()))  # type: ignore[union-attr]
            for view in views.values()}
     assert len(own) > 1
+
+
+async def test_a_peer_that_takes_no_roster_logs_why_naming_a_bounded_number_of_rosters() -> None:
+    """Strangers may each write a sub-key under a round's key: the log names the rosters the
+    reader would take from first, and only LOGGED_ROSTERS of them."""
+    dht, view, key = _Dht(), _ids(40), "k"
+    strangers = _ids(50, start=500)
+    for stranger in strangers:
+        await dht.store(f"run/roster/{key}", encode(strangers), 0.0, sub_key=stranger)
+    fifth = writers(key, view, 5)[-1]  # a writer we would take from, whose roster disagrees
+    await dht.store(f"run/roster/{key}", encode(_ids(30, start=9000)), 0.0, sub_key=fifth)
+    with capture_logs() as logs:
+        roster = await Rosters(dht, view[0], "run").agree(key, view, wait=0.0, write=False)  # type: ignore[arg-type]
+    assert roster == tuple(sorted(view))
+    [missing] = [entry for entry in logs if entry["event"] == "grid_roster_missing"]
+    assert missing["rosters_out"] == 51 and missing["reads_failed"] == 0 and missing["wrote"] is None
+    assert len(missing["out"]) == LOGGED_ROSTERS
+    assert missing["out"][fifth[:12]] == {"allowed": True, "agrees": False, "size": 30}
+    assert sum(why["allowed"] for why in missing["out"].values()) == 1
 
 
 async def test_a_peer_that_may_not_write_and_finds_no_roster_keeps_its_view() -> None:
