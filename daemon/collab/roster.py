@@ -211,10 +211,9 @@ class Rosters:
                 pause = min(MAX_POLL, 2 * pause)
             entries = {**entries, **await self._read(dht_key, reads=reads)}
         if chosen is None:
-            # what was read, and why none of it was taken: the rosters out (by writer: whether
-            # it ranks among the writers this peer takes from, whether it agrees with the view)
-            # (at most LOGGED_ROSTERS of them, the writers this peer takes from first: anyone
-            # may write a sub-key of its own under the key)
+            # what was read and why none was taken: per roster, whether its writer ranks among
+            # those this peer takes from and whether it agrees with the view; at most
+            # LOGGED_ROSTERS, those writers first (anyone may write a sub-key under the key)
             allowed = set(writers(key, view, WRITERS + WRITER_SLACK))
             shown = sorted(entries, key=lambda w: (w not in allowed, _rank(key, w)))[:LOGGED_ROSTERS]
             log.info("grid_roster_missing", key=key, trainers=len(drawn), view=len(view),
