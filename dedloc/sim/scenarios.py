@@ -33,6 +33,10 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   measured over;
 - `max_round_weight`: the most weight (samples) a round an honest trainer stepped on averaged,
   in target batches (about 1; a liar's claimed weight would show);
+- `board_reads`: how many times the peers read the progress board, and `board_read_seconds`:
+  how long those reads took on the virtual clock (p50, p90, max; a read ends at its deadline,
+  5 s, with what had come by then): at 256 peers the trainers decided that an epoch's target
+  was reached up to 20 s apart because these reads took seconds;
 - `partition` also: `epochs_to_reconcile` (after the heal, epochs until every live trainer holds
   the same parameters) and `epoch_went_backwards`.
 """
@@ -94,6 +98,8 @@ class Result:
     state_round_spread: float = 0.0  # relative, over the trainers of one state round, the largest
     # the most weight a round an honest trainer stepped on averaged, in target batches
     max_round_weight: float = 0.0
+    board_reads: int = 0
+    board_read_seconds: dict[str, float] = field(default_factory=dict)  # p50, p90, max
     # epoch -> [step spread, trainers measured, state round spread, trainers measured]: where
     # in a run the trainers drew apart (a hidden split in the first round, or every epoch)
     spread_by_epoch: dict[str, list[float]] = field(default_factory=dict)
@@ -521,4 +527,10 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
     result.spread_by_epoch = {
         str(epoch): [float(f"{v:.3g}") if i % 2 == 0 else v for i, v in enumerate(entry)]
         for epoch, entry in sorted(observer.by_epoch.items())}
+    reads = sorted(swarm.board_reads)
+    result.board_reads = len(reads)
+    if reads:
+        result.board_read_seconds = {
+            "p50": round(reads[len(reads) // 2], 3), "p90": round(reads[int(0.9 * len(reads))], 3),
+            "max": round(reads[-1], 3)}
     result.errors = [f"peer {p.index}: {p.error!r}" for p in swarm.peers if p.error is not None]

@@ -17,6 +17,7 @@ import contextvars
 import dataclasses
 import math
 import random
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -129,6 +130,29 @@ class _LyingBoard:
         await self._board.leave(report)
 
 
+class _TimedBoard:
+    """A peer's board whose reads are timed on the virtual clock (`Swarm.board_reads`): at a
+    few hundred peers the board's reads were what made trainers decide apart."""
+
+    def __init__(self, board: DhtProgressBoard | _LyingBoard, reads: array[float]) -> None:
+        self._board = board
+        self._reads = reads
+        self.key = board.key
+
+    async def publish(self, report: PeerProgress) -> None:
+        await self._board.publish(report)
+
+    async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
+        started = asyncio.get_running_loop().time()
+        try:
+            return await self._board.read()
+        finally:
+            self._reads.append(asyncio.get_running_loop().time() - started)
+
+    async def leave(self, report: PeerProgress) -> None:
+        await self._board.leave(report)
+
+
 #: Links in a simulation: keepalives every 30 s (a real daemon's 15 s would only cost wall time).
 SIM_LINKS = LinkLimits(ping_interval=30.0, ping_timeout=90.0, idle_timeout=300.0)
 SIM_DHT = DHTConfig(rpc_timeout=2.0, lookup_timeout=5.0, join_timeout=10.0,
@@ -204,8 +228,9 @@ class SimPeer:
         manifest = run.manifest(swarm.owner.peer_id)
         board = DhtProgressBoard(self.dht, self.identity, self.membership, "sim", manifest,
                                  role, run.size, owner_signature=owner_signature)
-        published = board if self.spec.lie in (None, "weight") \
-            else _LyingBoard(board, self.spec.lie, run.target_batch_size)
+        published = _TimedBoard(board if self.spec.lie in (None, "weight")
+                                else _LyingBoard(board, self.spec.lie, run.target_batch_size),
+                                swarm.board_reads)
         if self.spec.lie == "weight":  # it claims samples it never computed in every round
             self.averager._claimed_weight = float(WEIGHT_LIE_TARGETS * run.target_batch_size)
         self.sharing = StateSharing(self.transport, self._find_engine, self.membership)
@@ -283,6 +308,7 @@ class Swarm:
         self.timing = timing or Timing()
         self.peers: list[SimPeer] = []
         self.running = False  # set once the first peers have started: later ones are newcomers
+        self.board_reads: array[float] = array("f")  # seconds each board read took (_TimedBoard)
         # a closed run's owner (outside the swarm) and the secret its tokens carry (drawn apart
         # from `rng`: an open run's swarm is the same with or without them)
         owner_rng = random.Random(f"owner-{seed}")
