@@ -35,8 +35,8 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   in target batches (about 1; a liar's claimed weight would show);
 - `board_reads`: how many times the peers read the progress board, and `board_read_seconds`:
   how long those reads took on the virtual clock (p50, p90, max; a read ends at its deadline,
-  5 s, with what had come by then): at 256 peers the trainers decided that an epoch's target
-  was reached up to 20 s apart because these reads took seconds;
+  5 s, with what had come by then): at 256 peers these reads took seconds, and the trainers
+  decided that an epoch's target was reached up to 20 s apart;
 - `partition` also: `epochs_to_reconcile` (after the heal, epochs until every live trainer holds
   the same parameters) and `epoch_went_backwards`.
 """

@@ -132,7 +132,7 @@ class _LyingBoard:
 
 class _TimedBoard:
     """A peer's board whose reads are timed on the virtual clock (`Swarm.board_reads`): at a
-    few hundred peers the board's reads were what made trainers decide apart."""
+    few hundred peers they took seconds, while the trainers decided apart."""
 
     def __init__(self, board: DhtProgressBoard | _LyingBoard, reads: array[float]) -> None:
         self._board = board
