@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from dedloc.daemon.collab.board import DHT_TIMEOUT as BOARD_READ_DEADLINE
 from dedloc.sim.scenarios import Result, run_scenario
 
 pytestmark = pytest.mark.virtual_time
@@ -33,10 +34,11 @@ async def test_steady_every_trainer_is_in_every_round() -> None:
     assert result.min_round_participation == 1.0, result.to_json()
     assert result.failed_rounds == 0, result.to_json()
     assert result.parameter_spread <= 1e-5, result.to_json()  # one state (float rounding aside)
-    # every peer's board reads were timed on the virtual clock, each within its 5 s deadline
+    # every peer's board reads were timed on the virtual clock, none past the read's deadline
     reads = result.board_read_seconds
     assert result.board_reads >= 18 * 4, result.to_json()  # (each peer reads several times an epoch)
-    assert 0 < reads["p50"] <= reads["p90"] <= reads["max"] <= 5.5, result.to_json()
+    assert 0 < reads["p50"] <= reads["p90"] <= reads["max"] <= BOARD_READ_DEADLINE + 0.1, \
+        result.to_json()
 
 
 async def test_more_trainers_than_a_group_holds_still_train_one_model() -> None:
