@@ -143,7 +143,8 @@ class DHTNode:
         self._banned: dict[str, float] = {}  # peer id -> loop time when the ban ends
         self._started = False
         self._closed = False
-        self._joined_event = asyncio.Event()
+        self._joined_event = asyncio.Event()  # the first join succeeded
+        self._known_event = asyncio.Event()  # the routing table gained a peer (wait_joined)
         self._routes: dict[int, tuple[float, list[Contact]]] = {}  # key id -> (until, closest)
         self._lost: collections.OrderedDict[str, tuple[Contact, float, float]] = \
             collections.OrderedDict()
@@ -189,10 +190,16 @@ class DHTNode:
         return len(self.routing_table) > 0
 
     async def wait_joined(self, timeout: float) -> bool:
-        """Wait (up to `timeout`) until a join through the bootstrap peers has succeeded."""
+        """Wait (up to `timeout`) until a join through the bootstrap peers has succeeded and the
+        node knows a peer now (`joined`): one that lost every contact since waits for a peer
+        again. (It returned at once then, and a caller looping until `joined` held the event
+        loop: a daemon whose only peer left answered nothing.)"""
         try:
             async with asyncio.timeout(timeout):
                 await self._joined_event.wait()
+                while not self.joined:
+                    self._known_event.clear()
+                    await self._known_event.wait()
         except TimeoutError:
             return False
         return True
@@ -433,6 +440,8 @@ class DHTNode:
             return
         stale = table.add_or_update(NodeInfo(peer_id, node_id, addresses),
                                     asyncio.get_running_loop().time())
+        if peer_id in table:
+            self._known_event.set()
         if stale is not None and stale.peer_id not in self._busy:
             self._background(stale.peer_id, self._ping_quietly(stale.peer_id), "dht-ping-stale")
         elif is_new and peer_id in table and len(self.storage) and not self.config.client_mode:

@@ -235,3 +235,21 @@ async def test_a_record_that_expires_in_transit_is_dropped_without_blaming_its_h
     assert reader.stats["expired_in_transit"] >= 1
     assert reader.stats["forged_records"] == 0
     assert sum(1 for n in nodes if n.peer_id in reader.routing_table) == len(nodes) - 1
+
+
+async def test_a_node_that_lost_every_peer_waits_for_one_instead_of_saying_it_joined(
+        swarm: Swarm) -> None:
+    # it joined once, then its only peer's entry went (the peer left): `wait_joined` returned
+    # at once then, and the daemon's run autojoin looped on it without yielding (CI: a daemon
+    # that answered no call for 120 s). Now it waits until a peer is known again
+    seed = await swarm.add()
+    late = await swarm.add(bootstrap=[str(swarm.transports[0].listen_addresses()[0])])
+    assert await late.wait_joined(timeout=10) and late.joined
+    swarm.network.blackhole(seed.peer_id)  # (so that it does not call the node meanwhile)
+    late.routing_table.remove(seed.peer_id)
+    assert not late.joined
+    assert not await late.wait_joined(timeout=1.0)  # (virtual time)
+    swarm.network.restore(seed.peer_id)
+    waiting = asyncio.create_task(late.wait_joined(timeout=30))
+    await seed.introduce(late.peer_id, tuple(swarm.transports[1].listen_addresses()))
+    assert await waiting and late.joined
