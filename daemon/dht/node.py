@@ -266,26 +266,26 @@ class DHTNode:
         count = self.config.replicas if replicas is None else max(1, min(replicas, self.config.replicas))
         deadline = self._deadline(timeout)
         found = None
-        # spreading: a lookup finds all the key's nodes (not only `count`) and `count` are asked
-        known = self.config.replicas if start else count
-        route = self._route(key_id, count) if latest else None
-        if route is not None and start:
-            held = self._routes[key_id][1]  # (all of them that the route holds)
-            first = start % len(held)
-            route = [*held[first:], *held[:first]][:count]
         complete = True
-        if route is not None:
-            found = await self._ask_route(route, key, deadline, min_expiration)
-            if found is None:
-                self._forget_route(key_id)
-        if found is None:
+        if latest and start:
+            found, complete = await self._ask_in_turn(key, key_id, count, start, deadline,
+                                                      min_expiration)
+        else:
+            route = self._route(key_id, count) if latest else None
+            if route is not None:
+                found = await self._ask_route(route, key, deadline, min_expiration)
+                if found is None:
+                    self._forget_route(key_id)
+        if found is None and asyncio.get_running_loop().time() < deadline:
             result = await self._lookup(key_id, deadline, key=key,
                                         stop=None if latest else (lambda r: bool(r.entries)),
-                                        count=known, min_expiration=min_expiration)
+                                        count=count, min_expiration=min_expiration)
             if latest:
                 self._remember_route(key_id, result, count)
             found = [e for entries in result.entries.values() for e in entries]
             complete = result.finished  # (nodes that failed in it are taken for gone)
+        elif found is None:
+            found, complete = [], False
         gathered = [*local, *found]
         merged = self._readable(merge_entries(gathered, self._clock()))
         return Record(key, tuple(merged), complete) if merged else None
@@ -321,6 +321,58 @@ class DHTNode:
         if any(reply is None for reply in replies):
             return None
         return [entry for reply in replies if reply is not None for entry in reply]
+
+    async def _ask_in_turn(self, key: str, key_id: int, count: int, start: int, deadline: float,
+                           min_expiration: float | None) -> tuple[list[Entry] | None, bool]:
+        """A spreading read (`get` with `start`): `count` of the key's nodes, beginning with the
+        start-th in their ring, each one that fails replaced by the next not asked. The nodes come
+        from the remembered route, else from a node lookup (find_node: no values, so that a
+        reader's lookup every ROUTE_SECONDS does not fetch a hot key from all its nodes). A node
+        that failed leaves the route. (entries, complete): None when no node answered; complete
+        when none failed."""
+        route = self._route(key_id, count)
+        if route is None:
+            result = await self._lookup(key_id, deadline, count=self.config.replicas)
+            self._remember_route(key_id, result, count)
+            held = result.closest[: self.config.replicas]
+        else:
+            held = self._routes[key_id][1]
+        if not held:
+            return None, False
+        first = start % len(held)
+        waiting = [*held[first:], *held[:first]]
+        query = self._value_query(key, deadline, min_expiration)
+
+        async def ask(contact: Contact) -> list[Entry] | None:
+            try:
+                return (await query(contact)).entries
+            except (TransportError, MalformedMessage, TimeoutError):
+                return None
+
+        asking = {asyncio.ensure_future(ask(c)): c for c in waiting[:count]}
+        waiting = waiting[count:]
+        found: list[Entry] = []
+        answered, failed = 0, []
+        try:
+            while asking:
+                done, _ = await asyncio.wait(asking, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    contact = asking.pop(task)
+                    entries = task.result()
+                    if entries is None:
+                        failed.append(contact)
+                        if waiting and asyncio.get_running_loop().time() < deadline:
+                            spare = waiting.pop(0)
+                            asking[asyncio.ensure_future(ask(spare))] = spare
+                    else:
+                        answered += 1
+                        found.extend(entries)
+        finally:
+            for task in asking:
+                task.cancel()
+        if failed:
+            self._drop_from_route(key_id, {c.peer_id for c in failed}, count)
+        return (found if answered else None), not failed
 
     async def find_nodes(self, target: int, *, timeout: float | None = None) -> list[Contact]:
         """The (up to k) nodes closest to `target` that answered, nearest first."""
@@ -394,7 +446,8 @@ class DHTNode:
         since = protocol.decode_min_expiration(message.header)
         if since is not None:
             entries = [entry for entry in entries if entry.expiration >= since]
-        return protocol.encode_values(entries, self._nearest(key_id_of(key), exclude={ctx.peer_id}))
+        return protocol.encode_values(entries, self._nearest(key_id_of(key), exclude={ctx.peer_id}),
+                                      compress=protocol.accepts_zlib(message.header))
 
     @_counts_malformed
     async def _on_store(self, ctx: RequestContext, message: Message) -> Message:
@@ -547,7 +600,7 @@ class DHTNode:
         return result
 
     def _value_query(self, key: str, deadline: float, min_expiration: float | None) -> _Query:
-        request: dict[str, Any] = {**self._caller_header(), "key": key}
+        request: dict[str, Any] = {**self._caller_header(), "key": key, "accept": protocol.ACCEPT}
         token = None if self.access is None else self.access.credential(key)
         if token is not None:
             request["token"] = token
@@ -638,6 +691,18 @@ class DHTNode:
             del self._routes[next(iter(self._routes))]
         until = asyncio.get_running_loop().time() + ROUTE_SECONDS
         self._routes[key_id] = (until, result.closest[: self.config.replicas])
+
+    def _drop_from_route(self, key_id: int, peer_ids: set[str], count: int) -> None:
+        """Take nodes that failed out of a remembered route (all of it once fewer than `count`
+        would be left)."""
+        held = self._routes.get(key_id)
+        if held is None:
+            return
+        kept = [c for c in held[1] if c.peer_id not in peer_ids]
+        if len(kept) < count:
+            del self._routes[key_id]
+        else:
+            self._routes[key_id] = (held[0], kept)
 
     def _forget_route(self, key_id: int) -> None:
         self._routes.pop(key_id, None)

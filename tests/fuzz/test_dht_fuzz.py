@@ -12,6 +12,7 @@ import asyncio
 import math
 import struct
 import time
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -138,7 +139,7 @@ def entry_metas(draw: st.DrawFn, count: int) -> list[Any]:
 
 @st.composite
 def value_replies(draw: st.DrawFn) -> Message:
-    header = draw(headers(["nodes", "entries"]))
+    header = draw(headers(["nodes", "entries", "encoding"]))
     payload = draw(st.binary(max_size=80))
     if draw(st.booleans()):  # metadata as the payload carries it, possibly wrong
         metas = entry_metas(draw, draw(st.integers(0, 4)))
@@ -149,6 +150,9 @@ def value_replies(draw: st.DrawFn) -> Message:
             encoded = b"[" * 2000
         length = draw(st.one_of(st.just(len(encoded)), st.integers(0, 2**32 - 1)))
         payload = struct.pack(">I", length) + encoded + payload
+    if draw(st.integers(0, 3)) == 0:  # deflated, as a reply to a reader that accepts zlib
+        header["encoding"] = "zlib"
+        payload = zlib.compress(payload)[: draw(st.one_of(st.just(None), st.integers(0, 40)))]
     if draw(st.booleans()):
         header["nodes"] = [draw(st.one_of(
             st.fixed_dictionaries({"peer_id": st.one_of(texts, st.sampled_from(PEER_IDS))},
@@ -218,6 +222,10 @@ def test_store_request_decodes_or_is_malformed(message: Message) -> None:
 @given(st.sampled_from(KEYS), value_replies())
 @fuzz_settings()
 @example("k", Message({"nodes": [{"peer_id": "z" * 60000}]}))
+@example("k", Message({"entries": 0, "encoding": "zlib"},  # inflates past MAX_VALUES_BYTES
+                      zlib.compress(bytes(protocol.MAX_VALUES_BYTES + 1), 9)))
+@example("k", Message({"entries": 0, "encoding": "zlib"}, zlib.compress(b"\0" * 4) + b"more"))
+@example("k", Message({"entries": 0, "encoding": "gzip"}, b"\0" * 4))
 def test_value_reply_decodes_or_is_malformed(key: str, reply: Message) -> None:
     try:
         found, contacts = protocol.decode_values(key, reply)
@@ -225,8 +233,11 @@ def test_value_reply_decodes_or_is_malformed(key: str, reply: Message) -> None:
         assert str(exc)
         return
     if found:  # the values follow their metadata, and fill the rest of the payload exactly
-        (size,) = struct.unpack(">I", bytes(reply.payload[:4]))
-        assert 4 + size + sum(len(e.value) for e in found) == len(reply.payload)
+        payload = bytes(reply.payload)
+        if reply.header.get("encoding") == "zlib":
+            payload = zlib.decompress(payload)
+        (size,) = struct.unpack(">I", payload[:4])
+        assert 4 + size + sum(len(e.value) for e in found) == len(payload)
     assert all(e.key == key and len(e.signature) == 64 for e in found)
     assert len(contacts) <= protocol.MAX_NODES_IN_REPLY
     assert all(len(c.peer_id) <= protocol.MAX_PEER_ID_CHARS and len(c.addresses) <= 8 for c in contacts)
