@@ -341,7 +341,7 @@ class DHTNode:
             return None, False
         first = start % len(held)
         waiting = [*held[first:], *held[:first]]
-        query = self._value_query(key, deadline, min_expiration)
+        query = self._counts_malformed(self._value_query(key, deadline, min_expiration))
 
         async def ask(contact: Contact) -> list[Entry] | None:
             try:

@@ -10,6 +10,7 @@ replies to readers that accept it are deflated. On an in-memory DHT, on virtual 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -108,3 +109,21 @@ async def test_a_node_that_does_not_answer_a_spreading_read_is_replaced_and_left
     assert silent.peer_id not in [c.peer_id for c in reader._routes[key_id_of(KEY)][1]]
     record = await reader.get(KEY, replicas=1, start=8 * 100 + 3)
     assert record is not None and record.complete  # the silent node is not asked again
+
+
+async def test_a_node_that_answers_a_reply_bomb_is_counted_and_replaced(swarm: Swarm) -> None:
+    await _publish(swarm, 12)
+    holders = _holders(swarm)
+    reader = next(n for n in swarm.nodes if n not in holders)
+    await reader.get(KEY, replicas=1, start=8)
+    hostile = holders[2]
+
+    async def bomb(ctx: RequestContext, message: Message) -> Message:  # 8 MiB and one byte of zeros
+        return Message({"entries": 0, "encoding": "zlib"},
+                       zlib.compress(bytes(wire.MAX_VALUES_BYTES + 1), 9))
+
+    swarm.transports[swarm.nodes.index(hostile)].add_unary_handler(wire.FIND_VALUE, bomb)
+    record = await reader.get(KEY, replicas=1, start=8 * 100 + 2)  # its turn: the hostile one
+    assert record is not None and len(record.entries) == 12 and not record.complete
+    assert reader.stats["malformed_replies"] == 1
+    assert hostile.peer_id not in [c.peer_id for c in reader._routes[key_id_of(KEY)][1]]
