@@ -13,10 +13,10 @@ holds. Each read asks the next of the key's nodes in turn, from a place in their
 (by its peer id): the readers spread over all the nodes that hold the key (when all asked the
 closest three, at 128 peers those three served every read, and the stores to them timed out),
 and a report that did not reach some of the nodes is read from the others. One node a read, not
-three: at 256 peers every read brought back about 256 reports from each node it asked, the key's
-eight nodes each sent a few MB/s, their upload queues grew past the read's deadline and the
-trainers learnt late that the run had reached its target (docs/collaboration.md, "A 256-peer
-round"); a node that fails a read is replaced by the next (DHTNode.get). A read asks for
+three: at 256 simulated peers every read brought back about 256 reports (about 680 bytes each)
+from each node it asked, the reads ran into their 5 s deadline, and the trainers learnt late
+that the run had reached its target (docs/collaboration.md, "What stopped 256 peers: the
+board's bytes"); a node that fails a read is replaced by another (DHTNode.get). A read asks for
 everything the node holds (a full read) unless each of the last `READ_TURNS` reads succeeded,
 which asked every node that this one asks; every `FULL_READ_EVERY` seconds `READ_TURNS` full
 reads in a row go round all the nodes again. In a closed run every publish

@@ -45,6 +45,10 @@ log = structlog.get_logger(__name__)
 
 ROUTE_SECONDS = 30.0  # how long the closest nodes of a key found by a lookup are used again
 ROUTE_CACHE_KEYS = 256
+# a node that failed a spreading read is asked last by this node's spreading reads for this long
+# (a route looked up again brings it back; honest or not, a node that times out costs a read 2 s)
+FAILED_READ_SECONDS = 60.0
+FAILED_READ_NODES = 1024
 LOST_CONTACTS = 256  # evicted contacts kept to be tried again (see _lose)
 LOST_PROBES = 3  # per maintenance round
 LOST_RETRY_SECONDS = 30.0
@@ -146,6 +150,8 @@ class DHTNode:
         self._joined_event = asyncio.Event()  # the first join succeeded
         self._known_event = asyncio.Event()  # the routing table gained a peer (wait_joined)
         self._routes: dict[int, tuple[float, list[Contact]]] = {}  # key id -> (until, closest)
+        # peer id -> loop time until which spreading reads ask it last (see _ask_in_turn)
+        self._failed_reads: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._lost: collections.OrderedDict[str, tuple[Contact, float, float]] = \
             collections.OrderedDict()
         self._log = log.bind(peer_id=self.peer_id[:12], client=self.config.client_mode)
@@ -245,15 +251,16 @@ class DHTNode:
 
     async def get(self, key: str, *, latest: bool = True, timeout: float | None = None,
                   replicas: int | None = None, min_expiration: float | None = None,
-                  start: int = 0) -> Record | None:
+                  start: int | None = None) -> Record | None:
         """The live value of `key`: every signature checked, expired entries dropped. With `latest`,
         ask the `replicas` nodes closest to the key (default: all that hold it) and merge what
         they hold (newest per sub-key); without, stop at the first node that has it. With
         `min_expiration`, only entries expiring at or after it (the changes since a reader's last
-        read, for a key that many peers update). `start`: once the key's nodes are known, ask
-        `replicas` of them beginning with the start-th closest (counting round all that hold it),
-        so that the readers of a key that hundreds of peers read spread over all its nodes
-        instead of all asking the closest. None when no node has it. The entries' values are
+        read, for a key that many peers update). `start` (a spreading read, see `_ask_in_turn`):
+        ask `replicas` of the key's nodes beginning with the start-th closest (counting round all
+        that hold it), so that the readers of a key that hundreds of peers read spread over all
+        its nodes instead of all asking the closest. None when no node has it (an empty record
+        when a spreading read's nodes failed: `complete` False). The entries' values are
         what their writers stored before `access.conceal` (a closed run's, decrypted); those
         `access.reveal` cannot read are left out (`unreadable_records`)."""
         now = self._clock()
@@ -265,9 +272,11 @@ class DHTNode:
         key_id = key_id_of(key)
         count = self.config.replicas if replicas is None else max(1, min(replicas, self.config.replicas))
         deadline = self._deadline(timeout)
+        spreading = latest and start is not None
         found = None
         complete = True
-        if latest and start:
+        if spreading:
+            assert start is not None
             found, complete = await self._ask_in_turn(key, key_id, count, start, deadline,
                                                       min_expiration)
         else:
@@ -277,17 +286,22 @@ class DHTNode:
                 if found is None:
                     self._forget_route(key_id)
         if found is None and asyncio.get_running_loop().time() < deadline:
+            # (a spreading read whose nodes all failed looks for all of the key's nodes again)
+            wanted = self.config.replicas if spreading else count
             result = await self._lookup(key_id, deadline, key=key,
                                         stop=None if latest else (lambda r: bool(r.entries)),
-                                        count=count, min_expiration=min_expiration)
+                                        count=wanted, min_expiration=min_expiration)
             if latest:
-                self._remember_route(key_id, result, count)
+                self._remember_route(key_id, result, wanted)
             found = [e for entries in result.entries.values() for e in entries]
-            complete = result.finished  # (nodes that failed in it are taken for gone)
+            # (nodes that failed in it are taken for gone; a spreading read's failed nodes not)
+            complete = result.finished and (complete or not spreading)
         elif found is None:
             found, complete = [], False
         gathered = [*local, *found]
         merged = self._readable(merge_entries(gathered, self._clock()))
+        if not merged and spreading and not complete:
+            return Record(key, (), False)  # (not None: that says the nodes hold nothing)
         return Record(key, tuple(merged), complete) if merged else None
 
     def _readable(self, entries: list[Entry]) -> list[Entry]:
@@ -324,23 +338,34 @@ class DHTNode:
 
     async def _ask_in_turn(self, key: str, key_id: int, count: int, start: int, deadline: float,
                            min_expiration: float | None) -> tuple[list[Entry] | None, bool]:
-        """A spreading read (`get` with `start`): `count` of the key's nodes, beginning with the
-        start-th in their ring, each one that fails replaced by the next not asked. The nodes come
-        from the remembered route, else from a node lookup (find_node: no values, so that a
-        reader's lookup every ROUTE_SECONDS does not fetch a hot key from all its nodes). A node
-        that failed leaves the route. (entries, complete): None when no node answered; complete
-        when none failed."""
+        """A spreading read: `count` of the key's nodes, beginning with the start-th in their ring
+        (banned ones left out, and those that failed a spreading read in the last
+        FAILED_READ_SECONDS put last), each one that fails replaced by one drawn at random from
+        those not asked (not the next in the ring: that is where the next reads go, and an
+        overloaded node's share would move onto one neighbour). The nodes come from the
+        remembered route, else from a node lookup (find_node: no values, so that a reader's
+        lookup every ROUTE_SECONDS does not fetch a hot key from all its nodes). A node that
+        fails before the deadline leaves the route and is asked last for a while; one cut short
+        by the read's deadline is not blamed. (entries, complete): None when no node answered;
+        complete when none failed and the nodes were known."""
+        loop = asyncio.get_running_loop()
+        known = True
         route = self._route(key_id, count)
         if route is None:
             result = await self._lookup(key_id, deadline, count=self.config.replicas)
-            self._remember_route(key_id, result, count)
+            self._remember_route(key_id, result, self.config.replicas)
             held = result.closest[: self.config.replicas]
+            known = result.finished
         else:
             held = self._routes[key_id][1]
         if not held:
             return None, False
+        now = loop.time()
         first = start % len(held)
-        waiting = [*held[first:], *held[:first]]
+        ring = [c for c in (*held[first:], *held[:first]) if not self._is_banned(c.peer_id)]
+        failed_lately = {c.peer_id for c in ring if self._failed_reads.get(c.peer_id, now) > now}
+        good = [c for c in ring if c.peer_id not in failed_lately]
+        last = [c for c in ring if c.peer_id in failed_lately]
         query = self._counts_malformed(self._value_query(key, deadline, min_expiration))
 
         async def ask(contact: Contact) -> list[Entry] | None:
@@ -349,10 +374,19 @@ class DHTNode:
             except (TransportError, MalformedMessage, TimeoutError):
                 return None
 
-        asking = {asyncio.ensure_future(ask(c)): c for c in waiting[:count]}
-        waiting = waiting[count:]
+        def next_spare() -> Contact | None:
+            if loop.time() + self.config.rpc_timeout / 2 > deadline:
+                return None  # (too late for another node to answer in time)
+            if good:
+                return good.pop(random.randrange(len(good)))
+            return last.pop(0) if last else None
+
+        first_asked = (good + last)[:count]
+        good = [c for c in good if c not in first_asked]
+        last = [c for c in last if c not in first_asked]
+        asking = {asyncio.ensure_future(ask(c)): c for c in first_asked}
         found: list[Entry] = []
-        answered, failed = 0, []
+        answered, failed, blamed = 0, 0, []
         try:
             while asking:
                 done, _ = await asyncio.wait(asking, return_when=asyncio.FIRST_COMPLETED)
@@ -360,9 +394,10 @@ class DHTNode:
                     contact = asking.pop(task)
                     entries = task.result()
                     if entries is None:
-                        failed.append(contact)
-                        if waiting and asyncio.get_running_loop().time() < deadline:
-                            spare = waiting.pop(0)
+                        failed += 1
+                        if loop.time() < deadline - 0.01:  # (not the read's deadline)
+                            blamed.append(contact.peer_id)
+                        if (spare := next_spare()) is not None:
                             asking[asyncio.ensure_future(ask(spare))] = spare
                     else:
                         answered += 1
@@ -370,9 +405,15 @@ class DHTNode:
         finally:
             for task in asking:
                 task.cancel()
-        if failed:
-            self._drop_from_route(key_id, {c.peer_id for c in failed}, count)
-        return (found if answered else None), not failed
+        if blamed:
+            self._drop_from_route(key_id, set(blamed), count)
+            until = loop.time() + FAILED_READ_SECONDS
+            for peer_id in blamed:
+                self._failed_reads.pop(peer_id, None)
+                self._failed_reads[peer_id] = until
+            while len(self._failed_reads) > FAILED_READ_NODES:
+                self._failed_reads.popitem(last=False)
+        return (found if answered else None), known and not failed
 
     async def find_nodes(self, target: int, *, timeout: float | None = None) -> list[Contact]:
         """The (up to k) nodes closest to `target` that answered, nearest first."""
@@ -644,7 +685,8 @@ class DHTNode:
         return False
 
     def _checked(self, peer_id: str, entries: list[Entry]) -> list[Entry]:
-        """The entries that pass validation; a peer that returns a forged one leaves our table."""
+        """The entries that pass validation; a peer that returns a forged one leaves our table,
+        and none of its reply is used."""
         now, good = self._clock(), []
         for entry in entries:
             if entry.expiration <= now:
@@ -655,11 +697,13 @@ class DHTNode:
             try:
                 validate(entry, now, self.config.limits)
             except InvalidRecord as exc:
+                # the rest of its reply is dropped unchecked (a reply of a thousand forged entries
+                # would cost a thousand signature checks and log lines)
                 self.stats["forged_records"] += 1
                 self._log.warning("dht_invalid_record_received", sender=peer_id[:12], key=entry.key,
                                   sub_key=entry.sub_key, reason=type(exc).__name__, error=str(exc))
                 self._ban(peer_id)
-                continue
+                return []
             if self.access is not None:
                 try:  # a closed run's record needs its writer's membership proof, read or stored
                     self.access.authorize_write(entry.signer, entry.key, entry.proof)

@@ -10,12 +10,13 @@ replies to readers that accept it are deflated. On an in-memory DHT, on virtual 
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from dht.swarm import Swarm
+from dht.swarm import FAST, Swarm
 
 from dedloc.daemon import timebase
 from dedloc.daemon.dht import DHTNode, key_id_of, node_id_of
@@ -99,8 +100,13 @@ async def test_a_node_that_does_not_answer_a_spreading_read_is_replaced_and_left
     await reader.get(KEY, replicas=1, start=8)  # learns the route: the 8 holders, closest first
     route = [c.peer_id for c in reader._routes[key_id_of(KEY)][1]]
     assert route == [n.peer_id for n in holders]
-    silent = holders[3]
-    swarm.network.blackhole(silent.peer_id)
+    silent = holders[3]  # it answers lookups and stores, never a read (overloaded, or hostile)
+
+    async def never(ctx: RequestContext, message: Message) -> Message:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    swarm.transports[swarm.nodes.index(silent)].add_unary_handler(wire.FIND_VALUE, never)
     replies = _count_replies(monkeypatch)
     record = await reader.get(KEY, replicas=1, start=8 * 100 + 3)  # its turn: the silent one
     assert record is not None and len(record.entries) == 12, "the next node was not asked"
@@ -109,6 +115,27 @@ async def test_a_node_that_does_not_answer_a_spreading_read_is_replaced_and_left
     assert silent.peer_id not in [c.peer_id for c in reader._routes[key_id_of(KEY)][1]]
     record = await reader.get(KEY, replicas=1, start=8 * 100 + 3)
     assert record is not None and record.complete  # the silent node is not asked again
+    # a store looks the key's nodes up again (it wants all eight): the silent one is back in the
+    # route, but a read whose turn it is asks another first (a review found it asked again at
+    # each turn, every eighth read 2 s late and every read after it a full one)
+    await reader.store(KEY, b"mine", timebase.now() + 30, sub_key=reader.peer_id, timeout=5)
+    assert silent.peer_id in [c.peer_id for c in reader._routes[key_id_of(KEY)][1]]
+    replies.clear()
+    started = timebase.monotonic()
+    record = await reader.get(KEY, replicas=1, start=8 * 100 + 3)
+    assert record is not None and record.complete and replies == [12]
+    assert timebase.monotonic() - started < FAST.rpc_timeout  # (virtual time: no call timed out)
+
+
+async def test_a_spreading_read_whose_nodes_all_fail_says_it_is_incomplete(swarm: Swarm) -> None:
+    await _publish(swarm, 1)
+    holders = _holders(swarm)
+    reader = next(n for n in swarm.nodes[1:] if n not in holders)
+    await reader.get(KEY, replicas=1, start=8)
+    for node in holders:
+        swarm.network.blackhole(node.peer_id)
+    record = await reader.get(KEY, replicas=1, start=8, timeout=5)
+    assert record is not None and not record.complete and not record.entries  # not None: "empty"
 
 
 async def test_a_node_that_answers_a_reply_bomb_is_counted_and_replaced(swarm: Swarm) -> None:

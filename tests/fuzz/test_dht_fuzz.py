@@ -226,6 +226,8 @@ def test_store_request_decodes_or_is_malformed(message: Message) -> None:
                       zlib.compress(bytes(protocol.MAX_VALUES_BYTES + 1), 9)))
 @example("k", Message({"entries": 0, "encoding": "zlib"}, zlib.compress(b"\0" * 4) + b"more"))
 @example("k", Message({"entries": 0, "encoding": "gzip"}, b"\0" * 4))
+@example("k", Message({"entries": protocol.MAX_ENTRIES_IN_REPLY + 1, "encoding": "zlib"},
+                      zlib.compress(b"\0" * 4)))  # thousands of junk entries deflate to little
 def test_value_reply_decodes_or_is_malformed(key: str, reply: Message) -> None:
     try:
         found, contacts = protocol.decode_values(key, reply)
