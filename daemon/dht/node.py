@@ -378,7 +378,7 @@ class DHTNode:
             if loop.time() + self.config.rpc_timeout / 2 > deadline:
                 return None  # (too late for another node to answer in time)
             if good:
-                return good.pop(random.randrange(len(good)))
+                return good.pop(self._rng.randrange(len(good)))
             return last.pop(0) if last else None
 
         first_asked = (good + last)[:count]
