@@ -9,17 +9,13 @@ Reads are incremental: every peer of a swarm of hundreds reads this one key seve
 epoch, so a peer asks only for the entries that expire after what it already holds could (the
 reports published since it last asked the same nodes, with `SKEW_MARGIN` seconds to spare for
 clocks that are off), from `READ_REPLICAS` of the key's nodes, and merges them into what it
-holds. Each read asks the next of the key's nodes in turn, from a place in their ring of its own
-(by its peer id): the readers spread over all the nodes that hold the key (when all asked the
-closest three, at 128 peers those three served every read, and the stores to them timed out),
-and a report that did not reach some of the nodes is read from the others. One node a read, not
-three: at 256 simulated peers every read brought back about 256 reports (about 680 bytes each)
-from each node it asked, the reads ran into their 5 s deadline, and the trainers learnt late
-that the run had reached its target (docs/collaboration.md, "What stopped 256 peers: the
-board's bytes"); a node that fails a read is replaced by another (DHTNode.get). A read asks for
-everything the node holds (a full read) unless each of the last `READ_TURNS` reads succeeded,
-which asked every node that this one asks; every `FULL_READ_EVERY` seconds `READ_TURNS` full
-reads in a row go round all the nodes again. In a closed run every publish
+holds. Each read asks the next `READ_REPLICAS` of the key's nodes in turn, from a place in their
+ring of its own (by its peer id): the readers spread over all the nodes that hold the key (when
+all asked the closest three, at 128 peers those three served every read, and the stores to them
+timed out), and a report that did not reach some of the nodes is read from the others. A read
+asks for everything the nodes hold (a full read) unless each of the last `READ_TURNS` reads
+succeeded, which asked every node that this one asks; every `FULL_READ_EVERY` seconds
+`READ_TURNS` full reads in a row go round all the nodes again. In a closed run every publish
 first checks this peer's own membership (the owner's revocation list, refreshed every
 `REVOCATIONS_REFRESH` seconds): a revoked or expired token raises MembershipError, which ends the
 run. When the list names a newer generation of the run's secret than this peer holds, it learns
@@ -54,10 +50,10 @@ log = structlog.get_logger(__name__)
 __all__ = ["DhtProgressBoard", "LocalBoard"]
 
 DHT_TIMEOUT = 5.0
-READ_REPLICAS = 1  # of the DHT's 8 per read: each publish reaches all 8, so any holds the news
-# reads until the same node is asked again (8 nodes, one a read): an incremental read asks for
-# what was published since the read this many reads ago
-READ_TURNS = 8
+READ_REPLICAS = 3  # of the DHT's 8 per read: each publish reaches all 8, so any 3 hold the news
+# reads until the same nodes are asked again, at most (8 nodes, 3 a read): an incremental read
+# asks for what was published since the read this many reads ago
+READ_TURNS = 3
 FULL_READ_EVERY = 60.0
 SKEW_MARGIN = 10.0
 KEEP_SECONDS = FULL_READ_EVERY + 30.0  # the longest a report is held after it was first read

@@ -45,10 +45,6 @@ log = structlog.get_logger(__name__)
 
 ROUTE_SECONDS = 30.0  # how long the closest nodes of a key found by a lookup are used again
 ROUTE_CACHE_KEYS = 256
-# a node that failed a spreading read is asked last by this node's spreading reads for this long
-# (a route looked up again brings it back; honest or not, a node that times out costs a read 2 s)
-FAILED_READ_SECONDS = 60.0
-FAILED_READ_NODES = 1024
 LOST_CONTACTS = 256  # evicted contacts kept to be tried again (see _lose)
 LOST_PROBES = 3  # per maintenance round
 LOST_RETRY_SECONDS = 30.0
@@ -150,8 +146,6 @@ class DHTNode:
         self._joined_event = asyncio.Event()  # the first join succeeded
         self._known_event = asyncio.Event()  # the routing table gained a peer (wait_joined)
         self._routes: dict[int, tuple[float, list[Contact]]] = {}  # key id -> (until, closest)
-        # peer id -> loop time until which spreading reads ask it last (see _ask_in_turn)
-        self._failed_reads: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._lost: collections.OrderedDict[str, tuple[Contact, float, float]] = \
             collections.OrderedDict()
         self._log = log.bind(peer_id=self.peer_id[:12], client=self.config.client_mode)
@@ -251,16 +245,15 @@ class DHTNode:
 
     async def get(self, key: str, *, latest: bool = True, timeout: float | None = None,
                   replicas: int | None = None, min_expiration: float | None = None,
-                  start: int | None = None) -> Record | None:
+                  start: int = 0) -> Record | None:
         """The live value of `key`: every signature checked, expired entries dropped. With `latest`,
         ask the `replicas` nodes closest to the key (default: all that hold it) and merge what
         they hold (newest per sub-key); without, stop at the first node that has it. With
         `min_expiration`, only entries expiring at or after it (the changes since a reader's last
-        read, for a key that many peers update). `start` (a spreading read, see `_ask_in_turn`):
-        ask `replicas` of the key's nodes beginning with the start-th closest (counting round all
-        that hold it), so that the readers of a key that hundreds of peers read spread over all
-        its nodes instead of all asking the closest. None when no node has it (an empty record
-        when a spreading read's nodes failed: `complete` False). The entries' values are
+        read, for a key that many peers update). `start`: once the key's nodes are known, ask
+        `replicas` of them beginning with the start-th closest (counting round all that hold it),
+        so that the readers of a key that hundreds of peers read spread over all its nodes
+        instead of all asking the closest. None when no node has it. The entries' values are
         what their writers stored before `access.conceal` (a closed run's, decrypted); those
         `access.reveal` cannot read are left out (`unreadable_records`)."""
         now = self._clock()
@@ -272,36 +265,29 @@ class DHTNode:
         key_id = key_id_of(key)
         count = self.config.replicas if replicas is None else max(1, min(replicas, self.config.replicas))
         deadline = self._deadline(timeout)
-        spreading = latest and start is not None
         found = None
+        # spreading: a lookup finds all the key's nodes (not only `count`) and `count` are asked
+        known = self.config.replicas if start else count
+        route = self._route(key_id, count) if latest else None
+        if route is not None and start:
+            held = self._routes[key_id][1]  # (all of them that the route holds)
+            first = start % len(held)
+            route = [*held[first:], *held[:first]][:count]
         complete = True
-        if spreading:
-            assert start is not None
-            found, complete = await self._ask_in_turn(key, key_id, count, start, deadline,
-                                                      min_expiration)
-        else:
-            route = self._route(key_id, count) if latest else None
-            if route is not None:
-                found = await self._ask_route(route, key, deadline, min_expiration)
-                if found is None:
-                    self._forget_route(key_id)
-        if found is None and asyncio.get_running_loop().time() < deadline:
-            # (a spreading read whose nodes all failed looks for all of the key's nodes again)
-            wanted = self.config.replicas if spreading else count
+        if route is not None:
+            found = await self._ask_route(route, key, deadline, min_expiration)
+            if found is None:
+                self._forget_route(key_id)
+        if found is None:
             result = await self._lookup(key_id, deadline, key=key,
                                         stop=None if latest else (lambda r: bool(r.entries)),
-                                        count=wanted, min_expiration=min_expiration)
+                                        count=known, min_expiration=min_expiration)
             if latest:
-                self._remember_route(key_id, result, wanted)
+                self._remember_route(key_id, result, count)
             found = [e for entries in result.entries.values() for e in entries]
-            # (nodes that failed in it are taken for gone; a spreading read's failed nodes not)
-            complete = result.finished and (complete or not spreading)
-        elif found is None:
-            found, complete = [], False
+            complete = result.finished  # (nodes that failed in it are taken for gone)
         gathered = [*local, *found]
         merged = self._readable(merge_entries(gathered, self._clock()))
-        if not merged and spreading and not complete:
-            return Record(key, (), False)  # (not None: that says the nodes hold nothing)
         return Record(key, tuple(merged), complete) if merged else None
 
     def _readable(self, entries: list[Entry]) -> list[Entry]:
@@ -335,85 +321,6 @@ class DHTNode:
         if any(reply is None for reply in replies):
             return None
         return [entry for reply in replies if reply is not None for entry in reply]
-
-    async def _ask_in_turn(self, key: str, key_id: int, count: int, start: int, deadline: float,
-                           min_expiration: float | None) -> tuple[list[Entry] | None, bool]:
-        """A spreading read: `count` of the key's nodes, beginning with the start-th in their ring
-        (banned ones left out, and those that failed a spreading read in the last
-        FAILED_READ_SECONDS put last), each one that fails replaced by one drawn at random from
-        those not asked (not the next in the ring: that is where the next reads go, and an
-        overloaded node's share would move onto one neighbour). The nodes come from the
-        remembered route, else from a node lookup (find_node: no values, so that a reader's
-        lookup every ROUTE_SECONDS does not fetch a hot key from all its nodes). A node that
-        fails before the deadline leaves the route and is asked last for a while; one cut short
-        by the read's deadline is not blamed. (entries, complete): None when no node answered;
-        complete when none failed and the nodes were known."""
-        loop = asyncio.get_running_loop()
-        known = True
-        route = self._route(key_id, count)
-        if route is None:
-            result = await self._lookup(key_id, deadline, count=self.config.replicas)
-            self._remember_route(key_id, result, self.config.replicas)
-            held = result.closest[: self.config.replicas]
-            known = result.finished
-        else:
-            held = self._routes[key_id][1]
-        if not held:
-            return None, False
-        now = loop.time()
-        first = start % len(held)
-        ring = [c for c in (*held[first:], *held[:first]) if not self._is_banned(c.peer_id)]
-        failed_lately = {c.peer_id for c in ring if self._failed_reads.get(c.peer_id, now) > now}
-        good = [c for c in ring if c.peer_id not in failed_lately]
-        last = [c for c in ring if c.peer_id in failed_lately]
-        query = self._counts_malformed(self._value_query(key, deadline, min_expiration))
-
-        async def ask(contact: Contact) -> list[Entry] | None:
-            try:
-                return (await query(contact)).entries
-            except (TransportError, MalformedMessage, TimeoutError):
-                return None
-
-        def next_spare() -> Contact | None:
-            if loop.time() + self.config.rpc_timeout / 2 > deadline:
-                return None  # (too late for another node to answer in time)
-            if good:
-                return good.pop(self._rng.randrange(len(good)))
-            return last.pop(0) if last else None
-
-        first_asked = (good + last)[:count]
-        good = [c for c in good if c not in first_asked]
-        last = [c for c in last if c not in first_asked]
-        asking = {asyncio.ensure_future(ask(c)): c for c in first_asked}
-        found: list[Entry] = []
-        answered, failed, blamed = 0, 0, []
-        try:
-            while asking:
-                done, _ = await asyncio.wait(asking, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    contact = asking.pop(task)
-                    entries = task.result()
-                    if entries is None:
-                        failed += 1
-                        if loop.time() < deadline - 0.01:  # (not the read's deadline)
-                            blamed.append(contact.peer_id)
-                        if (spare := next_spare()) is not None:
-                            asking[asyncio.ensure_future(ask(spare))] = spare
-                    else:
-                        answered += 1
-                        found.extend(entries)
-        finally:
-            for task in asking:
-                task.cancel()
-        if blamed:
-            self._drop_from_route(key_id, set(blamed), count)
-            until = loop.time() + FAILED_READ_SECONDS
-            for peer_id in blamed:
-                self._failed_reads.pop(peer_id, None)
-                self._failed_reads[peer_id] = until
-            while len(self._failed_reads) > FAILED_READ_NODES:
-                self._failed_reads.popitem(last=False)
-        return (found if answered else None), known and not failed
 
     async def find_nodes(self, target: int, *, timeout: float | None = None) -> list[Contact]:
         """The (up to k) nodes closest to `target` that answered, nearest first."""
@@ -735,18 +642,6 @@ class DHTNode:
             del self._routes[next(iter(self._routes))]
         until = asyncio.get_running_loop().time() + ROUTE_SECONDS
         self._routes[key_id] = (until, result.closest[: self.config.replicas])
-
-    def _drop_from_route(self, key_id: int, peer_ids: set[str], count: int) -> None:
-        """Take nodes that failed out of a remembered route (all of it once fewer than `count`
-        would be left)."""
-        held = self._routes.get(key_id)
-        if held is None:
-            return
-        kept = [c for c in held[1] if c.peer_id not in peer_ids]
-        if len(kept) < count:
-            del self._routes[key_id]
-        else:
-            self._routes[key_id] = (held[0], kept)
 
     def _forget_route(self, key_id: int) -> None:
         self._routes.pop(key_id, None)
