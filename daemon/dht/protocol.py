@@ -46,7 +46,7 @@ import orjson
 from ..net.addresses import PeerAddress
 from ..net.interface import Message
 from .errors import MalformedMessage
-from .records import Entry
+from .records import Entry, RecordLimits
 
 PING = "dht.ping"
 FIND_NODE = "dht.find_node"
@@ -63,9 +63,9 @@ COMPRESS_OVER = 4096  # a find_value payload larger than this is deflated for a 
 # a deflated payload inflates to at most this (a node's reply for one key is bounded by the key's
 # record limits, 1 MiB of values and 1024 entries' metadata): more is a bomb
 MAX_VALUES_BYTES = 4 * 1024 * 1024
-# a node holds at most RecordLimits.max_sub_keys entries of a key: a reply with more is junk (and
-# each entry costs its reader a signature check)
-MAX_ENTRIES_IN_REPLY = 1024
+# a node holds at most this many entries of a key: a reply with more is junk (and each entry costs
+# its reader a signature check)
+MAX_ENTRIES_IN_REPLY = RecordLimits.max_sub_keys
 _HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
 
@@ -254,14 +254,14 @@ def decode_min_expiration(header: dict[str, Any]) -> float | None:
 
 def decode_values(key: str, message: Message) -> tuple[list[Entry], list[Contact]]:
     header, payload = message.header, memoryview(message.payload)
-    encoding = header.get("encoding")
-    if encoding is not None:
-        _expect(encoding == "zlib", "'encoding' must be zlib (the only one a request accepts)")
-        payload = memoryview(_inflate(payload))
     count = header.get("entries", 0)
     _expect(isinstance(count, int) and not isinstance(count, bool) and count >= 0,
             "'entries' must be a count")
     _expect(count <= MAX_ENTRIES_IN_REPLY, f"more than {MAX_ENTRIES_IN_REPLY} entries in a reply")
+    encoding = header.get("encoding")
+    if encoding is not None:  # (after the cheap checks: inflating costs CPU)
+        _expect(encoding == "zlib", "'encoding' must be zlib (the only one a request accepts)")
+        payload = memoryview(_inflate(payload))
     if count == 0 and not payload:
         return [], decode_contacts(header.get("nodes", []))
     _expect(len(payload) >= 4, "payload too short for its entries")

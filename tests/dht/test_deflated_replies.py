@@ -2,15 +2,16 @@
 
 At 256 simulated peers every board read brought back the whole board (about 680 bytes a report)
 from three of the key's eight nodes, and those nodes' uploads queued past the read's deadline.
-The replies to readers that accept zlib are deflated (to about a third), and a node that answers
-with a reply bomb is counted and read past. On an in-memory DHT, on virtual time.
+The replies to readers that accept zlib are deflated (to about a third); a reply that inflates
+past its bound or names too many entries is refused, one with a forged entry dropped whole. On
+an in-memory DHT, on virtual time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from dht.swarm import Swarm
@@ -46,19 +47,6 @@ async def _publish(swarm: Swarm, writers: int) -> None:
                          sub_key=node.peer_id)
 
 
-def _count_replies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The number of entries of every find_value reply any node makes from now on."""
-    replies: list[int] = []
-    encode = wire.encode_values
-
-    def counting(entries: list[Any], contacts: list[Any], **kwargs: Any) -> Message:
-        replies.append(len(entries))
-        return encode(entries, contacts, **kwargs)
-
-    monkeypatch.setattr(wire, "encode_values", counting)
-    return replies
-
-
 async def test_a_reply_to_a_reader_that_accepts_zlib_is_deflated_and_reads_the_same(
         swarm: Swarm) -> None:
     await _publish(swarm, 12)
@@ -75,18 +63,47 @@ async def test_a_reply_to_a_reader_that_accepts_zlib_is_deflated_and_reads_the_s
     assert read_deflated == read_plain and len(read_plain) == 12
 
 
-async def test_a_node_that_answers_a_reply_bomb_is_counted_and_replaced(swarm: Swarm) -> None:
+def test_a_reply_bomb_is_refused_once_it_inflates_past_the_bound() -> None:
+    # 100 MiB of zeros deflate to about 100 KB: the reader stops at MAX_VALUES_BYTES
+    bomb = Message({"entries": 1, "encoding": "zlib"}, zlib.compress(bytes(100 * 2**20), 1))
+    with pytest.raises(wire.MalformedMessage, match="inflates past"):
+        wire.decode_values(KEY, bomb)
+    # thousands of junk entries cost little to send deflated; each would cost a signature check
+    junk = Message({"entries": wire.MAX_ENTRIES_IN_REPLY + 1, "encoding": "zlib"},
+                   zlib.compress(b"[]"))
+    with pytest.raises(wire.MalformedMessage, match="entries in a reply"):
+        wire.decode_values(KEY, junk)
+    # an honest reply of the most entries a node may hold of one key still reads
+    entries = [wire.Entry(KEY, f"s{i}", b"v" * 100, timebase.now() + 30, "w", bytes(64))
+               for i in range(wire.MAX_ENTRIES_IN_REPLY)]
+    reply = wire.encode_values(entries, [], compress=True)
+    assert reply.header["encoding"] == "zlib"
+    assert len(wire.decode_values(KEY, reply)[0]) == wire.MAX_ENTRIES_IN_REPLY
+
+
+async def test_a_node_that_answers_a_reply_bomb_is_counted_and_read_past(swarm: Swarm) -> None:
     await _publish(swarm, 12)
     holders = _holders(swarm)
     reader = next(n for n in swarm.nodes if n not in holders)
-    await reader.get(KEY, replicas=1, start=8)
+    await reader.get(KEY)  # learns the key's nodes
     hostile = holders[2]
 
-    async def bomb(ctx: RequestContext, message: Message) -> Message:  # 8 MiB and one byte of zeros
-        return Message({"entries": 0, "encoding": "zlib"},
-                       zlib.compress(bytes(wire.MAX_VALUES_BYTES + 1), 9))
+    async def bomb(ctx: RequestContext, message: Message) -> Message:  # 100 MiB of zeros
+        return Message({"entries": 1, "encoding": "zlib"}, zlib.compress(bytes(100 * 2**20), 1))
 
     swarm.transports[swarm.nodes.index(hostile)].add_unary_handler(wire.FIND_VALUE, bomb)
-    record = await reader.get(KEY, replicas=3, start=8 * 100 + 2)  # its turn: the hostile one
+    record = await reader.get(KEY)  # asks all 8 of the key's nodes, the hostile one too
     assert record is not None and len(record.entries) == 12  # (read from the others)
     assert reader.stats["malformed_replies"] >= 1
+
+
+async def test_a_reply_with_a_forged_entry_is_dropped_whole(swarm: Swarm) -> None:
+    await _publish(swarm, 2)
+    holder, reader = _holders(swarm)[0], swarm.nodes[5]
+    honest = holder.storage.get(KEY, timebase.now())
+    assert len(honest) == 2
+    forged = dataclasses.replace(honest[0], value=b"evil")  # (its signature no longer holds)
+    liar = swarm.nodes[6].peer_id
+    assert reader._checked(liar, [honest[1], forged, honest[0]]) == []
+    assert reader.stats["forged_records"] == 1  # (one check, one log line: the rest unread)
+    assert reader._checked(holder.peer_id, honest) == honest
