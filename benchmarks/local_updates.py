@@ -7,7 +7,8 @@ N real dedlocd daemons (one trainer each, `--workers.threads 1`, OMP_NUM_THREADS
 workload on 127.0.0.1 in one collaborative run per configuration, each on the same sample budget:
 
   gradients          today's DeDLOC rounds: the gradients of every target batch are averaged
-  local_h<H>         sync "local" with inner_steps H (outer Nesterov SGD, lr 0.7, momentum 0.9;
+  local_h<H>         sync "local" with inner_steps H (outer Nesterov SGD, lr 0.7, momentum 0.9
+                     (with topk: lr 2, no momentum, the residual decaying by 0.95, SparseLoCo's);
                      inner steps at the workload's lr x inner_lr_scale, by default "auto":
                      batch / target, 16 / 64 here)
   local_h<H>[_<codec>]_overlap  the same with overlap (train on during the exchange)
@@ -205,7 +206,8 @@ def manifest_problem(params: dict[str, Any]) -> str | None:
     if params.get("sync") == "local":
         fields.update(sync="local", inner_steps=params["inner_steps"],
                       **{k: params[k] for k in ("outer_lr", "outer_momentum", "overlap",
-                                                "inner_lr_scale") if k in params})
+                                                "inner_lr_scale", "feedback_decay")
+                         if k in params})
     try:
         RunManifest(**fields)
     except ManifestError as exc:
@@ -801,6 +803,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--outer-lr", type=float, help="local runs' outer_lr (default: the daemon's, 0.7)")
     parser.add_argument("--outer-momentum", type=float,
                         help="local runs' outer_momentum (default: the daemon's, 0.9)")
+    parser.add_argument("--feedback-decay", type=float,
+                        help="local runs' feedback_decay (default: the daemon's, 1; with topk 0.95)")
     parser.add_argument("--inner-lr-scale", type=_inner_lr_scale,
                         help="local runs' inner_lr_scale: auto (the daemon's default: batch / "
                              "target) or a number")
@@ -854,6 +858,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if scale is None and "lr" in args.local_workload_config:
         scale = 1.0  # the lr given is the inner rate itself: not scaled again
     local = {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum),
+                               ("feedback_decay", args.feedback_decay),
                                ("inner_lr_scale", scale)) if v is not None}
     plan = Plan(args.workload, config, args.peers, target, samples, specs, args.eval_samples,
                 args.eval_seed, args.curve_points, args.max_seconds, args.stop_timeout, args.log_level,

@@ -287,9 +287,14 @@ def add_sync_options(parser: argparse.ArgumentParser) -> None:
                              "(DiLoCo: inner steps, then an outer step; needs --inner-steps)")
     parser.add_argument("--inner-steps", type=int,
                         help="a local run's target batches of inner steps per outer step (H)")
-    parser.add_argument("--outer-lr", type=float, help="a local run's outer learning rate (0.7)")
+    parser.add_argument("--outer-lr", type=float,
+                        help="a local run's outer learning rate (0.7; with --compression topk 2)")
     parser.add_argument("--outer-momentum", type=float,
-                        help="a local run's outer Nesterov momentum (0.9)")
+                        help="a local run's outer Nesterov momentum (0.9; with --compression "
+                             "topk 0)")
+    parser.add_argument("--feedback-decay", type=float,
+                        help="a local run with a lossy codec: its error-feedback residual times "
+                             "this before each exchange (1; with --compression topk 0.95)")
     parser.add_argument("--overlap", action="store_true", default=None,
                         help="a local run trains on while its pseudo-gradient is averaged "
                              "(a one-step-delayed outer step)")
@@ -314,8 +319,8 @@ def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] 
         params: dict[str, Any] = {"workload": args.workload, "config": dict(args.config)}
         for option in ("name", "target_batch_size", "epochs", "checkpoint_every", "device", "min_peers",
                        "average_state_every", "compression", "aggregation", "sync", "inner_steps",
-                       "outer_lr",
-                       "outer_momentum", "overlap", "outer_clip", "inner_lr_scale"):
+                       "outer_lr", "outer_momentum", "overlap", "outer_clip", "inner_lr_scale",
+                       "feedback_decay"):
             if getattr(args, option) is not None:
                 params[option] = getattr(args, option)
         if args.collaborative:

@@ -195,10 +195,15 @@ class ControlApi:
         inner_steps: Annotated[int | None, "A local run's H: target batches of inner steps per "
                                "outer step (required with sync local).",
                                {"minimum": 1, "maximum": 1_000_000}] = None,
-        outer_lr: Annotated[float | None, "A local run's outer learning rate (default 0.7).",
-                            {"minimum": 0, "maximum": 10}] = None,
+        outer_lr: Annotated[float | None, "A local run's outer learning rate (default 0.7; with "
+                            "compression topk 2).", {"minimum": 0, "maximum": 10}] = None,
         outer_momentum: Annotated[float | None, "A local run's outer Nesterov momentum (default "
-                                  "0.9).", {"minimum": 0, "maximum": 0.999}] = None,
+                                  "0.9; with compression topk 0).",
+                                  {"minimum": 0, "maximum": 0.999}] = None,
+        feedback_decay: Annotated[float | None, "A local run with a lossy codec: its error-feedback "
+                                  "residual is multiplied by this before each exchange (default "
+                                  "1: kept whole; with compression topk 0.95, SparseLoCo's).",
+                                  {"minimum": 0, "maximum": 1}] = None,
         overlap: Annotated[bool | None, "A local run trains on while its pseudo-gradient is "
                            "averaged (a one-step-delayed outer step; default false)."] = None,
         outer_clip: Annotated[float | None, "A local run's outer-step guard: a step at most this "
@@ -213,7 +218,8 @@ class ControlApi:
 
         The manifest (workload, config with its defaults filled in, target_batch_size, epochs,
         min_peers, average_state_every, compression, aggregation, and for a local-update run
-        sync, inner_steps, outer_lr, outer_momentum, overlap, outer_clip and inner_lr_scale)
+        sync, inner_steps, outer_lr, outer_momentum, overlap, outer_clip, inner_lr_scale and
+        feedback_decay)
         identifies a collaborative run together with its name: peers with the same name and
         manifest train together, and a run started with only a name (no workload) joins the run
         its peers publish under that name. A run of the same name and manifest that stopped
@@ -227,7 +233,7 @@ class ControlApi:
                                             "one, or the token of a closed run")
         local = {"sync": sync, "inner_steps": inner_steps, "outer_lr": outer_lr,
                  "outer_momentum": outer_momentum, "overlap": overlap, "outer_clip": outer_clip,
-                 "inner_lr_scale": inner_lr_scale}
+                 "inner_lr_scale": inner_lr_scale, "feedback_decay": feedback_decay}
         return await self._node.runs.start(workload, dict(config), name, target_batch_size, epochs,
                                            checkpoint_every, device, collaborative, min_peers,
                                            role, average_state_every, compression, closed, token,

@@ -22,7 +22,8 @@ def sync_status(manifest: RunManifest, engine: RunEngine | None,
     """How the run syncs and what its last exchange cost: `mode`; for a local-update run also
     `inner_steps` (H), `outer_step` (the run's epoch: outer steps taken), `inner_step` (inner
     steps since the last one), `clipped_steps` (outer steps its guard scaled down: a large
-    count means a peer pushes, or `outer_clip` is too tight), `inner_lr_scale` (the manifest's)
+    count means a peer pushes, or `outer_clip` is too tight), `outer_lr`, `outer_momentum` and
+    `feedback_decay` (the manifest's), `inner_lr_scale` (the manifest's)
     and `inner_lr` (the learning rate this trainer's last inner step took, scaled; null before
     one, and on an aux peer); for both, `bytes_sent_per_step`
     and `bytes_received_per_step` (this peer's traffic in the last round), `bytes_per_sample`
@@ -47,6 +48,7 @@ def sync_status(manifest: RunManifest, engine: RunEngine | None,
     if manifest.local_updates:
         status.update({"inner_steps": manifest.inner_steps, "outer_lr": manifest.outer_lr,
                        "outer_momentum": manifest.outer_momentum,
+                       "feedback_decay": manifest.feedback_decay,
                        "outer_step": None if engine is None else engine.progress.epoch,
                        "inner_step": inner_step, "outer_clip": manifest.outer_clip,
                        "clipped_steps": clipped_steps, "inner_lr_scale": manifest.inner_lr_scale,

@@ -39,6 +39,12 @@ the export are carried over onto the new outer parameters: local = new outer + (
 Every inner step still goes into exactly one exchange (the next one), and the exchange costs no
 training time; the price is that those inner steps started from parameters one outer step old.
 
+**Error feedback** (a lossy codec such as topk): the daemon hands back the *residual*, what the
+codec did not convey of the last export, and the next pseudo-gradient carries it (times
+`feedback_decay`, beta): with beta 1 nothing is lost, only late; with beta < 1 (SparseLoCo's
+recipe for topk, with no outer momentum) the residual is a decaying sum of the past
+pseudo-gradients, which stands in for the outer momentum.
+
 `OuterState` keeps both vectors flat (float32, on the model's device); the worker's state export
 carries them (the outer parameters in the parameters' slots, the momentum after everything else),
 and so do checkpoints. A worker in a local-update run never gives out its drifted local parameters
@@ -75,6 +81,8 @@ class LocalUpdates:
     nesterov: bool = True
     overlap: bool = False  # train on while the pseudo-gradient is averaged (module docstring)
     clip: float = 4.0  # the outer step's guard, kappa (module docstring; 0: none)
+    # a lossy codec's residual x this before it joins the next pseudo-gradient (SparseLoCo's beta)
+    feedback_decay: float = 1.0
     # the inner steps' learning rate x this, or "auto": x batch / target_batch_size (module docstring)
     inner_lr_scale: float | Literal["auto"] = 1.0
     target_batch_size: int | None = None  # the run's; needed by "auto"
@@ -106,7 +114,8 @@ class LocalUpdates:
         if mode != "local":
             raise InvalidParams("sync.mode", f"must be \"gradients\" or \"local\", not {mode!r:.40}")
         unknown = set(sync) - {"mode", "inner_steps", "outer_lr", "outer_momentum", "nesterov",
-                               "overlap", "clip", "inner_lr_scale", "target_batch_size"}
+                               "overlap", "clip", "inner_lr_scale", "target_batch_size",
+                               "feedback_decay"}
         if unknown:
             raise InvalidParams("sync", f"unknown keys: {', '.join(sorted(map(str, unknown)))}")
         steps = sync.get("inner_steps")
@@ -116,6 +125,7 @@ class LocalUpdates:
         lr = _number(sync, "outer_lr", 0.7, 0.0, 10.0)
         momentum = _number(sync, "outer_momentum", 0.9, 0.0, 0.999)
         clip = _number(sync, "clip", 4.0, 0.0, 1000.0)
+        decay = _number(sync, "feedback_decay", 1.0, 0.0, 1.0)
         flags = []
         for key, default in (("nesterov", True), ("overlap", False)):
             flag = sync.get(key, default)
@@ -136,13 +146,14 @@ class LocalUpdates:
         else:
             scale = _number(sync, "inner_lr_scale", 1.0, MIN_INNER_LR_SCALE, MAX_INNER_LR_SCALE,
                             also='"auto" or ')
-        return cls(steps, lr, momentum, *flags, clip=clip, inner_lr_scale=scale,
-                   target_batch_size=target)
+        return cls(steps, lr, momentum, *flags, clip=clip, feedback_decay=decay,
+                   inner_lr_scale=scale, target_batch_size=target)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"mode": "local", "inner_steps": self.inner_steps, "outer_lr": self.outer_lr,
                 "outer_momentum": self.outer_momentum, "nesterov": self.nesterov,
-                "overlap": self.overlap, "clip": self.clip, "inner_lr_scale": self.inner_lr_scale}
+                "overlap": self.overlap, "clip": self.clip, "inner_lr_scale": self.inner_lr_scale,
+                "feedback_decay": self.feedback_decay}
         if self.target_batch_size is not None:
             data["target_batch_size"] = self.target_batch_size
         return data
@@ -209,10 +220,11 @@ class OuterState:
 
     def pseudo_gradient(self, params: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         """out = outer - local parameters (what the inner steps moved, with the sign of a
-        gradient), plus the error-feedback residual."""
+        gradient), plus the error-feedback residual times `feedback_decay`."""
         with torch.no_grad():
             gather(self.slots, params, out)
-            out.neg_().add_(self.params.to(out.device)).add_(self.residual.to(out.device))
+            out.neg_().add_(self.params.to(out.device)).add_(
+                self.residual.to(out.device), alpha=self.settings.feedback_decay)
 
     def remember(self, params: Sequence[torch.Tensor], samples: int, inner_steps: int) -> None:
         """Overlap: an export; training goes on from here while it is averaged."""

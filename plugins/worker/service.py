@@ -145,7 +145,8 @@ class WorkerService:
         sync: Annotated[dict[str, Any] | None, "How the run syncs: null or {\"mode\": "
                         "\"gradients\"} (gradients accumulate until exported), or {\"mode\": "
                         "\"local\", \"inner_steps\": H, \"outer_lr\": 0.7, \"outer_momentum\": "
-                        "0.9, \"nesterov\": true, \"inner_lr_scale\": 1.0} (a local-update run: "
+                        "0.9, \"nesterov\": true, \"inner_lr_scale\": 1.0, \"feedback_decay\": 1.0} "
+                        "(a local-update run: "
                         "the optimizer steps on every batch at its lr times inner_lr_scale, a "
                         "number or \"auto\" with target_batch_size; export gradients gives outer "
                         "minus local parameters, apply gradients takes one outer step)."] = None,

@@ -79,7 +79,10 @@ CHAOS_EPOCHS = 30
 CHAOS = {"workload": "tiny", "name": "chaos", "target_batch_size": 64, "epochs": CHAOS_EPOCHS,
          "collaborative": True, "min_peers": 2, "average_state_every": 0, "checkpoint_every": 1,
          "config": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "batch_size": 16},
-         "sync": "local", "inner_steps": 2,  # the outer optimizer's defaults: 0.7, Nesterov 0.9
+         "sync": "local", "inner_steps": 2,
+         # topk's defaults (SparseLoCo's) have no outer momentum: DiLoCo's named here, so that
+         # the momentum every trainer must agree on moves; with a decaying residual
+         "outer_lr": 0.7, "outer_momentum": 0.9, "feedback_decay": 0.95,
          "compression": "topk",  # with error feedback
          "overlap": True}  # training goes on during the exchange
 

@@ -237,6 +237,53 @@ def test_a_local_update_run_names_its_outer_optimizer() -> None:
         == dataclasses.replace(LOCAL, outer_lr=1.0).fingerprint()
 
 
+def test_a_topk_run_takes_sparselocos_outer_settings_unless_it_names_its_own() -> None:
+    # (None: the codec's defaults; dataclasses.replace keeps a manifest's resolved ones)
+    topk = dataclasses.replace(LOCAL, compression="topk", outer_lr=None, outer_momentum=None,
+                               feedback_decay=None)
+    assert (topk.outer_lr, topk.outer_momentum, topk.feedback_decay) == (2.0, 0.0, 0.95)
+    assert (LOCAL.outer_lr, LOCAL.outer_momentum, LOCAL.feedback_decay) == (0.7, 0.9, 1.0)
+    for codec in ("none", "fp16", "uint8", "quantile8"):  # DiLoCo's for every dense codec
+        dense = RunManifest("tiny", sync="local", inner_steps=4, compression=codec)
+        assert (dense.outer_lr, dense.outer_momentum, dense.feedback_decay) == (0.7, 0.9, 1.0)
+    assert topk.to_json()["feedback_decay"] == 0.95
+    assert topk.worker_sync()["feedback_decay"] == 0.95  # type: ignore[index]
+    assert RunManifest.from_json(topk.to_json()) == topk
+    assert dataclasses.replace(BASE, compression="topk", **topk.sync_fields()) == topk
+    assert dataclasses.replace(LOCAL, compression="topk").outer_momentum == 0.9
+    # named ones win, and 0.95 given or defaulted is one fingerprint
+    own = RunManifest("tiny", compression="topk", sync="local", inner_steps=25, outer_lr=0.7,
+                      outer_momentum=0.9, feedback_decay=1.0)
+    assert (own.outer_lr, own.outer_momentum, own.feedback_decay) == (0.7, 0.9, 1.0)
+    fresh = RunManifest("tiny", compression="topk", sync="local", inner_steps=25)
+    assert own.fingerprint() != fresh.fingerprint()
+    assert RunManifest("tiny", compression="topk", sync="local", inner_steps=25,
+                       feedback_decay=0.95).fingerprint() == fresh.fingerprint()
+
+
+def test_a_local_run_from_before_feedback_decay_keeps_its_fingerprint_and_its_whole_residual() -> None:
+    # a manifest of such a run (a peer of an earlier version, a run create file): no
+    # feedback_decay in its JSON; it reads as 1 (what its peers did), never as topk's 0.95
+    before_topk = {**dataclasses.replace(LOCAL, compression="topk", outer_lr=0.7,
+                                         outer_momentum=0.9, feedback_decay=1.0).to_json()}
+    assert "feedback_decay" not in before_topk
+    read = RunManifest.from_json(before_topk)
+    assert (read.outer_lr, read.outer_momentum, read.feedback_decay) == (0.7, 0.9, 1.0)
+    assert read.to_json() == before_topk and "feedback_decay" not in read.worker_sync()  # type: ignore[operator]
+    assert "feedback_decay" not in LOCAL.to_json() and "feedback_decay" not in BASE.to_json()
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.01, float("nan"), True, "0.9"])
+def test_a_feedback_decay_out_of_bounds_is_refused(value: Any) -> None:
+    with pytest.raises(ManifestError, match=r"feedback_decay must be a number from 0 to 1\.0"):
+        dataclasses.replace(LOCAL, compression="topk", feedback_decay=value)
+
+
+def test_a_gradients_run_refuses_a_feedback_decay() -> None:
+    with pytest.raises(ManifestError, match="are for local-update runs"):
+        dataclasses.replace(BASE, feedback_decay=0.9)
+
+
 def test_a_local_update_runs_inner_lr_is_scaled_to_the_trainers_batch_unless_it_says_otherwise() -> None:
     assert LOCAL.inner_lr_scale == "auto" and LOCAL.to_json()["inner_lr_scale"] == "auto"
     assert RunManifest.from_json(LOCAL.to_json()) == LOCAL
@@ -276,6 +323,7 @@ def test_a_gradients_run_refuses_an_inner_lr_scale(value: Any) -> None:
 @pytest.mark.parametrize(("name", "value"), [
     ("inner_steps", 26), ("outer_lr", 0.5), ("outer_momentum", 0.0), ("outer_nesterov", False),
     ("overlap", True), ("outer_clip", 0.0), ("inner_lr_scale", 1.0), ("inner_lr_scale", 0.25),
+    ("feedback_decay", 0.9), ("compression", "topk"),
 ])
 def test_a_local_update_runs_fingerprint_changes_with_its_outer_optimizer(name: str, value: Any) -> None:
     assert dataclasses.replace(LOCAL, **{name: value}).fingerprint() != LOCAL.fingerprint()

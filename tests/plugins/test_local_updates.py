@@ -342,6 +342,27 @@ def test_the_residual_joins_the_next_pseudo_gradient_stays_in_checkpoints_and_no
         plain.apply("residual", out_name, numel, None)
 
 
+def test_a_decaying_residual_joins_the_next_pseudo_gradient_scaled(buffers: Any) -> None:
+    # SparseLoCo: e <- beta e + delta is what goes out (the daemon then keeps e - conveyed)
+    peer = _session(1, LocalUpdates(inner_steps=2, feedback_decay=0.5))
+    numel = peer.total_numel
+    name, vector = buffers.make(numel)
+    residual = np.linspace(-1, 1, numel, dtype=np.float32)
+    vector[:] = residual
+    peer.apply("residual", name, numel, None)
+    initial = _flat(peer)
+    _train(peer, 16)
+    out_name, out = buffers.make(numel)
+    peer.export("gradients", out_name, numel)
+    np.testing.assert_allclose(out, initial - _flat(peer) + 0.5 * residual, rtol=0, atol=1e-6)
+    assert LocalUpdates.from_json({"mode": "local", "inner_steps": 2,
+                                   "feedback_decay": 0.5}).feedback_decay == 0.5
+    assert LocalUpdates.from_json({"mode": "local", "inner_steps": 2}).feedback_decay == 1.0
+    for bad in (-0.5, 1.5, "1", True):
+        with pytest.raises(InvalidParams, match="feedback_decay"):
+            LocalUpdates.from_json({"mode": "local", "inner_steps": 2, "feedback_decay": bad})
+
+
 def test_with_overlap_the_inner_steps_made_during_the_exchange_carry_over(buffers: Any) -> None:
     local = LocalUpdates(inner_steps=4, outer_lr=1.0, outer_momentum=0.0, overlap=True, clip=0)
     peers = [_session(1, local), _session(2, local)]
