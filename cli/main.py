@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import re
 import signal
@@ -287,23 +288,34 @@ def add_sync_options(parser: argparse.ArgumentParser) -> None:
                              "(DiLoCo: inner steps, then an outer step; needs --inner-steps)")
     parser.add_argument("--inner-steps", type=int,
                         help="a local run's target batches of inner steps per outer step (H)")
-    parser.add_argument("--outer-lr", type=float,
+    parser.add_argument("--outer-lr", type=_finite,
                         help="a local run's outer learning rate (0.7; with --compression topk 2)")
-    parser.add_argument("--outer-momentum", type=float,
+    parser.add_argument("--outer-momentum", type=_finite,
                         help="a local run's outer Nesterov momentum (0.9; with --compression "
                              "topk 0)")
-    parser.add_argument("--feedback-decay", type=float,
+    parser.add_argument("--feedback-decay", type=_finite,
                         help="a local run with a lossy codec: its error-feedback residual times "
                              "this before each exchange (1; with --compression topk 0.95)")
     parser.add_argument("--overlap", action="store_true", default=None,
                         help="a local run trains on while its pseudo-gradient is averaged "
                              "(a one-step-delayed outer step)")
-    parser.add_argument("--outer-clip", type=float,
+    parser.add_argument("--outer-clip", type=_finite,
                         help="a local run's outer-step guard: at most this many times the "
                              "recent steps' norm (4; 0: none)")
     parser.add_argument("--inner-lr-scale", type=_inner_lr_scale,
                         help="a local run's inner learning rate: the workload's lr times this "
                              "number, or auto (the default): times batch size / target batch size")
+
+
+def _finite(text: str) -> float:
+    """A finite number (NaN would travel as JSON null: the daemon's default, silently)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text!r}")
+    return value
 
 
 def _request(args: argparse.Namespace) -> tuple[str, dict[str, Any] | list[Any] | None]:

@@ -202,7 +202,8 @@ class ControlApi:
                                   {"minimum": 0, "maximum": 0.999}] = None,
         feedback_decay: Annotated[float | None, "A local run with a lossy codec: its error-feedback "
                                   "residual is multiplied by this before each exchange (default "
-                                  "1: kept whole; with compression topk 0.95, SparseLoCo's).",
+                                  "1: kept whole; with compression topk 0.95, SparseLoCo's; "
+                                  "refused with compression none, which has no residual).",
                                   {"minimum": 0, "maximum": 1}] = None,
         overlap: Annotated[bool | None, "A local run trains on while its pseudo-gradient is "
                            "averaged (a one-step-delayed outer step; default false)."] = None,

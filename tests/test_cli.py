@@ -143,3 +143,11 @@ def test_start_sends_a_local_runs_inner_lr_scale() -> None:
     assert params("--inner-lr-scale", "0.25")["inner_lr_scale"] == 0.25
     with pytest.raises(SystemExit):  # argparse: "expected auto or a number"
         params("--inner-lr-scale", "half")
+    # the outer settings: what is given is sent; NaN would go out as JSON null (the default)
+    assert "feedback_decay" not in params() and "outer_lr" not in params()
+    sent = params("--feedback-decay", "0.9", "--outer-lr", "2", "--outer-momentum", "0")
+    assert (sent["feedback_decay"], sent["outer_lr"], sent["outer_momentum"]) == (0.9, 2.0, 0.0)
+    for option in ("--feedback-decay", "--outer-lr", "--outer-momentum", "--outer-clip"):
+        for bad in ("nan", "inf", "x"):
+            with pytest.raises(SystemExit):
+                params(option, bad)

@@ -1,5 +1,6 @@
 """Error feedback for a lossy codec: what a sender's codec did not convey this round is added to
-what it sends next round, so nothing is lost for good, only late.
+what it sends next round, so nothing is lost for good, only late (a local-update run's worker
+may decay the residual first, `feedback_decay`: then old mass fades on purpose).
 
     feedback = ErrorFeedback()
     to_send = feedback.prepare(pseudo_gradient)      # pseudo_gradient + residual (a new array)

@@ -194,6 +194,9 @@ class RunManifest:
                 raise ManifestError(f"{name} must be a number from 0 to {high}, got {value!r:.40}")
             object.__setattr__(self, name, float(value))  # 1 and 1.0: one fingerprint
         self._check_inner_lr_scale()
+        if self.sync == "local" and self.feedback_decay != 1.0 and self.compression == "none":
+            raise ManifestError("feedback_decay is for a lossy codec's residual (compression "
+                                "fp16, uint8, quantile8 or topk); compression none has none")
         for flag in ("outer_nesterov", "overlap"):
             if not isinstance(getattr(self, flag), bool):
                 raise ManifestError(f"{flag} must be a boolean, got {getattr(self, flag)!r:.40}")
@@ -292,7 +295,9 @@ class RunManifest:
         if "aggregation" not in data:  # written before the field existed, or a "mean" run
             data = {**data, "aggregation": "mean"}
         if data.get("sync") == "local" and "feedback_decay" not in data:
-            data = {**data, "feedback_decay": 1.0}  # the same: the residual kept whole
+            # written before the field existed (or with 1): every outer setting it leaves out
+            # meant DiLoCo's then, topk's included (never SparseLoCo's defaults)
+            data = {**DENSE_OUTER, **data}
         try:
             return cls(**data)
         except TypeError as exc:

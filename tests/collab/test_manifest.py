@@ -273,6 +273,24 @@ def test_a_local_run_from_before_feedback_decay_keeps_its_fingerprint_and_its_wh
     assert "feedback_decay" not in LOCAL.to_json() and "feedback_decay" not in BASE.to_json()
 
 
+def test_a_hand_written_local_manifest_without_outer_settings_reads_as_it_did_before() -> None:
+    # no feedback_decay, no outer_lr, no outer_momentum: what such a JSON meant before topk had
+    # its own defaults was DiLoCo's, topk's included; it must not read as a mix of both
+    data = {"workload": "tiny", "sync": "local", "inner_steps": 4, "compression": "topk"}
+    read = RunManifest.from_json(data)
+    assert (read.outer_lr, read.outer_momentum, read.feedback_decay) == (0.7, 0.9, 1.0)
+    # one that names feedback_decay is new: what it leaves out takes the codec's defaults
+    read = RunManifest.from_json({**data, "feedback_decay": 0.95})
+    assert (read.outer_lr, read.outer_momentum, read.feedback_decay) == (2.0, 0.0, 0.95)
+
+
+def test_feedback_decay_is_refused_where_no_residual_exists() -> None:
+    with pytest.raises(ManifestError, match="compression none has none"):
+        RunManifest("tiny", sync="local", inner_steps=4, feedback_decay=0.9)
+    assert RunManifest("tiny", sync="local", inner_steps=4, compression="uint8",
+                       feedback_decay=0.9).feedback_decay == 0.9
+
+
 @pytest.mark.parametrize("value", [-0.1, 1.01, float("nan"), True, "0.9"])
 def test_a_feedback_decay_out_of_bounds_is_refused(value: Any) -> None:
     with pytest.raises(ManifestError, match=r"feedback_decay must be a number from 0 to 1\.0"):
