@@ -800,7 +800,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "largest H; default: --outer-steps of them")
     parser.add_argument("--outer-steps", type=int, default=3,
                         help="the default budget in outer steps of the largest H")
-    parser.add_argument("--outer-lr", type=float, help="local runs' outer_lr (default: the daemon's, 0.7; topk 2)")
+    parser.add_argument("--outer-lr", type=float,
+                        help="local runs' outer_lr (default: the daemon's, 0.7; topk 2)")
     parser.add_argument("--outer-momentum", type=float,
                         help="local runs' outer_momentum (default: the daemon's, 0.9; topk 0)")
     parser.add_argument("--feedback-decay", type=float,
