@@ -71,6 +71,9 @@ def add_service_commands(commands: Any) -> None:
                               "(repeatable)")
     install.add_argument("--device", help=DEVICE_HELP)
     install.add_argument("--threads", type=int, help="CPU threads a worker may use (0: the default)")
+    install.add_argument("--duty-cycle", type=float, metavar="SHARE",
+                         help="the share of the time a worker computes, 0.05 to 1 (it rests "
+                              "after each batch for the rest; 1: no rest)")
     for direction in ("upload", "download"):
         install.add_argument(f"--{direction}", type=parse_rate, metavar="RATE",
                              help=f"cap the {direction}, like 10MB/s or 80Mbit/s")
@@ -206,6 +209,7 @@ def install_settings(args: argparse.Namespace, token: str | None) -> dict[str, A
     chosen: dict[str, Any] = {"log.format": "json"}  # journald keeps JSON lines
     for key, value in (("net.bootstrap", args.bootstrap or None), ("workers.device", args.device),
                        ("workers.threads", args.threads),
+                       ("workers.duty_cycle", args.duty_cycle),
                        ("net.upload_bytes_per_second", args.upload),
                        ("net.download_bytes_per_second", args.download),
                        ("limits.hours", args.hours), ("limits.idle_only", args.idle_only or None),

@@ -61,7 +61,8 @@ def test_dry_run_writes_a_unit_that_verifies_and_the_chosen_config(
     token = _token(tmp_path, "club")
     out_dir = tmp_path / "dry"
     code = main(["service", "install", "--join", "club", "--token", token, "--bootstrap", PEER,
-                 "--device", "cpu", "--threads", "2", "--upload", "10MB/s", "--download", "80Mbit/s",
+                 "--device", "cpu", "--threads", "2", "--duty-cycle", "0.5",
+                 "--upload", "10MB/s", "--download", "80Mbit/s",
                  "--hours", "22:00-07:00", "--idle-only", "--set", "net.listen=/ip4/0.0.0.0/tcp/4100",
                  "--dry-run", "--dry-run-dir", str(out_dir)])
     out = capsys.readouterr().out
@@ -86,6 +87,7 @@ def test_dry_run_writes_a_unit_that_verifies_and_the_chosen_config(
     assert loaded.net.upload_bytes_per_second == 10e6
     assert loaded.net.download_bytes_per_second == 10e6
     assert loaded.workers.device == "cpu" and loaded.workers.threads == 2
+    assert loaded.workers.duty_cycle == 0.5
     assert loaded.limits.hours == "22:00-07:00" and loaded.limits.idle_only
     assert loaded.log.format == "json"
     # The steps, in order; the token is never printed.

@@ -73,7 +73,8 @@ class RunRegistry:
             workers.command_line(), self.sockets_dir / f"{run_name}.sock",
             start_timeout=workers.start_timeout, call_timeout=workers.call_timeout,
             log_lines=workers.log_lines, threads=workers.threads,
-            gpu_memory_fraction=workers.gpu_memory_fraction, label=run_name)
+            gpu_memory_fraction=workers.gpu_memory_fraction, duty_cycle=workers.duty_cycle,
+            label=run_name)
 
     async def start(self, workload: str | None, config: dict[str, Any], name: str | None,
                     target_batch_size: int, epochs: int | None, checkpoint_every: int,

@@ -61,7 +61,8 @@ class WorkerProcess:
     @classmethod
     async def spawn(cls, command: list[str], socket_path: Path, *, start_timeout: float,
                     call_timeout: float, log_lines: int, threads: int = 0,
-                    gpu_memory_fraction: float = 0.0, label: str = "worker") -> WorkerProcess:
+                    gpu_memory_fraction: float = 0.0, duty_cycle: float = 1.0,
+                    label: str = "worker") -> WorkerProcess:
         socket_path.parent.mkdir(parents=True, exist_ok=True)
         socket_path.unlink(missing_ok=True)
         argv = [*command, "--socket", str(socket_path), "--parent-pid", str(os.getpid())]
@@ -69,6 +70,8 @@ class WorkerProcess:
             argv += ["--threads", str(threads)]
         if gpu_memory_fraction > 0:
             argv += ["--gpu-memory-fraction", repr(gpu_memory_fraction)]
+        if duty_cycle < 1.0:
+            argv += ["--duty-cycle", repr(duty_cycle)]
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)  # systemd's notify socket is the daemon's alone
         env.pop("WATCHDOG_USEC", None)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..settings import documented
 
+MIN_DUTY_CYCLE = 0.05  # (a rest of at most 19 times the batch; the worker checks the same bound)
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -31,10 +33,20 @@ class WorkerSettings:
                                            default=60.0)
     gpu_memory_fraction: float = documented("Most of each GPU's memory a worker may take, as a fraction "
                                             "(torch's per-process cap); 0: no cap.", default=0.0)
+    duty_cycle: float = documented(
+        "Share of the time a worker computes while it trains, from 0.05 to 1. Below 1 it rests "
+        "after each batch for (1 / duty_cycle - 1) times as long as the batch took, so that the "
+        "machine stays usable (a desktop, a laptop's fan) and shared cores are left to others; "
+        "this peer's speed, and so its share of each epoch's samples, falls in proportion. "
+        "1: no rest.", default=1.0)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gpu_memory_fraction <= 1.0:
             raise ConfigError("workers.gpu_memory_fraction", "must be between 0 (no cap) and 1")
+        if not MIN_DUTY_CYCLE <= self.duty_cycle <= 1.0:
+            raise ConfigError("workers.duty_cycle", f"must be between {MIN_DUTY_CYCLE} and 1 "
+                              "(1: no rest)")
+
     def command_line(self) -> list[str]:
         """The command that starts a worker: `command`, else this Python running our worker."""
         return list(self.command) or [sys.executable, "-m", "dedloc.plugins.worker"]

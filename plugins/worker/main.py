@@ -33,6 +33,7 @@ log = structlog.get_logger(__name__)
 PR_SET_PDEATHSIG = 1
 GPU_MEMORY_ENV = "DEDLOC_GPU_MEMORY_FRACTION"
 PARENT_POLL_SECONDS = 0.5
+MIN_DUTY_CYCLE = 0.05  # (a rest of at most 19 times the batch)
 CLOSE_TIMEOUT_SECONDS = 30.0
 
 
@@ -44,6 +45,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.0,
                         help="most of each GPU's memory this worker (and its replicas) may take, "
                              "as a fraction; 0: no cap")
+    parser.add_argument("--duty-cycle", type=float, default=1.0,
+                        help="the share of the time training computes, from 0.05 to 1: below 1 "
+                             "it rests after each batch (1: no rest)")
     parser.add_argument("--list-workloads", action="store_true",
                         help="print the installed workloads as one JSON object and exit")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -55,6 +59,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--threads must be 0 or more")
     if not 0.0 <= args.gpu_memory_fraction <= 1.0:
         parser.error("--gpu-memory-fraction must be between 0 and 1")
+    if not MIN_DUTY_CYCLE <= args.duty_cycle <= 1.0:
+        parser.error(f"--duty-cycle must be between {MIN_DUTY_CYCLE} and 1")
     return args
 
 
@@ -154,7 +160,7 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     catalog = await asyncio.to_thread(WorkloadCatalog.load)
-    service = WorkerService(catalog, stop.set)
+    service = WorkerService(catalog, stop.set, args.duty_cycle)
     registry = MethodRegistry(
         "dedloc-worker", __version__,
         f"The dedloc worker protocol, version {PROTOCOL_VERSION} (docs/worker-protocol.md).",

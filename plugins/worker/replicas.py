@@ -266,12 +266,13 @@ class ReplicatedSession(Session):
         return {**super().describe(), "devices": [str(d) for d in self.devices],
                 "accumulated_samples": self.accumulated_samples + sum(self._pending_samples[1:])}
 
-    def train(self, samples: int, max_seconds: float | None, cancel: threading.Event) -> dict[str, Any]:
+    def train(self, samples: int, max_seconds: float | None, cancel: threading.Event,
+              duty_cycle: float = 1.0) -> dict[str, Any]:
         self._check_usable()
         share = math.ceil(samples / self.world_size)
         start = time.perf_counter()
-        self._send(("train", share, max_seconds))
-        local = super().train(share, max_seconds, cancel)
+        self._send(("train", share, max_seconds, duty_cycle))
+        local = super().train(share, max_seconds, cancel, duty_cycle)
         grace = ANSWER_GRACE_SECONDS + (max_seconds or 0.0) + local["seconds"]
         results = [local, *self._answers(grace, "train")]
         for rank, result in enumerate(results[1:], start=1):
@@ -377,8 +378,8 @@ def serve_replica(session: Session, pipe: Connection) -> None:
             if name == "stop":
                 return
             if name == "train":
-                _, samples, max_seconds = command
-                result = session.train(samples, max_seconds, never)
+                _, samples, max_seconds, duty_cycle = command
+                result = session.train(samples, max_seconds, never, duty_cycle)
             elif name == "reduce":
                 dist.reduce(session._grad_sum, dst=0)
                 session.zero_grad()

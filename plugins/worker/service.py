@@ -75,8 +75,10 @@ Numel = Annotated[int, "Size of the buffer in float32 elements.", {"minimum": 1}
 class WorkerService:
     """The state behind the `worker.*` methods: the catalog and at most one loaded session."""
 
-    def __init__(self, catalog: WorkloadCatalog, request_stop: Callable[[], None]) -> None:
+    def __init__(self, catalog: WorkloadCatalog, request_stop: Callable[[], None],
+                 duty_cycle: float = 1.0) -> None:
         self.catalog = catalog
+        self.duty_cycle = duty_cycle  # the share of the time training computes (Session.train)
         self._request_stop = request_stop
         self._session: Session | None = None
         self._busy: str | None = None
@@ -212,7 +214,7 @@ class WorkerService:
         """
         session = self._loaded()
         return await self._exclusive(  # type: ignore[return-value]
-            "worker.train", session.train, samples, max_seconds, self._cancel)
+            "worker.train", session.train, samples, max_seconds, self._cancel, self.duty_cycle)
 
     @rpc_method(WorkerMethod.EXPORT, errors=(ErrorCode.RUN_NOT_ACTIVE, ErrorCode.BUFFER_ERROR,
                                          ErrorCode.WORKLOAD_ERROR))

@@ -171,20 +171,34 @@ class Session:
                  "skipped_batches": self.skipped_batches,
                  "accumulated_samples": self.accumulated_samples, **data})
 
-    def train(self, samples: int, max_seconds: float | None, cancel: threading.Event) -> dict[str, Any]:
+    def train(self, samples: int, max_seconds: float | None, cancel: threading.Event,
+              duty_cycle: float = 1.0) -> dict[str, Any]:
         """Run whole batches until `samples` are done (or time is up, or cancelled; one at least,
-        unless it was skipped for a NaN or Inf: then `samples` is 0 and so is `loss`)."""
+        unless it was skipped for a NaN or Inf: then `samples` is 0 and so is `loss`).
+        `duty_cycle` below 1: rest after each batch, (1 / duty_cycle - 1) times as long as it
+        took, so that the worker computes that share of the time (a rest ends early when the
+        call is cancelled or out of time; the speed reported includes the rests)."""
         start = time.perf_counter()
         done = 0
         loss_sum = 0.0
         batches = 0
         self.model.train()
+        rest_factor = 1.0 / duty_cycle - 1.0
 
         def over() -> bool:
             return cancel.is_set() or (max_seconds is not None
                                        and time.perf_counter() - start >= max_seconds)
 
+        def rest(since: float) -> None:
+            now = time.perf_counter()
+            seconds = (now - since) * rest_factor
+            if max_seconds is not None:
+                seconds = min(seconds, start + max_seconds - now)
+            if seconds > 0:
+                cancel.wait(seconds)
+
         while True:
+            batch_start = time.perf_counter()
             with self._guard("build_data"):
                 batch = next(self._train_data)
             for param in self.params:
@@ -218,6 +232,8 @@ class Session:
             done += batch_size
             loss_sum += value * batch_size
             batches += 1
+            if rest_factor > 0 and not cancel.is_set():
+                rest(batch_start)
             if done >= samples or over():
                 break
         for param in self.params:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 from support import wait_until
 
@@ -109,3 +110,17 @@ async def test_sigusr1_writes_every_threads_stack_and_the_daemon_goes_on(daemon)
 
 async def _read(path) -> bool:  # type: ignore[no-untyped-def]
     return path.exists() and "most recent call first" in path.read_text()
+
+
+async def test_the_duty_cycle_reaches_the_worker_and_it_still_trains(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = await daemon_factory("--workers.duty_cycle", "0.25")
+    await daemon.call("run.start", {"workload": "tiny", "target_batch_size": 64})
+
+    async def trained() -> dict | None:
+        (status,) = await daemon.call("run.status", {"name": "tiny"})
+        assert status["state"] == "running", status
+        return status if status["epoch"] >= 3 else None
+
+    status = await wait_until(trained)
+    argv = Path(f"/proc/{status['worker']['pid']}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--duty-cycle") + 1] == b"0.25"
