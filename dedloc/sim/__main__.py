@@ -1,6 +1,6 @@
 """`python -m dedloc.sim SCENARIO --peers N [--aux M] [--seed S] [--epochs E] [--max-group-size G]
-[--average-state-every K] [--joiners J] [--json]`: run one scenario of the swarm simulator and
-print what it measured (scenarios.py)."""
+[--average-state-every K] [--joiners J] [--period SECONDS] [--json]`: run one scenario of the
+swarm simulator and print what it measured (scenarios.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import orjson
 import structlog
 
 from .loop import START, run_virtual
-from .scenarios import SCENARIOS, run_scenario
+from .scenarios import EPOCH_SECONDS, SCENARIOS, run_scenario
 
 
 def _virtual_time(logger: object, method: str, event: dict[str, object]) -> dict[str, object]:
@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the manifest's average_state_every (default 0: never)")
     parser.add_argument("--joiners", type=int, default=None,
                         help="flash-crowd, churn: peers joining at once (default 100)")
+    parser.add_argument("--period", type=float, default=None,
+                        help="churn: simulated seconds between two replacements of 20%% of the "
+                             "trainers (default 600; the flash crowd comes at half of the first)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--log-level", default="error", help="the daemons' log level")
     parser.add_argument("--log-events", default="",
@@ -61,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.peers < 1:
         parser.error("--peers must be at least 1")
+    # (`not >=`: NaN is refused too)
+    if args.period is not None and (args.scenario != "churn"
+                                    or not args.period >= 4 * EPOCH_SECONDS):
+        parser.error("--period is for churn only, at least 80 simulated seconds (4 epochs)")
     level = getattr(logging, args.log_level.upper(), logging.ERROR)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level),
                         processors=[_only(args.log_events), structlog.contextvars.merge_contextvars,
@@ -72,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         run["average_state_every"] = args.average_state_every
     script = {} if args.joiners is None or args.scenario not in ("flash-crowd", "churn") \
         else {"joiners": args.joiners}
+    if args.period is not None:
+        script["period"] = args.period
     result = run_virtual(run_scenario(args.scenario, args.peers, aux=args.aux, seed=args.seed,
                                       epochs=args.epochs, script=script, **run))
     data = result.to_json()

@@ -261,3 +261,26 @@ async def test_an_aux_peer_a_grid_has_no_room_for_sits_out_without_failing() -> 
     _healthy(result)
     assert result.epochs >= 3 and result.min_round_participation == 1.0, result.to_json()
     assert result.failed_rounds == 0, result.to_json()
+
+
+def test_the_command_line_passes_churns_period_and_refuses_it_elsewhere(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from dedloc.sim import __main__ as cli
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # (else main re-executes itself to set it)
+    calls: list[dict[str, Any]] = []
+
+    async def scenario(name: str, peers: int, **kwargs: Any) -> Result:
+        calls.append({"name": name, "peers": peers, **kwargs})
+        return Result(name, peers, kwargs["aux"] or 1, kwargs["seed"])
+
+    monkeypatch.setattr(cli, "run_scenario", scenario)
+    assert cli.main(["churn", "--peers", "8", "--period", "300", "--joiners", "5", "--json"]) == 0
+    assert calls[-1]["script"] == {"joiners": 5, "period": 300.0}
+    assert '"scenario":"churn"' in capsys.readouterr().out
+    assert cli.main(["churn", "--peers", "8"]) == 0
+    assert calls[-1]["script"] == {}  # the scenario's own default (600 simulated seconds)
+    for wrong in (["steady", "--period", "300"], ["churn", "--period", "40"]):
+        with pytest.raises(SystemExit):
+            cli.main(wrong)
+    assert "--period is for churn only" in capsys.readouterr().err
+    assert len(calls) == 2
