@@ -7,9 +7,11 @@ GOAWAY, takes no new calls, finishes what runs on it and closes once both sides 
 Inbound connections each get one handshake task under `handshake_timeout` (TLS + hellos), at most
 `max_handshakes` at once and `max_handshakes_per_source` from one source address (an IPv6 /64
 counts as one; loopback is exempt unless `limit_loopback`: a host's own peers, the tests' and
-benchmarks' many, all come from 127.0.0.1), so that one host's silent connections cannot hold
-every slot; garbage, silence, half-done handshakes and slowloris clients are dropped
-and counted without disturbing established links. `counters()` gives the counts for metrics.
+benchmarks' many, all come from 127.0.0.1); when every slot is held, a source holding fewer
+takes over the oldest slot of the source holding the most (admission.py), so that silent
+connections from a few hosts cannot keep everyone else out; garbage, silence, half-done
+handshakes and slowloris clients are dropped and counted without disturbing established links.
+`counters()` gives the counts for metrics.
 
 Bandwidth caps: `bandwidth` (ratelimit.py) is one pair of token buckets that every link of this
 transport books its frames on (relayed links excepted: the link to the relay carries and meters
@@ -22,7 +24,6 @@ link to a peer opens, "down" when its last link closes), synchronously from the 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import ipaddress
 import socket
@@ -35,6 +36,7 @@ import structlog
 
 from ..identity import Identity
 from .addresses import PeerAddress
+from .admission import HandshakeSlots
 from .errors import (
     CallTimeout,
     HandshakeError,
@@ -121,14 +123,14 @@ class TlsTransport:
         self._links: dict[str, list[Link]] = {}
         self._all_links: set[Link] = set()
         self._accept_tasks: set[asyncio.Task[None]] = set()
-        self._handshakes: set[asyncio.Task[None]] = set()
-        self._handshakes_by_source: collections.Counter[str] = collections.Counter()
+        self._handshakes: HandshakeSlots[asyncio.Task[None]] = HandshakeSlots(
+            self.limits.max_handshakes, self.limits.max_handshakes_per_source)
         self._inbound = InboundBudget(self.limits.max_inbound_bytes)
         self._dialing: dict[str, asyncio.Task[Link]] = {}
         self._link_listeners: list[LinkListener] = []
         self._counters: dict[str, int] = {
             "connections_accepted": 0, "connections_refused": 0, "connections_refused_per_source": 0,
-            "handshake_failures": 0,
+            "handshakes_evicted": 0, "handshake_failures": 0,
             "protocol_violations": 0, "limits_exceeded": 0, "links_opened": 0, "links_closed": 0,
             "dial_failures": 0, "peer_id_mismatches": 0, "streams_refused": 0, "unknown_methods": 0,
         }
@@ -497,27 +499,24 @@ class TlsTransport:
                 await asyncio.sleep(0.1)
                 continue
             self._counters["connections_accepted"] += 1
-            if len(self._handshakes) >= self.limits.max_handshakes or \
-                    len(self._all_links) >= self.limits.max_links:
-                self._counters["connections_refused"] += 1
-                sock.close()
-                continue
             source = self._source_of(sock)
-            if source is not None and \
-                    self._handshakes_by_source[source] >= self.limits.max_handshakes_per_source:
+            admission = self._handshakes.admit(source)
+            if not admission.admitted or len(self._all_links) >= self.limits.max_links:
                 self._counters["connections_refused"] += 1
-                self._counters["connections_refused_per_source"] += 1
+                if admission.refused == "per_source":
+                    self._counters["connections_refused_per_source"] += 1
                 sock.close()
                 continue
+            if admission.evict is not None:  # its slot is this connection's now
+                self._handshakes.remove(admission.evict)
+                admission.evict.cancel()
+                self._counters["handshakes_evicted"] += 1
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = self._loop.create_task(self._serve_handshake(sock), name="handshake")
-            self._handshakes.add(task)
-            task.add_done_callback(self._handshakes.discard)
-            if source is not None:
-                self._handshakes_by_source[source] += 1
-                task.add_done_callback(lambda _, key=source: self._handshake_ended(key))
+            self._handshakes.add(task, source)
+            task.add_done_callback(self._handshakes.remove)
 
     def _source_of(self, sock: socket.socket) -> str | None:
         """The source a connection's handshake counts against (None: not limited)."""
@@ -534,11 +533,6 @@ class TlsTransport:
             return str(ipaddress.IPv6Network((address, 64), strict=False))
         return str(address)
 
-    def _handshake_ended(self, source: str) -> None:
-        self._handshakes_by_source[source] -= 1
-        if self._handshakes_by_source[source] <= 0:
-            del self._handshakes_by_source[source]
-
     async def _serve_handshake(self, sock: socket.socket) -> None:
         peer = None
         with contextlib.suppress(OSError):
@@ -553,6 +547,9 @@ class TlsTransport:
             self._counters["handshake_failures"] += 1
             self._log.info("handshake_timed_out", remote=str(peer))
             return
+        except asyncio.CancelledError:  # evicted, or the transport closes
+            sock.close()
+            raise
         except (HandshakeError, TransportError, OSError) as exc:
             sock.close()
             self._counters["handshake_failures"] += 1

@@ -24,6 +24,8 @@ REFUSALS = {
     "membership": "membership.refusals",  # closed runs: peers without a valid token
     "banned_peer": "averaging.refused_banned",  # streams of peers banned for bad contributions
     "peer_connection": "net.connections_refused",  # peer links refused by the transport
+    # handshakes dropped, all slots being held, for a source that held fewer (net/admission.py)
+    "peer_handshake_evicted": "net.handshakes_evicted",
 }
 
 
@@ -109,7 +111,8 @@ def _node(out: Exposition, info: Mapping[str, Any], bandwidth: Mapping[str, Any]
     for reason, key in REFUSALS.items():
         out.add("dedloc_refused_total", "counter", "Refused calls and connections, by reason: "
                 "access_denied (control users), bad_token (TCP control), membership (closed runs), "
-                "banned_peer (averaging), peer_connection (peer links).",
+                "banned_peer (averaging), peer_connection (peer links), peer_handshake_evicted "
+                "(a peer link's handshake dropped for another source's when all slots were held).",
                 counters.get(key, 0), reason=reason)
     for direction in ("up", "down"):
         cap_key = "upload_bytes_per_second" if direction == "up" else "download_bytes_per_second"

@@ -237,3 +237,45 @@ async def test_one_source_holds_a_few_handshake_slots_only(make_transport: Any) 
     assert server.counters()["connections_refused_per_source"] == 1  # another source: let in
     for _, w in [*held, other]:
         w.close()
+
+
+async def test_a_source_holding_fewer_takes_over_the_oldest_slot_of_the_one_holding_most(
+        make_transport: Any) -> None:
+    """Every slot held by silent connections from two addresses: a third address, and then an
+    honest peer, each take over the oldest slot of the source holding the most, and the honest
+    peer's call is answered; a source already holding the most is refused."""
+    from dedloc.daemon.net import TransportLimits
+    server = await make_transport(limits=TransportLimits(
+        handshake_timeout=120.0, max_handshakes=4, max_handshakes_per_source=3,
+        limit_loopback=True))
+    server.add_unary_handler("echo", echo)
+    port = port_of(server)
+
+    async def silent_from(host: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        accepted = server.counters()["connections_accepted"]
+        connection = await asyncio.open_connection("127.0.0.1", port, local_addr=(host, 0))
+        await wait_until(lambda: server.counters()["connections_accepted"] > accepted, 60)
+        return connection  # (taken by the server, in order: the slots' age is this order)
+
+    two = [await silent_from("127.0.0.2") for _ in range(2)]
+    three = [await silent_from("127.0.0.3") for _ in range(2)]
+    await wait_until(lambda: server.counters()["connections_accepted"] == 4, 60)
+    # 127.0.0.2 holds as many as the most: no slot is taken from anyone for it
+    refused = await silent_from("127.0.0.2")
+    await read_until_closed(refused[0], timeout=60)
+    assert server.counters()["connections_refused"] == 1
+    assert server.counters()["handshakes_evicted"] == 0
+    # 127.0.0.4 holds none: it takes the oldest slot of the two tied, 127.0.0.2's first
+    four = await silent_from("127.0.0.4")
+    await read_until_closed(two[0][0], timeout=60)
+    assert server.counters()["handshakes_evicted"] == 1
+    # an honest peer (from 127.0.0.1) takes 127.0.0.3's oldest and completes its handshake
+    honest = await make_transport()
+    honest.learn_addresses(server.peer_id, server.listen_addresses())
+    reply = await honest.call(server.peer_id, "echo", Message({"n": 7}), timeout=60)
+    assert reply.header == {"n": 7}
+    await read_until_closed(three[0][0], timeout=60)
+    assert server.counters()["handshakes_evicted"] == 2
+    assert [info.peer_id for info in server.links()] == [honest.peer_id]
+    for _, w in [*two, *three, four, refused]:
+        w.close()

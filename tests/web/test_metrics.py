@@ -15,7 +15,8 @@ SNAPSHOT: dict[str, Any] = {
              "dht": {"mode": "server", "joined": True, "routing_table_size": 3},
              "counters": {"requests": 40, "error.access_denied": 2, "error.bad_token": 1,
                           "membership.refusals": 4, "averaging.refused_banned": 5,
-                          "net.connections_refused": 0, "net.links_opened": 7}},
+                          "net.connections_refused": 0, "net.handshakes_evicted": 6,
+                          "net.links_opened": 7}},
     "peers": [
         {"peer_id": "a", "kind": "tcp", "bytes_in": 100, "bytes_out": 50},
         {"peer_id": "b", "kind": "tcp", "bytes_in": 1, "bytes_out": 2},
@@ -89,6 +90,7 @@ def test_the_snapshot_as_prometheus_text() -> None:
     assert value(parsed, "dedloc_refused_total", reason="access_denied") == 2
     assert value(parsed, "dedloc_refused_total", reason="membership") == 4
     assert value(parsed, "dedloc_refused_total", reason="banned_peer") == 5
+    assert value(parsed, "dedloc_refused_total", reason="peer_handshake_evicted") == 6
     assert value(parsed, "dedloc_rpc_requests_total") == 40
     assert value(parsed, "dedloc_bandwidth_cap_bytes_per_second", direction="up") == 20000
     assert value(parsed, "dedloc_bandwidth_throttled_seconds_total", direction="up") == 1.5
