@@ -5,18 +5,19 @@ handshake timeout). At most `total` are held at once and `per_source` by one sou
 transport says what a source is: an IPv4 address, an IPv6 /64; `None` for a source that is not
 limited, the host's own loopback peers).
 
-When every slot is held, a connection from a source that holds fewer slots than the source holding
-the most takes the oldest slot of that source (the handshake is dropped and counted as evicted).
-Without it, a few addresses' silent connections held every slot until their handshake timeout and
-nobody else could connect; with it, an attacker has to hold more slots than any honest source
-from more sources than there are slots, and keep replacing those that newcomers evict faster
-than an honest handshake completes. Pure code, no I/O: the transport acts on the decisions.
+When every slot is held, a connection from a source that holds fewer slots than another source
+takes over that source's oldest slot, if that slot is older than `evict_after` seconds (the
+handshake is dropped and counted as evicted); among such sources, the one holding the most, and
+among equals the one whose oldest slot is oldest. Without it, a few addresses' silent connections
+held every slot until their handshake timeout and nobody else could connect. The age floor keeps
+a handshake under way from being dropped before it could complete: without it, connections from
+many addresses arriving faster than the slots free up (a bootstrap node after a restart) dropped
+each handshake before it finished, and none did. Slots of an unlimited source are never taken
+over. Pure code, no I/O: the transport acts on the decisions, with its clock's time.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
@@ -37,14 +38,16 @@ class Admission(Generic[Key]):
 class HandshakeSlots(Generic[Key]):
     """The handshakes under way, by source, in the order they were admitted."""
 
-    def __init__(self, total: int, per_source: int) -> None:
+    def __init__(self, total: int, per_source: int, evict_after: float) -> None:
         if total < 1 or per_source < 1:
             raise ValueError("handshake slots: total and per_source must be at least 1")
+        if not evict_after >= 0:
+            raise ValueError("handshake slots: evict_after must be at least 0 seconds")
         self.total = total
         self.per_source = per_source
-        self._order = itertools.count()
-        self._held: dict[Key, tuple[int, str | None]] = {}  # key -> (admission order, source)
-        self._by_source: dict[str, collections.OrderedDict[Key, int]] = {}
+        self.evict_after = evict_after
+        self._held: dict[Key, str | None] = {}  # in admission order
+        self._by_source: dict[str, dict[Key, float]] = {}  # key -> admitted at, oldest first
 
     def __len__(self) -> int:
         return len(self._held)
@@ -55,42 +58,39 @@ class HandshakeSlots(Generic[Key]):
     def held_by(self, source: str) -> int:
         return len(self._by_source.get(source, ()))
 
-    def admit(self, source: str | None) -> Admission[Key]:
-        """Decide on a new connection from `source` (nothing changes until `add`)."""
+    def admit(self, source: str | None, now: float) -> Admission[Key]:
+        """Decide on a new connection from `source` at time `now` (nothing changes until `add`)."""
         mine = 0 if source is None else self.held_by(source)
         if source is not None and mine >= self.per_source:
             return Admission(False, refused="per_source")
         if len(self._held) < self.total:
             return Admission(True)
-        victim = self._heaviest()
-        if victim is None or self.held_by(victim) <= mine:
-            return Admission(False, refused="full")
-        return Admission(True, evict=next(iter(self._by_source[victim])))
+        best: tuple[int, float] | None = None
+        evict = None
+        for slots in self._by_source.values():
+            oldest, since = next(iter(slots.items()))
+            if len(slots) <= mine or now - since < self.evict_after:
+                continue
+            rank = (-len(slots), since)
+            if best is None or rank < best:
+                best, evict = rank, oldest
+        return Admission(False, refused="full") if evict is None else Admission(True, evict=evict)
 
-    def add(self, key: Key, source: str | None) -> None:
+    def add(self, key: Key, source: str | None, now: float) -> None:
         if key in self._held:
             raise ValueError("handshake slots: this handshake holds a slot already")
-        order = next(self._order)
-        self._held[key] = (order, source)
+        self._held[key] = source
         if source is not None:
-            self._by_source.setdefault(source, collections.OrderedDict())[key] = order
+            self._by_source.setdefault(source, {})[key] = now
 
     def remove(self, key: Key) -> None:
         """Free the slot `key` holds (nothing if it holds none: an evicted handshake ends later)."""
-        held = self._held.pop(key, None)
-        if held is None or held[1] is None:
+        if key not in self._held:
             return
-        slots = self._by_source[held[1]]
+        source = self._held.pop(key)
+        if source is None:
+            return
+        slots = self._by_source[source]
         del slots[key]
         if not slots:
-            del self._by_source[held[1]]
-
-    def _heaviest(self) -> str | None:
-        """The source holding the most slots; among equals the one whose oldest slot is oldest."""
-        best: tuple[int, int] | None = None
-        heaviest = None
-        for source, slots in self._by_source.items():
-            rank = (-len(slots), next(iter(slots.values())))
-            if best is None or rank < best:
-                best, heaviest = rank, source
-        return heaviest
+            del self._by_source[source]

@@ -31,6 +31,11 @@ class NetSettings:
         "background; start-up never fails because of them.", default_factory=list)
     handshake_timeout: float = documented("Seconds a peer may take for the TLS and identity handshake.",
                                           default=10.0)
+    limit_loopback: bool = documented(
+        "Count connections from 127.0.0.1 (and ::1) against the handshake slots' per-address "
+        "limit too. Off by default, since a host's own peers all come from there; turn it on "
+        "where strangers reach this daemon through a local tunnel or proxy (SSH -R, Tor, "
+        "stunnel), which makes them all arrive from loopback.", default=False)
     call_timeout: float = documented("Default deadline of one peer-to-peer call, in seconds.", default=10.0)
     max_frame_bytes: int = documented("Largest frame payload a peer may send.", default=16 << 20)
     max_streams_per_peer: int = documented("Most concurrent calls and streams one peer may open.",
@@ -68,7 +73,7 @@ class NetSettings:
                 raise ConfigError(f"net.{name}", str(exc)) from None
     def transport_limits(self) -> TransportLimits:
         return TransportLimits(
-            handshake_timeout=self.handshake_timeout,
+            handshake_timeout=self.handshake_timeout, limit_loopback=self.limit_loopback,
             link=LinkLimits(max_payload=self.max_frame_bytes, max_streams=self.max_streams_per_peer,
                             idle_timeout=self.idle_timeout))
 

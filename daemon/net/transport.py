@@ -66,6 +66,8 @@ class TransportLimits:
     direct_attempt_timeout: float = 3.0  # per direct address, when a relayed path is known too
     max_handshakes: int = 64
     max_handshakes_per_source: int = 16
+    # all slots held: a handshake this old may be taken over by another source's (admission.py)
+    handshake_evict_after: float = 2.0
     limit_loopback: bool = False  # apply max_handshakes_per_source to loopback sources too
     max_links: int = 1024
     # Bytes of inbound messages under way (announced, not yet received) over all links together
@@ -124,7 +126,9 @@ class TlsTransport:
         self._all_links: set[Link] = set()
         self._accept_tasks: set[asyncio.Task[None]] = set()
         self._handshakes: HandshakeSlots[asyncio.Task[None]] = HandshakeSlots(
-            self.limits.max_handshakes, self.limits.max_handshakes_per_source)
+            self.limits.max_handshakes, self.limits.max_handshakes_per_source,
+            self.limits.handshake_evict_after)
+        self._evicted: set[asyncio.Task[None]] = set()  # until they end (close waits for them)
         self._inbound = InboundBudget(self.limits.max_inbound_bytes)
         self._dialing: dict[str, asyncio.Task[Link]] = {}
         self._link_listeners: list[LinkListener] = []
@@ -192,7 +196,7 @@ class TlsTransport:
         if self._closed:
             return
         self._closed = True
-        tasks = [*self._accept_tasks, *self._handshakes, *self._dialing.values()]
+        tasks = [*self._accept_tasks, *self._handshakes, *self._evicted, *self._dialing.values()]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -499,8 +503,8 @@ class TlsTransport:
                 await asyncio.sleep(0.1)
                 continue
             self._counters["connections_accepted"] += 1
-            source = self._source_of(sock)
-            admission = self._handshakes.admit(source)
+            source, now = self._source_of(sock), self._loop.time()
+            admission = self._handshakes.admit(source, now)
             if not admission.admitted or len(self._all_links) >= self.limits.max_links:
                 self._counters["connections_refused"] += 1
                 if admission.refused == "per_source":
@@ -510,13 +514,17 @@ class TlsTransport:
             if admission.evict is not None:  # its slot is this connection's now
                 self._handshakes.remove(admission.evict)
                 admission.evict.cancel()
+                self._evicted.add(admission.evict)
+                admission.evict.add_done_callback(self._evicted.discard)
                 self._counters["handshakes_evicted"] += 1
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = self._loop.create_task(self._serve_handshake(sock), name="handshake")
-            self._handshakes.add(task, source)
+            self._handshakes.add(task, source, now)
             task.add_done_callback(self._handshakes.remove)
+            # (a task cancelled before it ran never reached its own close)
+            task.add_done_callback(lambda done, s=sock: s.close() if done.cancelled() else None)
 
     def _source_of(self, sock: socket.socket) -> str | None:
         """The source a connection's handshake counts against (None: not limited)."""

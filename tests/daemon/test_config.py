@@ -36,6 +36,12 @@ def test_values_and_overrides() -> None:
     assert config.log.level == "debug"
 
 
+def test_limit_loopback_reaches_the_transport() -> None:
+    assert not build_config().net.transport_limits().limit_loopback
+    config = build_config(None, {"net.limit_loopback": True})
+    assert config.net.transport_limits().limit_loopback
+
+
 @pytest.mark.parametrize(("values", "key", "reason"), [
     ({"rpc": {"sockett": "x"}}, "rpc.sockett", "unknown key"),
     ({"rcp": {}}, "rcp", "unknown section"),

@@ -247,7 +247,7 @@ async def test_a_source_holding_fewer_takes_over_the_oldest_slot_of_the_one_hold
     from dedloc.daemon.net import TransportLimits
     server = await make_transport(limits=TransportLimits(
         handshake_timeout=120.0, max_handshakes=4, max_handshakes_per_source=3,
-        limit_loopback=True))
+        handshake_evict_after=0.0, limit_loopback=True))  # (the age floor: test_admission.py)
     server.add_unary_handler("echo", echo)
     port = port_of(server)
 
