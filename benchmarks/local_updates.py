@@ -8,7 +8,7 @@ workload on 127.0.0.1 in one collaborative run per configuration, each on the sa
 
   gradients          today's DeDLOC rounds: the gradients of every target batch are averaged
   local_h<H>         sync "local" with inner_steps H (outer Nesterov SGD, lr 0.7, momentum 0.9
-                     (with topk: lr 2, no momentum, the residual decaying by 0.95, SparseLoCo's);
+                     (with topk: lr 1.5, no momentum, the residual decaying by 0.95, SparseLoCo's);
                      inner steps at the workload's lr x inner_lr_scale, by default "auto":
                      batch / target, 16 / 64 here)
   local_h<H>[_<codec>]_overlap  the same with overlap (train on during the exchange)

@@ -289,7 +289,7 @@ def add_sync_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inner-steps", type=int,
                         help="a local run's target batches of inner steps per outer step (H)")
     parser.add_argument("--outer-lr", type=_finite,
-                        help="a local run's outer learning rate (0.7; with --compression topk 2)")
+                        help="a local run's outer learning rate (0.7; with --compression topk 1.5)")
     parser.add_argument("--outer-momentum", type=_finite,
                         help="a local run's outer Nesterov momentum (0.9; with --compression "
                              "topk 0)")

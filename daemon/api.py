@@ -196,7 +196,7 @@ class ControlApi:
                                "outer step (required with sync local).",
                                {"minimum": 1, "maximum": 1_000_000}] = None,
         outer_lr: Annotated[float | None, "A local run's outer learning rate (default 0.7; with "
-                            "compression topk 2).", {"minimum": 0, "maximum": 10}] = None,
+                            "compression topk 1.5).", {"minimum": 0, "maximum": 10}] = None,
         outer_momentum: Annotated[float | None, "A local run's outer Nesterov momentum (default "
                                   "0.9; with compression topk 0).",
                                   {"minimum": 0, "maximum": 0.999}] = None,

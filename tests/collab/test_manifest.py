@@ -241,7 +241,7 @@ def test_a_topk_run_takes_sparselocos_outer_settings_unless_it_names_its_own() -
     # (None: the codec's defaults; dataclasses.replace keeps a manifest's resolved ones)
     topk = dataclasses.replace(LOCAL, compression="topk", outer_lr=None, outer_momentum=None,
                                feedback_decay=None)
-    assert (topk.outer_lr, topk.outer_momentum, topk.feedback_decay) == (2.0, 0.0, 0.95)
+    assert (topk.outer_lr, topk.outer_momentum, topk.feedback_decay) == (1.5, 0.0, 0.95)
     assert (LOCAL.outer_lr, LOCAL.outer_momentum, LOCAL.feedback_decay) == (0.7, 0.9, 1.0)
     for codec in ("none", "fp16", "uint8", "quantile8"):  # DiLoCo's for every dense codec
         dense = RunManifest("tiny", sync="local", inner_steps=4, compression=codec)
@@ -281,7 +281,7 @@ def test_a_hand_written_local_manifest_without_outer_settings_reads_as_it_did_be
     assert (read.outer_lr, read.outer_momentum, read.feedback_decay) == (0.7, 0.9, 1.0)
     # one that names feedback_decay is new: what it leaves out takes the codec's defaults
     read = RunManifest.from_json({**data, "feedback_decay": 0.95})
-    assert (read.outer_lr, read.outer_momentum, read.feedback_decay) == (2.0, 0.0, 0.95)
+    assert (read.outer_lr, read.outer_momentum, read.feedback_decay) == (1.5, 0.0, 0.95)
 
 
 def test_feedback_decay_is_refused_where_no_residual_exists() -> None:
