@@ -83,3 +83,12 @@ async def test_real_worker_trains_albert_tiny(launch: Callable[..., Any], buffer
     finally:
         await client.close()
     assert await worker.wait() == 0, worker.log()
+
+
+def test_albert_trains_in_a_local_update_run_without_a_change(albert_cache: Path,
+                                                              buffers: Any) -> None:
+    from local_session import check_one_outer_step
+
+    entry = WorkloadCatalog.from_plugins({"albert (test)": albert_plugin}).get("albert")
+    config = entry.workload.resolve_config({**TINY, "cache_dir": str(albert_cache)})
+    check_one_outer_step(entry, config, 8, buffers)

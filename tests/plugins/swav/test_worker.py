@@ -90,3 +90,12 @@ async def test_a_worker_process_trains_swav(launch: Callable[..., Any], buffers:
     finally:
         await client.close()
     assert await worker.wait() == 0, worker.log()
+
+
+def test_swav_trains_in_a_local_update_run_without_a_change(tiny_config: dict[str, Any],
+                                                            buffers: Any) -> None:
+    from local_session import check_one_outer_step
+
+    config = SWAV.resolve_config({**tiny_config, "crop_sizes": "32,16", "synthetic_size": 40,
+                                  "batch_size": 4, "total_steps": 20})
+    check_one_outer_step(CatalogEntry(SWAV, "swav (test)"), config, 4, buffers)
