@@ -36,6 +36,15 @@ misbehaves through a test-only switch of daemon/averaging/corruption.py (DEDLOC_
                  followers refuse a group it leads (refused_groups: that round they average
                  alone or in smaller groups), so it never averages with honest peers; the
                  parameters are unharmed.
+  handshake_flood  no hostile daemon: each identity stands for 4 source addresses (127.0.0.2,
+                 ...) from which this process holds 16 silent TCP connections to every honest
+                 daemon's peer port (connection_flood.py: 64 per daemon with one identity, all
+                 its handshake slots), opening another as soon as one is dropped, from before
+                 the honest peers link up until the end. The honest daemons count loopback per
+                 address for this attack (--net.limit_loopback true). Honest outcome: the
+                 honest peers link up and train as in the clean run, every round completes;
+                 `net_counters` shows the slots taken over (handshakes_evicted) and the
+                 refusals, `flood` what the attacker opened and lost.
   control        no switch: the extra identities are honest trainers (DEDLOC_TESTING=1 only).
                  The baseline for param_distance: extra trainers' gradients and samples change
                  the trajectory by themselves (e.g. `bandwidth`, whose attacker is averaged in).
@@ -95,6 +104,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collab import RUN, BenchmarkError, Daemon, MemorySampler  # one copy of the daemon handling
+from connection_flood import ConnectionFlood, flood_sources
 
 from dedloc.rpc import RpcError
 
@@ -109,6 +119,7 @@ MIB = 1 << 20
 class Attack:
     name: str
     env: dict[str, str]
+    flood_sources: int = 0  # per identity: a ConnectionFlood from this process, no hostile daemon
 
 
 ATTACKS: dict[str, Attack] = {a.name: a for a in (
@@ -118,9 +129,13 @@ ATTACKS: dict[str, Attack] = {a.name: a for a in (
     Attack("wrong_zeros", {"DEDLOC_TEST_WRONG_ANSWERS": "zeros"}),
     Attack("bandwidth", {"DEDLOC_TEST_CLAIMED_BANDWIDTH": "1e12"}),
     Attack("weight", {"DEDLOC_TEST_CLAIMED_WEIGHT": "1e15"}),
+    Attack("handshake_flood", {}, flood_sources=4),
     Attack("control", {}),
 )}
-DEFAULT_ATTACKS = "control,sender_nan,sender_scale,wrong_answers,bandwidth,weight"
+FLOOD_PER_SOURCE = 16  # connections per source address and honest daemon (a daemon's own limit)
+NET_COUNTERS = ("connections_accepted", "connections_refused", "connections_refused_per_source",
+                "handshakes_evicted", "handshake_failures")
+DEFAULT_ATTACKS = "control,sender_nan,sender_scale,wrong_answers,bandwidth,weight,handshake_flood"
 
 
 # --- pure parts -------------------------------------------------------------------------------------
@@ -253,6 +268,7 @@ def attack_entry(attack: str, identities: int, run: RunResult,
         "honest_states": [s.get("state") for s in run.statuses],
         "attacker_states": run.attacker_states,
         "counters": counters,
+        **run.extra,
     }
 
 
@@ -447,20 +463,32 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
     daemons: list[Daemon] = []
     sampler: asyncio.Task[None] | None = None
     memory = MemorySampler(daemons)
+    flood = None
+    honest_args = DAEMON_ARGS
+    if attack is not None and attack.flood_sources:
+        flood = ConnectionFlood(flood_sources(attack.flood_sources * identities), FLOOD_PER_SOURCE)
+        honest_args = (*DAEMON_ARGS, "--net.limit_loopback", "true")
+        identities = 0  # (no hostile daemon)
     for index in range(HONEST):
         key = keys / f"h{index}.key"
         if key.exists():
             (root / f"d{index}").mkdir(parents=True, mode=0o700)
             shutil.copy2(key, root / f"d{index}" / "identity.key")
     try:
-        daemons.append(await Daemon.start(0, root / "d0", None, args.log_level, None, DAEMON_ARGS,
+        daemons.append(await Daemon.start(0, root / "d0", None, args.log_level, None, honest_args,
                                           honest_env))
         bootstrap = daemons[0].p2p_address(await daemons[0].wait_serving())
+        if flood is not None:  # before anyone links up to it
+            flood.target(_tcp_port(bootstrap))
         daemons += await asyncio.gather(*(
-            Daemon.start(i, root / f"d{i}", bootstrap, args.log_level, None, DAEMON_ARGS,
+            Daemon.start(i, root / f"d{i}", bootstrap, args.log_level, None,
+                         honest_args if i < HONEST else DAEMON_ARGS,
                          honest_env if i < HONEST else hostile_env)
             for i in range(1, HONEST + (identities if attack else 0))))
-        await asyncio.gather(*(d.wait_serving() for d in daemons[1:]))
+        infos = await asyncio.gather(*(d.wait_serving() for d in daemons[1:]))
+        if flood is not None:
+            for daemon, info in zip(daemons[1:], infos, strict=True):
+                flood.target(_tcp_port(daemon.p2p_address(info)))
         await _joined(daemons)
         honest, hostile = daemons[:HONEST], daemons[HONEST:]
         attackers = [(await d.call("node.info"))["peer_id"] for d in hostile]
@@ -474,6 +502,12 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
         finals = [await _final(d, s, args.epochs) if completed else None
                   for d, s in zip(honest, statuses, strict=True)]
         averaging = [await d.call("averaging.status") for d in honest]
+        extra: dict[str, Any] = {}
+        if flood is not None:
+            nodes = [(await d.call("node.info"))["counters"] for d in honest]
+            extra = {"net_counters": {name: sum(int(c.get(f"net.{name}", 0)) for c in nodes)
+                                      for name in NET_COUNTERS},
+                     "flood": {"sources": len(flood.sources), **dict(flood.counters)}}
         attacker_states: list[str | None] = []
         for daemon in hostile:
             try:
@@ -488,9 +522,17 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
     finally:
         if sampler is not None:
             sampler.cancel()
+        if flood is not None:
+            await asyncio.shield(flood.close())
         await asyncio.shield(asyncio.gather(*(d.stop(args.stop_timeout) for d in daemons)))
     return RunResult(completed, error, seconds, statuses, averaging, attackers, attacker_states,
-                     finals, memory.daemon_peak[:HONEST])
+                     finals, memory.daemon_peak[:HONEST], extra)
+
+
+def _tcp_port(p2p_address: str) -> int:
+    """The port of /ip4/127.0.0.1/tcp/PORT/p2p/ID."""
+    parts = p2p_address.split("/")
+    return int(parts[parts.index("tcp") + 1])
 
 
 async def robust_timing(args: argparse.Namespace) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
-from support import load_benchmark
+from support import load_benchmark, wait_until
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "hostile.py"
@@ -38,8 +38,8 @@ def test_arguments_and_quick_defaults() -> None:
 
 def test_every_attack_uses_a_test_switch() -> None:
     for attack in hostile.ATTACKS.values():
-        assert (attack.env or attack.name == "control") and all(k.startswith("DEDLOC_TEST_")
-                                                                 for k in attack.env)
+        assert (attack.env or attack.flood_sources or attack.name == "control") and \
+            all(k.startswith("DEDLOC_TEST_") for k in attack.env)
     assert hostile.HOSTILE_ENV == {"DEDLOC_TESTING": "1"}
 
 
@@ -134,3 +134,54 @@ def test_smoke_quick_run_of_one_attack() -> None:
     assert entry["rounds"] >= 1 and entry["param_distance"] is not None
     assert entry["victim_peak_rss_mb"]["max"] > 0
     assert result["clean"]["rounds"] >= 1 and result["robust_aggregation"] == {"skipped": True}
+
+
+flood = load_benchmark("connection_flood")
+
+
+def test_the_flood_comes_from_loopback_addresses_other_than_the_honest_peers() -> None:
+    assert flood.flood_sources(3) == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    for bad in (0, 251):
+        with pytest.raises(ValueError):
+            flood.flood_sources(bad)
+    assert hostile._tcp_port("/ip4/127.0.0.1/tcp/4100/p2p/6Mkq") == 4100
+    assert hostile.ATTACKS["handshake_flood"].flood_sources == 4
+
+
+async def test_the_flood_takes_every_slot_again_as_it_is_dropped_and_an_honest_peer_still_links(
+        ) -> None:
+    """Against a real transport: the flood's connections hold the slots, are dropped at the
+    handshake timeout and come back; an honest peer's call (from 127.0.0.1) still gets through,
+    (taking over a flood slot, or in the moment one is free: tests/net/test_hostile.py shows the
+    take-over itself)."""
+
+    from dedloc.daemon.identity import Identity
+    from dedloc.daemon.net import Message, TlsTransport, TransportLimits
+    from dedloc.daemon.net.addresses import PeerAddress
+
+    loopback = [PeerAddress.parse("/ip4/127.0.0.1/tcp/0")]
+    server = await TlsTransport.start(Identity.generate(), loopback, limits=TransportLimits(
+        handshake_timeout=1.0, max_handshakes=4, max_handshakes_per_source=2,
+        handshake_evict_after=0.5, limit_loopback=True))
+    honest = await TlsTransport.start(Identity.generate(), loopback)
+    attack = flood.ConnectionFlood(flood.flood_sources(2), per_source=2)
+
+    async def echo(ctx: object, message: Message) -> Message:
+        return Message(message.header)
+
+    try:
+        server.add_unary_handler("echo", echo)
+        attack.target(server.listen_addresses()[0].port)
+        async def came_back() -> bool:  # (each drop takes a handshake timeout)
+            return attack.counters["dropped"] >= 8 and \
+                server.counters()["connections_accepted"] >= 8
+
+        await wait_until(came_back, interval=0.05)
+        honest.learn_addresses(server.peer_id, server.listen_addresses())
+        reply = await honest.call(server.peer_id, "echo", Message({"n": 1}), timeout=60)
+        assert reply.header == {"n": 1}
+        assert attack.counters["failed"] == 0
+    finally:
+        await attack.close()
+        await honest.close()
+        await server.close()

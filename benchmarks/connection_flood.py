@@ -1,0 +1,72 @@
+"""`ConnectionFlood`: silent TCP connections that try to hold every handshake slot of daemons'
+peer ports (hostile.py's `handshake_flood` attack; docs/security.md, "Handshake slots").
+
+From each of its source addresses (127.0.0.2, 127.0.0.3, ...: every 127/8 address is this host's
+loopback) it keeps `per_source` connections to every target port open without ever sending a
+byte, and opens a new one as soon as the daemon drops one (its handshake timed out, it was taken
+over by another source's connection, or it was refused), so that the slots the daemon frees are
+taken again at once. Only loopback targets: the benchmark never sends traffic elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Sequence
+
+HOLD_SECONDS = 60.0  # the most one connection waits to be dropped (a daemon's handshake timeout: 10 s)
+PAUSE_SECONDS = 0.05  # before connecting again (a refusal comes back at once)
+
+
+def flood_sources(count: int) -> list[str]:
+    """`count` loopback source addresses other than 127.0.0.1 (the honest peers' own)."""
+    if not 1 <= count <= 250:
+        raise ValueError(f"from 1 to 250 source addresses, not {count}")
+    return [f"127.0.0.{2 + i}" for i in range(count)]
+
+
+class ConnectionFlood:
+    def __init__(self, sources: Sequence[str], per_source: int = 16) -> None:
+        if not sources or per_source < 1:
+            raise ValueError("a flood needs a source address and at least one connection per source")
+        self.sources = list(sources)
+        self.per_source = per_source
+        self.counters: Counter[str] = Counter()  # opened, dropped, failed (could not connect)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def target(self, port: int) -> None:
+        """Start holding `per_source` connections from every source to 127.0.0.1:`port`."""
+        for source in self.sources:
+            for _ in range(self.per_source):
+                task = asyncio.create_task(self._hold(source, port), name="flood")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _hold(self, source: str, port: int) -> None:
+        while True:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)), 10.0)
+            except (OSError, TimeoutError):
+                self.counters["failed"] += 1
+                await asyncio.sleep(1.0)
+                continue
+            self.counters["opened"] += 1
+            try:
+                async with asyncio.timeout(HOLD_SECONDS):
+                    with contextlib.suppress(ConnectionError):
+                        while await reader.read(4096):  # (a TLS server says nothing first)
+                            pass
+                self.counters["dropped"] += 1
+            except TimeoutError:
+                self.counters["held_out"] += 1  # never dropped: let go, open another
+            finally:
+                writer.close()
+            await asyncio.sleep(PAUSE_SECONDS)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
