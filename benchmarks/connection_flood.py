@@ -34,6 +34,7 @@ class ConnectionFlood:
         self.per_source = per_source
         self.counters: Counter[str] = Counter()  # opened, dropped, failed (could not connect)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     def target(self, port: int) -> None:
         """Start holding `per_source` connections from every source to 127.0.0.1:`port`."""
@@ -44,10 +45,14 @@ class ConnectionFlood:
                 task.add_done_callback(self._tasks.discard)
 
     async def _hold(self, source: str, port: int) -> None:
-        while True:
+        while not self._closed:
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)), 10.0)
+                # (asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+                # cancellation that comes as the connection opens, and close() then waited
+                # for ever on a task that went on)
+                async with asyncio.timeout(10.0):
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port,
+                                                                   local_addr=(source, 0))
             except (OSError, TimeoutError):
                 self.counters["failed"] += 1
                 await asyncio.sleep(1.0)
@@ -66,7 +71,9 @@ class ConnectionFlood:
             await asyncio.sleep(PAUSE_SECONDS)
 
     async def close(self) -> None:
+        self._closed = True
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:  # (bounded: a task that went on anyway ends at its next turn of the loop)
+            await asyncio.wait(tasks, timeout=30.0)
