@@ -99,6 +99,7 @@ class Session:
         self.skipped_batches = 0  # batches skipped for a NaN or Inf loss or gradients (all calls)
         self._nonfinite_streak = 0
         self.samples_per_second: float | None = None
+        self._rest_until = float("-inf")  # (perf_counter) a duty cycle's rest owed until then
         # a local-update run: the outer parameters and momentum, and the inner steps taken since
         # the last outer step
         self.local = local
@@ -174,30 +175,49 @@ class Session:
     def train(self, samples: int, max_seconds: float | None, cancel: threading.Event,
               duty_cycle: float = 1.0) -> dict[str, Any]:
         """Run whole batches until `samples` are done (or time is up, or cancelled; one at least,
-        unless it was skipped for a NaN or Inf: then `samples` is 0 and so is `loss`).
-        `duty_cycle` below 1: rest after each batch, (1 / duty_cycle - 1) times as long as it
-        took, so that the worker computes that share of the time (a rest ends early when the
-        call is cancelled or out of time; the speed reported includes the rests)."""
+        unless it was skipped for a NaN or Inf, or the call rested all its time: then `samples`
+        is 0 and so is `loss`).
+        `duty_cycle` below 1: each batch (skipped ones too) is owed a rest (1 / duty_cycle - 1)
+        times as long as it took, so that the worker computes that share of the time. A rest
+        waits on `cancel` (a cancelled call ends at once) and within `max_seconds`; what a call
+        had no time for is rested at the start of the next (the daemon asks for half a second
+        at a time, less than a CPU batch takes), before its first batch. The speed reported is
+        the one the duty cycle sustains."""
         start = time.perf_counter()
         done = 0
         loss_sum = 0.0
         batches = 0
+        computing = 0.0  # seconds of the counted batches
+        rested = 0.0
         self.model.train()
         rest_factor = 1.0 / duty_cycle - 1.0
+        if rest_factor <= 0:
+            self._rest_until = float("-inf")
 
         def over() -> bool:
             return cancel.is_set() or (max_seconds is not None
                                        and time.perf_counter() - start >= max_seconds)
 
-        def rest(since: float) -> None:
+        def rest() -> None:
+            nonlocal rested
             now = time.perf_counter()
-            seconds = (now - since) * rest_factor
-            if max_seconds is not None:
-                seconds = min(seconds, start + max_seconds - now)
-            if seconds > 0:
-                cancel.wait(seconds)
+            owed = self._rest_until - now
+            allowed = owed if max_seconds is None else min(owed, start + max_seconds - now)
+            if allowed <= 0 or cancel.is_set():
+                return
+            cancelled = cancel.wait(allowed)
+            rested += time.perf_counter() - now
+            if not cancelled and allowed >= owed:
+                self._rest_until = float("-inf")  # (paid in full, however the clock rounds)
 
-        while True:
+        def owe(since: float) -> None:
+            if rest_factor > 0:
+                now = time.perf_counter()
+                self._rest_until = now + (now - since) * rest_factor
+                rest()
+
+        rest()  # (what the last call had no time for)
+        while time.perf_counter() >= self._rest_until and not (rested and over()):
             batch_start = time.perf_counter()
             with self._guard("build_data"):
                 batch = next(self._train_data)
@@ -208,6 +228,7 @@ class Session:
                 value = float(loss.detach())
             if not math.isfinite(value):
                 self._skip_nonfinite(f"the loss of a batch is {value}", done, loss=str(value))
+                owe(batch_start)
                 if over():
                     break
                 continue
@@ -220,6 +241,7 @@ class Session:
                                else p.grad.reshape(-1).float() for p in self.params])
             if not bool(torch.isfinite(grads).all()):
                 self._skip_nonfinite("a batch gave NaN or Inf gradients", done)
+                owe(batch_start)
                 if over():
                     break
                 continue
@@ -232,19 +254,22 @@ class Session:
             done += batch_size
             loss_sum += value * batch_size
             batches += 1
-            if rest_factor > 0 and not cancel.is_set():
-                rest(batch_start)
+            computing += time.perf_counter() - batch_start
+            owe(batch_start)
             if done >= samples or over():
                 break
         for param in self.params:
             param.grad = None
         seconds = time.perf_counter() - start
-        rate = done / seconds if seconds > 0 and done else None
+        if rest_factor > 0:  # what the duty cycle sustains, whatever this call rested
+            rate = done * duty_cycle / computing if computing > 0 and done else None
+        else:
+            rate = done / seconds if seconds > 0 and done else None
         if rate is not None:
             self.samples_per_second = rate
         result = {"samples": done, "loss": loss_sum / done if done else 0.0, "seconds": seconds,
                   "samples_per_second": rate, "accumulated_samples": self.accumulated_samples,
-                  "skipped_batches": self.skipped_batches}
+                  "skipped_batches": self.skipped_batches, "rested_seconds": rested}
         if self.outer is not None:
             result["inner_step"] = self.inner_step
             result["inner_lr"] = self.inner_lr

@@ -123,3 +123,47 @@ def test_a_duty_cycle_out_of_bounds_is_refused_by_daemon_and_worker(bad: float) 
     assert WorkerSettings(duty_cycle=0.05).duty_cycle == 0.05
     assert parse_args(["--socket", "/tmp/s", "--duty-cycle", "0.3"]).duty_cycle == 0.3
     assert parse_args(["--socket", "/tmp/s"]).duty_cycle == 1.0
+
+
+def test_what_a_call_had_no_time_for_is_rested_at_the_start_of_the_next(clock: _Clock) -> None:
+    session, rests = _session(clock), _Rests(clock)
+    first = session.train(100 * BATCH, 0.25, rests, duty_cycle=0.25)
+    assert first["samples"] == BATCH and first["rested_seconds"] == pytest.approx(0.15)
+    second = session.train(2 * BATCH, None, rests, duty_cycle=0.25)
+    # the 0.15 s owed first, then two batches, each with its rest
+    assert rests.rests == pytest.approx([0.15, 0.15, 0.3, 0.3])
+    assert second["samples"] == 2 * BATCH and second["rested_seconds"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("duty", [0.25, 0.1])
+def test_calls_shorter_than_a_batch_still_compute_only_the_duty_cycles_share(clock: _Clock,
+                                                                             duty: float) -> None:
+    """The daemon asks for 0.5 s at a time, less than a CPU batch takes (here: calls of half a
+    batch): the rests carry over from call to call, so the share holds over many calls, and
+    calls that only rest report no samples."""
+    session, rests = _session(clock), _Rests(clock)
+    began, samples, empty = clock.now, 0, 0
+    for _ in range(200):
+        result = session.train(100 * BATCH, BATCH_SECONDS / 2, rests, duty_cycle=duty)
+        samples += result["samples"]
+        empty += result["samples"] == 0
+        if result["samples"]:
+            assert result["samples_per_second"] == pytest.approx(duty * BATCH / BATCH_SECONDS)
+    computed, elapsed = samples / BATCH * BATCH_SECONDS, clock.now - began
+    assert computed - BATCH_SECONDS <= duty * elapsed  # (the last batch's rest may be under way)
+    assert computed >= duty * elapsed * 0.8  # (and it does compute)
+    assert empty > 0
+
+
+class _NanBatches(_TimedBatches):
+    def loss(self, model: Any, batch: Any, device: Any) -> tuple[torch.Tensor, int]:
+        loss, size = super().loss(model, batch, device)
+        return loss * float("nan"), size
+
+
+def test_a_batch_skipped_for_a_nan_is_owed_its_rest_too(clock: _Clock) -> None:
+    session, rests = _session(clock), _Rests(clock)
+    session.workload = _NanBatches(session.workload._workload, clock)  # type: ignore[attr-defined]
+    result = session.train(BATCH, 0.35, rests, duty_cycle=0.5)
+    assert result["samples"] == 0 and session.skipped_batches >= 1
+    assert rests.rests[0] == pytest.approx(0.1)
