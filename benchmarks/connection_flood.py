@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 from collections import Counter
 from collections.abc import Sequence
 
@@ -32,7 +33,9 @@ class ConnectionFlood:
             raise ValueError("a flood needs a source address and at least one connection per source")
         self.sources = list(sources)
         self.per_source = per_source
-        self.counters: Counter[str] = Counter()  # opened, dropped, failed (could not connect)
+        # opened, dropped, held_out (never dropped), failed (could not connect), local_errors
+        # (this process out of files or ports: the flood is weaker than it says)
+        self.counters: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -53,8 +56,12 @@ class ConnectionFlood:
                 async with asyncio.timeout(10.0):
                     reader, writer = await asyncio.open_connection("127.0.0.1", port,
                                                                    local_addr=(source, 0))
-            except (OSError, TimeoutError):
+            except TimeoutError:
                 self.counters["failed"] += 1
+                continue
+            except OSError as exc:  # refused by the daemon, or out of files or ports here
+                local = exc.errno in (errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL)
+                self.counters["local_errors" if local else "failed"] += 1
                 await asyncio.sleep(1.0)
                 continue
             self.counters["opened"] += 1

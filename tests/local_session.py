@@ -48,6 +48,7 @@ def check_one_outer_step(entry: CatalogEntry, config: dict[str, Any], batch: int
             trained = peer.train(batch, None, threading.Event())
             assert trained["samples"] == batch and math.isfinite(trained["loss"])
     assert [p.inner_step for p in peers] == [2, 1]
+    assert [p.accumulated_samples for p in peers] == [2 * batch, batch]  # (the mean's weights)
     drifted = [_flat(p) for p in peers]
     assert all(not np.array_equal(d, initial) for d in drifted)  # the inner steps moved them
     numel = peers[0].total_numel
@@ -71,7 +72,7 @@ def check_one_outer_step(entry: CatalogEntry, config: dict[str, Any], batch: int
     state_name, _ = buffers.make(state_numel)
     exported = peers[0].export("state", state_name, state_numel)
     newcomer = session(5)
-    newcomer.apply("state", state_name, exported["numel"], exported["meta"])
+    assert newcomer.apply("state", state_name, exported["numel"], exported["meta"])["step"] == 1
     _close(_flat(newcomer), expected, 1e-6)
     # and all three train on from there
     for peer in (*peers, newcomer):
