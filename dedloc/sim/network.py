@@ -308,15 +308,16 @@ class SimTransport(TlsTransport):
 
     def accept(self, pipe: SimPipe) -> None:
         """An inbound connection: run the server side of the handshake in this peer's context."""
-        if len(self._handshakes) >= self.limits.max_handshakes or \
+        now = self._loop.time()  # (simulated hosts are one source each, not limited per source)
+        if not self._handshakes.admit(None, now).admitted or \
                 len(self._all_links) >= self.limits.max_links:
             self._counters["connections_refused"] += 1
             pipe.close()
             return
         self._counters["connections_accepted"] += 1
         task = self._loop.create_task(self._serve_pipe(pipe), name="handshake", context=self._context)
-        self._handshakes.add(task)
-        task.add_done_callback(self._handshakes.discard)
+        self._handshakes.add(task, None, now)
+        task.add_done_callback(self._handshakes.remove)
 
     async def _serve_pipe(self, pipe: SimPipe) -> None:
         try:
