@@ -283,6 +283,9 @@ class ReplicatedSession(Session):
         seconds = time.perf_counter() - start
         done = sum(result["samples"] for result in results)
         rate = done / seconds if seconds > 0 and done else None
+        if duty_cycle < 1.0:  # each rank's sustained speed (a call may carry rests over: Session)
+            rates = [r.get("samples_per_second") for r in results]
+            rate = sum(rates) if all(isinstance(x, int | float) and x > 0 for x in rates) else None
         if rate is not None:
             self.samples_per_second = rate
         return {"samples": done,  # 0 when every rank skipped every batch (NaN or Inf)
@@ -290,7 +293,9 @@ class ReplicatedSession(Session):
                 "seconds": seconds, "samples_per_second": rate,
                 "accumulated_samples": self.accumulated_samples + sum(self._pending_samples[1:]),
                 "skipped_batches": self.skipped_batches + sum(self._replica_skipped[1:]),
-                "ranks": [{"device": str(device), "samples": r["samples"], "seconds": r["seconds"]}
+                "rested_seconds": local.get("rested_seconds", 0.0),
+                "ranks": [{"device": str(device), "samples": r["samples"], "seconds": r["seconds"],
+                           "rested_seconds": r.get("rested_seconds", 0.0)}
                           for device, r in zip(self.devices, results, strict=True)]}
 
     def zero_grad(self) -> None:

@@ -206,3 +206,17 @@ async def test_bad_device_lists_are_refused(worker: tuple[Any, JsonRpcClient]) -
         with pytest.raises(RpcCallError) as caught:
             await load(client, bad)
         assert caught.value.code == ErrorCode.INVALID_PARAMS and caught.value.data["param"] == "device"
+
+
+async def test_replicas_rest_as_the_worker_does(launch: Callable[..., Any]) -> None:
+    """`--duty-cycle`: every rank rests after its batches, and the speed is the sustained one."""
+    process = launch("--duty-cycle", "0.5")
+    rpc = await process.connect()
+    try:
+        await load(rpc, "cpu,cpu")
+        trained = await rpc.call("worker.train", {"samples": 256}, timeout=120.0)
+        assert trained["samples"] > 0 and trained["samples_per_second"] > 0
+        assert len(trained["ranks"]) == 2
+        assert all(rank["rested_seconds"] > 0 for rank in trained["ranks"]), trained["ranks"]
+    finally:
+        await rpc.close()
