@@ -81,8 +81,9 @@ class RelayReservations:
                     break
                 await self._reserve(address)
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=CHECK_SECONDS)
+            with contextlib.suppress(TimeoutError):  # (not wait_for: 3.11's can swallow a cancel)
+                async with asyncio.timeout(CHECK_SECONDS):
+                    await self._wake.wait()
 
     async def _reserve(self, address: PeerAddress) -> None:
         assert address.peer_id is not None
