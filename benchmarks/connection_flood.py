@@ -67,15 +67,20 @@ class ConnectionFlood:
             self.counters["opened"] += 1
             try:
                 async with asyncio.timeout(HOLD_SECONDS):
-                    with contextlib.suppress(ConnectionError):
-                        while await reader.read(4096):  # (a TLS server says nothing first)
-                            pass
+                    await self._until_dropped(reader)
                 self.counters["dropped"] += 1
             except TimeoutError:
                 self.counters["held_out"] += 1  # never dropped: let go, open another
             finally:
                 writer.close()
             await asyncio.sleep(PAUSE_SECONDS)
+
+    async def _until_dropped(self, reader: asyncio.StreamReader) -> None:
+        """Until the daemon closes or resets the connection. A TLS server says nothing before
+        the client's hello, so whatever it does send is counted (`unexpected_bytes`)."""
+        with contextlib.suppress(OSError):  # (a reset, ConnectionError among them, is a drop)
+            while chunk := await reader.read(4096):
+                self.counters["unexpected_bytes"] += len(chunk)
 
     async def close(self) -> None:
         self._closed = True

@@ -12,6 +12,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 __all__ = [
     "INNER_LR_SCALE_AUTO",
     "MAX_INNER_LR_SCALE",
+    "MIN_DUTY_CYCLE",
     "MIN_INNER_LR_SCALE",
     "PROTOCOL_VERSION",
     "ApplyResult",
@@ -36,6 +37,10 @@ PROTOCOL_VERSION = 1
 INNER_LR_SCALE_AUTO = "auto"
 MIN_INNER_LR_SCALE = 1e-4
 MAX_INNER_LR_SCALE = 10.0
+
+#: The least share of the time a worker may compute (`workers.duty_cycle`, the worker's
+#: `--duty-cycle`): a rest of at most 19 times the batch; the daemon and the worker check it.
+MIN_DUTY_CYCLE = 0.05
 
 #: Which vector an export or apply moves: the mean accumulated gradients, the parameters, the
 #: full state (parameters, optimizer state, buffers), or a local-update run's error-feedback
@@ -93,6 +98,7 @@ class RankResult(TypedDict):
     device: str
     samples: int
     seconds: float
+    rested_seconds: NotRequired[float]  # below a duty cycle of 1 (the worker's --duty-cycle)
 
 
 class TrainResult(TypedDict):
@@ -101,6 +107,8 @@ class TrainResult(TypedDict):
     seconds: float
     samples_per_second: float | None
     accumulated_samples: int
+    skipped_batches: NotRequired[int]  # batches skipped for a NaN or Inf, over all calls
+    rested_seconds: NotRequired[float]  # how long this call rested (the worker's --duty-cycle)
     ranks: NotRequired[list[RankResult]]
     inner_step: NotRequired[int]  # a local-update run: inner steps since the last outer step
     # a local-update run: the last inner step's learning rate (the schedule's x inner_lr_scale;

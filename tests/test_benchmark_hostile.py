@@ -188,7 +188,7 @@ async def test_the_flood_takes_every_slot_again_as_it_is_dropped_and_an_honest_p
             return False
 
         assert await wait_until(answered)
-        assert attack.counters["failed"] == 0
+        assert attack.counters["failed"] == 0 and attack.counters["unexpected_bytes"] == 0
     finally:
         await attack.close()
         await honest.close()

@@ -8,8 +8,9 @@ Inbound connections each get one handshake task under `handshake_timeout` (TLS +
 `max_handshakes` at once and `max_handshakes_per_source` from one source address (an IPv6 /64
 counts as one; loopback is exempt unless `limit_loopback`: a host's own peers, the tests' and
 benchmarks' many, all come from 127.0.0.1); when every slot is held, a source holding fewer
-takes over the oldest slot of the source holding the most (admission.py), so that silent
-connections from a few hosts cannot keep everyone else out; garbage, silence, half-done
+than another takes over that source's oldest slot once it is `handshake_evict_after` seconds
+old (admission.py), so that silent connections from a few hosts cannot keep everyone else out
+and no handshake is dropped before it could complete; garbage, silence, half-done
 handshakes and slowloris clients are dropped and counted without disturbing established links.
 `counters()` gives the counts for metrics.
 
@@ -523,7 +524,7 @@ class TlsTransport:
             task = self._loop.create_task(self._serve_handshake(sock), name="handshake")
             self._handshakes.add(task, source, now)
             task.add_done_callback(self._handshakes.remove)
-            # (a task cancelled before it ran never reached its own close)
+            # evicted or the transport closing, before or during the handshake: the socket too
             task.add_done_callback(lambda done, s=sock: s.close() if done.cancelled() else None)
 
     def _source_of(self, sock: socket.socket) -> str | None:
@@ -555,9 +556,6 @@ class TlsTransport:
             self._counters["handshake_failures"] += 1
             self._log.info("handshake_timed_out", remote=str(peer))
             return
-        except asyncio.CancelledError:  # evicted, or the transport closes
-            sock.close()
-            raise
         except (HandshakeError, TransportError, OSError) as exc:
             sock.close()
             self._counters["handshake_failures"] += 1

@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from dedloc.rpc.worker_protocol import MIN_DUTY_CYCLE
+
 from ..errors import ConfigError
 from ..settings import documented
-
-MIN_DUTY_CYCLE = 0.05  # (a rest of at most 19 times the batch; the worker checks the same bound)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import structlog
 
 from dedloc import __version__
 from dedloc.rpc import JsonRpcServer, MethodRegistry
+from dedloc.rpc.worker_protocol import MIN_DUTY_CYCLE
 
 from ..catalog import WorkloadCatalog
 
@@ -33,7 +34,6 @@ log = structlog.get_logger(__name__)
 PR_SET_PDEATHSIG = 1
 GPU_MEMORY_ENV = "DEDLOC_GPU_MEMORY_FRACTION"
 PARENT_POLL_SECONDS = 0.5
-MIN_DUTY_CYCLE = 0.05  # (a rest of at most 19 times the batch)
 CLOSE_TIMEOUT_SECONDS = 30.0
 
 
