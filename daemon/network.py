@@ -236,6 +236,8 @@ class PeerNetwork:
             counters.update({f"dht.{k}": v for k, v in self.dht.stats.items()})
         if self.averager is not None:
             counters.update({f"averaging.{k}": v for k, v in self.averager.counters.items()})
+            counters.update({f"averaging.allreduce.{k}": v
+                             for k, v in self.averager.allreduce.counters.items()})
         for responder in self._stun:
             for k, v in responder.counters().items():
                 counters[f"stun.{k}"] = counters.get(f"stun.{k}", 0) + v

@@ -7,7 +7,12 @@
 by its group id to the local round of that group (`butterfly.Round`). A stream that comes before
 the local round has started waits for it, at most `arrival_grace` seconds and never past the
 deadline the opener announced; a stream for a group that does not show up (or whose round is
-over) is refused: the stream is aborted with the reason.
+over) is refused: the stream is aborted with the reason. Such streams hold one of a bounded
+number of waiting slots, shared by every round (a reducer cannot tell a stream for a group it
+has not heard of yet from a stranger's): a few per sender, and when all are held, a sender
+holding fewer takes over the oldest slot, at least `_WAITING_EVICT_AFTER` old, of the sender
+holding the most (net/admission.py); the stream dropped is refused as `RoundNotStarted` and its
+sender, if honest, opens it again.
 
 `run` raises only for misuse (wrong vector, member index, weight, unknown codec, a round of that
 group already running); whatever peers do, it returns by the group's deadline with a report of
@@ -28,6 +33,7 @@ import structlog
 
 from .. import timebase
 from ..net import PeerTransport, RequestContext, Stream
+from ..net.admission import FairSlots
 from .bans import BanList
 from .butterfly import Round
 from .compression import CODECS, CompressionError, finite_range
@@ -47,8 +53,23 @@ _MAX_WAITING_STREAMS = 256
 # (a gradient round, a state round, grid stages): more waiting streams from one peer are a
 # stranger taking the slots that honest members of rounds about to start need.
 _MAX_WAITING_PER_PEER = 8
+# When every waiting slot is held, a slot this old may be taken over by a sender holding fewer:
+# an honest stream waits well under this for a round that is about to start (its reducer is
+# getting the group from the leader), and strangers' streams that wait for nothing cannot keep
+# the slots from honest senders, however many identities they hold the slots with.
+_WAITING_EVICT_AFTER = 1.0
 _FINISHED_MEMORY = 256
 _FINITE_CHECK_BLOCK = 1 << 20
+
+
+class _Waiter:
+    """A stream waiting for its round to start here: `woken` says "open" or "evicted"."""
+
+    __slots__ = ("group_id", "woken")
+
+    def __init__(self, group_id: str, woken: asyncio.Future[str]) -> None:
+        self.group_id = group_id
+        self.woken = woken
 
 
 class AllReduceError(AveragingError, ValueError):
@@ -85,9 +106,9 @@ class AllReduceService:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads or min(8, os.cpu_count() or 2), thread_name_prefix="allreduce")
         self._rounds: dict[str, Round] = {}
-        self._arrivals: dict[str, asyncio.Event] = {}
-        self._arrival_waiters: collections.Counter[str] = collections.Counter()
-        self._waiting_by_peer: collections.Counter[str] = collections.Counter()  # by sender
+        self._arrivals: dict[str, set[_Waiter]] = {}  # by group id
+        self._waiting: FairSlots[_Waiter] = FairSlots(_MAX_WAITING_STREAMS, _MAX_WAITING_PER_PEER,
+                                                      _WAITING_EVICT_AFTER)  # by sender
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._closed = False
         self.counters: collections.Counter[str] = collections.Counter()
@@ -165,9 +186,14 @@ class AllReduceService:
         """Called by the round once it can take streams."""
         group_id = round_.group.group_id
         self._rounds[group_id] = round_
-        event = self._arrivals.pop(group_id, None)
-        if event is not None:
-            event.set()
+        for waiter in self._arrivals.pop(group_id, ()):
+            if not waiter.woken.done():
+                waiter.woken.set_result("open")
+
+    @property
+    def waiting_streams(self) -> int:
+        """Streams waiting here for a round that has not started."""
+        return len(self._waiting)
 
     # --- incoming streams -----------------------------------------------------------------------
     async def _handle(self, ctx: RequestContext, stream: Stream) -> None:
@@ -188,36 +214,49 @@ class AllReduceService:
             raise PeerFault("the all-reduce service is closing")
         if group_id in self._finished:
             raise PeerFault(f"round {group_id} is over here")
-        if self._waiting_by_peer[peer_id] >= _MAX_WAITING_PER_PEER:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        admission = self._waiting.admit(peer_id, now)
+        if admission.refused == "per_source":
             self.counters["streams_refused_peer_waiting"] += 1
-            raise RoundNotStarted(f"this peer already has {_MAX_WAITING_PER_PEER} streams waiting "
+            raise RoundNotStarted(f"this peer already has {self._waiting.per_source} streams waiting "
                                   "for rounds that have not started here; ask again shortly")
-        if self._arrival_waiters.total() >= _MAX_WAITING_STREAMS:
+        if not admission.admitted:
             self.counters["streams_refused_all_waiting"] += 1
-            raise RoundNotStarted(f"{_MAX_WAITING_STREAMS} streams already wait for rounds that "
+            raise RoundNotStarted(f"{self._waiting.total} streams already wait for rounds that "
                                   "have not started here; ask again shortly")
+        if admission.evict is not None:
+            self._release(admission.evict)
+            if not admission.evict.woken.done():
+                admission.evict.woken.set_result("evicted")
+            self.counters["streams_evicted_waiting"] += 1
         wait = min(self.arrival_grace, max(0.0, opened.deadline - timebase.now()))
-        event = self._arrivals.setdefault(group_id, asyncio.Event())
-        self._arrival_waiters[group_id] += 1
-        self._waiting_by_peer[peer_id] += 1
+        waiter = _Waiter(group_id, loop.create_future())
+        self._waiting.add(waiter, peer_id, now)
+        self._arrivals.setdefault(group_id, set()).add(waiter)
         try:
             async with asyncio.timeout(wait):
-                await event.wait()
+                woken = await waiter.woken
         except TimeoutError:
             raise PeerFault(f"no round of group {group_id} here (waited {wait:.1f}s)") from None
         finally:
-            self._waiting_by_peer[peer_id] -= 1
-            if self._waiting_by_peer[peer_id] <= 0:
-                del self._waiting_by_peer[peer_id]
-            self._arrival_waiters[group_id] -= 1
-            if self._arrival_waiters[group_id] <= 0:
-                del self._arrival_waiters[group_id]
-                if self._arrivals.get(group_id) is event:
-                    del self._arrivals[group_id]
+            self._release(waiter)
+        if woken == "evicted":
+            raise RoundNotStarted("this stream's waiting slot went to another peer's stream (the "
+                                  "round has not started here); ask again shortly")
         round_ = self._rounds.get(group_id)
         if round_ is None:
             raise PeerFault(f"round {group_id} is over here")
         return round_
+
+    def _release(self, waiter: _Waiter) -> None:
+        """Free a waiting stream's slot (nothing if it was freed already)."""
+        self._waiting.remove(waiter)
+        waiters = self._arrivals.get(waiter.group_id)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._arrivals[waiter.group_id]
 
     def close(self) -> None:
         """Refuse new rounds and streams and stop the worker threads (call after the rounds)."""

@@ -1,19 +1,22 @@
-"""`HandshakeSlots`: which inbound connection gets one of a transport's handshake slots.
+"""`FairSlots`: who gets one of a bounded number of slots that strangers compete for.
 
-A connection holds a slot from its accept until its handshake ends (a link, a failure, or the
-handshake timeout). At most `total` are held at once and `per_source` by one source address (the
-transport says what a source is: an IPv4 address, an IPv6 /64; `None` for a source that is not
-limited, the host's own loopback peers).
+Two users: a transport's handshake slots (a connection holds one from its accept until its
+handshake ends: a link, a failure, or the handshake timeout; a source is an IPv4 address or an
+IPv6 /64, `None` for a source that is not limited, the host's own loopback peers), and the
+all-reduce's slots for streams that came before their round started (averaging/allreduce.py; a
+source is the sender's peer id). At most `total` are held at once and `per_source` by one source.
 
-When every slot is held, a connection from a source that holds fewer slots than another source
-takes over that source's oldest slot, if that slot is older than `evict_after` seconds (the
-handshake is dropped and counted as evicted); among such sources, the one holding the most, and
-among equals the one whose oldest slot is oldest. Without it, a few addresses' silent connections
-held every slot until their handshake timeout and nobody else could connect. The age floor keeps
-a handshake under way from being dropped before it could complete: without it, connections from
-many addresses arriving faster than the slots free up (a bootstrap node after a restart) dropped
-each handshake before it finished, and none did. Slots of an unlimited source are never taken
-over. Pure code, no I/O: the transport acts on the decisions, with its clock's time.
+When every slot is held, a newcomer from a source that holds fewer slots than another source
+takes over that source's oldest slot, if that slot is older than `evict_after` seconds (its
+holder is dropped and counted as evicted); among such sources, the one holding the most, and
+among equals the one whose oldest slot is oldest. Without it, a few sources' silent holders
+kept every slot until their timeout and nobody else got one (with free sources, such as peer
+ids, an attacker needs more sources than there are slots, each slot refreshed faster than
+`evict_after`). The age floor keeps a holder from being dropped before it could be served:
+without it, handshakes from many addresses arriving faster than the slots free up (a bootstrap
+node after a restart) dropped each other before they finished, and none did. Slots of an
+unlimited source are never taken over. Pure code, no I/O: the caller acts on the decisions,
+with its clock's time.
 """
 
 from __future__ import annotations
@@ -27,22 +30,22 @@ Key = TypeVar("Key", bound=Hashable)
 
 @dataclass(frozen=True)
 class Admission(Generic[Key]):
-    """What to do with a new connection: `admitted`, and the slot it takes over (`evict`: drop
-    that handshake first), or why it is refused."""
+    """What to do with a newcomer: `admitted`, and the slot it takes over (`evict`: drop that
+    holder first), or why it is refused."""
 
     admitted: bool
     evict: Key | None = None
     refused: Literal["", "full", "per_source"] = ""
 
 
-class HandshakeSlots(Generic[Key]):
-    """The handshakes under way, by source, in the order they were admitted."""
+class FairSlots(Generic[Key]):
+    """The slots held, by source, in the order they were admitted."""
 
     def __init__(self, total: int, per_source: int, evict_after: float) -> None:
         if total < 1 or per_source < 1:
-            raise ValueError("handshake slots: total and per_source must be at least 1")
+            raise ValueError("fair slots: total and per_source must be at least 1")
         if not evict_after >= 0:
-            raise ValueError("handshake slots: evict_after must be at least 0 seconds")
+            raise ValueError("fair slots: evict_after must be at least 0 seconds")
         self.total = total
         self.per_source = per_source
         self.evict_after = evict_after
@@ -59,7 +62,7 @@ class HandshakeSlots(Generic[Key]):
         return len(self._by_source.get(source, ()))
 
     def admit(self, source: str | None, now: float) -> Admission[Key]:
-        """Decide on a new connection from `source` at time `now` (nothing changes until `add`)."""
+        """Decide on a newcomer from `source` at time `now` (nothing changes until `add`)."""
         mine = 0 if source is None else self.held_by(source)
         if source is not None and mine >= self.per_source:
             return Admission(False, refused="per_source")
@@ -78,13 +81,13 @@ class HandshakeSlots(Generic[Key]):
 
     def add(self, key: Key, source: str | None, now: float) -> None:
         if key in self._held:
-            raise ValueError("handshake slots: this handshake holds a slot already")
+            raise ValueError("fair slots: this key holds a slot already")
         self._held[key] = source
         if source is not None:
             self._by_source.setdefault(source, {})[key] = now
 
     def remove(self, key: Key) -> None:
-        """Free the slot `key` holds (nothing if it holds none: an evicted handshake ends later)."""
+        """Free the slot `key` holds (nothing if it holds none: an evicted holder ends later)."""
         if key not in self._held:
             return
         source = self._held.pop(key)

@@ -37,7 +37,7 @@ import structlog
 
 from ..identity import Identity
 from .addresses import PeerAddress
-from .admission import HandshakeSlots
+from .admission import FairSlots
 from .errors import (
     CallTimeout,
     HandshakeError,
@@ -126,7 +126,7 @@ class TlsTransport:
         self._links: dict[str, list[Link]] = {}
         self._all_links: set[Link] = set()
         self._accept_tasks: set[asyncio.Task[None]] = set()
-        self._handshakes: HandshakeSlots[asyncio.Task[None]] = HandshakeSlots(
+        self._handshakes: FairSlots[asyncio.Task[None]] = FairSlots(
             self.limits.max_handshakes, self.limits.max_handshakes_per_source,
             self.limits.handshake_evict_after)
         self._evicted: set[asyncio.Task[None]] = set()  # until they end (close waits for them)

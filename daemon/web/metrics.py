@@ -26,6 +26,11 @@ REFUSALS = {
     "peer_connection": "net.connections_refused",  # peer links refused by the transport
     # handshakes dropped, all slots being held, for a source that held fewer (net/admission.py)
     "peer_handshake_evicted": "net.handshakes_evicted",
+    # all-reduce streams refused (bad header, unknown or finished round, no waiting slot)
+    "peer_stream": "averaging.allreduce.streams_refused",
+    # streams waiting for their round dropped, all slots being held, for a sender that held
+    # fewer (averaging/allreduce.py)
+    "peer_stream_evicted": "averaging.allreduce.streams_evicted_waiting",
 }
 
 
@@ -112,7 +117,9 @@ def _node(out: Exposition, info: Mapping[str, Any], bandwidth: Mapping[str, Any]
         out.add("dedloc_refused_total", "counter", "Refused calls and connections, by reason: "
                 "access_denied (control users), bad_token (TCP control), membership (closed runs), "
                 "banned_peer (averaging), peer_connection (peer links), peer_handshake_evicted "
-                "(a peer link's handshake dropped for another source's when all slots were held).",
+                "(a peer link's handshake dropped for another source's when all slots were held), "
+                "peer_stream (all-reduce streams), peer_stream_evicted (a stream waiting for its "
+                "round dropped for another sender's when all slots were held).",
                 counters.get(key, 0), reason=reason)
     for direction in ("up", "down"):
         cap_key = "upload_bytes_per_second" if direction == "up" else "download_bytes_per_second"

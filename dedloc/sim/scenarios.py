@@ -12,6 +12,8 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   leave a liar that claims another epoch out of their rounds); `lowest_round` says which round
   that was, with its trainers and the live ones counted;
 - `max_epoch_spread`: the largest gap between the epochs of such trainers, sampled every second;
+  `widest_spread` says when it was first seen and what the trainers at the lowest epoch were
+  doing then (where a spread beyond one comes from);
 - `newcomer_epochs_to_contribute`: for peers that joined a running run, the most epochs between
   the run's epoch when they joined and the first epoch they contributed samples to;
 - `max_donor_load_ratio`: the most state downloads one donor served over the mean of those that
@@ -80,6 +82,8 @@ class Result:
     min_round_participation: float = 1.0
     lowest_round: dict[str, Any] | None = None  # that round: epoch, trainers in it and live then
     max_epoch_spread: int = 0
+    # when max_epoch_spread was first seen, the epochs then, and the trainers at the lowest one
+    widest_spread: dict[str, Any] | None = None
     newcomer_epochs_to_contribute: int = 0
     newcomers: int = 0
     max_donor_load_ratio: float = 0.0
@@ -143,6 +147,7 @@ class Observer:
         self.participants: dict[tuple[int, str], int] = defaultdict(int)
         self.live_at_round: dict[tuple[int, str], int] = {}
         self.max_spread = 0
+        self.widest: dict[str, Any] | None = None  # Result.widest_spread
         self.max_round_weight = 0.0  # samples
         self.backwards = False
         self.excluded_epochs: set[int] = set()  # stepped during a partition: not split brain
@@ -203,9 +208,33 @@ class Observer:
         live = self.established()
         if live and not self.excluding:
             epochs = [p.engine.progress.epoch for p in live if p.engine is not None]
-            self.max_spread = max(self.max_spread, max(epochs) - min(epochs))
+            if epochs and max(epochs) - min(epochs) > self.max_spread:
+                self.max_spread = max(epochs) - min(epochs)
+                self.widest = self._describe_spread(live, now)
         if int(now) % 10 == 0:
             self.rss.append((now, _rss() // max(1, len(self.swarm.live))))
+
+    def _describe_spread(self, live: list[SimPeer], now: float) -> dict[str, Any]:
+        """The epochs of the established trainers and what those at the lowest were doing."""
+        epochs = [p.engine.progress.epoch for p in live if p.engine is not None]
+        low = min(epochs)
+        laggards = []
+        for peer in live:
+            engine = peer.engine
+            if engine is None or engine.progress.epoch != low:
+                continue
+            progress = engine.progress
+            laggards.append({
+                "peer": peer.index, "phase": engine.phase.value,
+                "started": round(peer.started_at, 1),
+                "synced": None if peer.synced_at is None else round(peer.synced_at, 1),
+                "rounds": progress.rounds, "failed_rounds": progress.failed_rounds,
+                "state_downloads": progress.state_downloads,
+                "failed_state_downloads": progress.failed_state_downloads,
+                "accumulated": progress.accumulated})
+        return {"at": round(now, 1), "low": low, "high": max(epochs),
+                "by_epoch": {str(e): epochs.count(e) for e in sorted(set(epochs))},
+                "laggards": laggards[:16]}
 
     def _record_step(self, peer: SimPeer, entry: dict[str, Any], *, state_averaged: bool) -> None:
         epoch, lineage = entry["epoch"], entry["lineage"]
@@ -505,6 +534,7 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
     lowest = observer.lowest_round()
     result.lowest_round = None if lowest is None else {**lowest, "share": round(lowest["share"], 3)}
     result.max_epoch_spread = observer.max_spread
+    result.widest_spread = observer.widest
     result.newcomer_epochs_to_contribute, result.newcomers = observer.newcomer_delay()
     served = [s for p in swarm.peers
               if (s := p.sharing.served if p.sharing is not None else p.served)]

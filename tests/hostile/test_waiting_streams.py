@@ -2,9 +2,11 @@
 stream waits a while for its round, and the slots for waiting streams are shared by every round.
 One peer may hold only a few of them: the rest are refused at once, and an honest round that
 starts meanwhile still gets every stream it needs, with the exact weighted mean. Several
-identities together can hold every slot: an honest sender whose stream comes before the round has
-started at its reducer is then refused as RoundNotStarted and opens the stream again until the
-round has started there, so the round still averages every part."""
+identities together can hold every slot: an honest sender whose stream comes before the round
+has started at its reducer then takes over the oldest slot of the identity holding the most (once
+it is old enough: net/admission.py), and the stranger's stream is dropped as RoundNotStarted;
+while every slot is young, the honest sender is refused and opens the stream again until it
+gets one or the round has started there. Either way the round averages every part."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 from averaging.test_allreduce import close, clusters, make_group, vectors, weighted  # noqa: F401
 from net.netutil import wait_until
 
@@ -55,10 +58,12 @@ async def test_a_stranger_holds_a_few_waiting_slots_and_the_round_goes_on(cluste
     assert np.isfinite(vecs[0]).all()
 
 
-async def test_strangers_holding_every_waiting_slot_only_delay_an_early_sender(
-        clusters: Any, monkeypatch: Any) -> None:  # noqa: F811
+@pytest.mark.parametrize("evict_after", [0.0, 1e6], ids=["taken_over", "young_slots"])
+async def test_strangers_holding_every_waiting_slot_do_not_keep_an_early_sender_out(
+        clusters: Any, monkeypatch: Any, evict_after: float) -> None:  # noqa: F811
     monkeypatch.setattr(allreduce, "_MAX_WAITING_STREAMS", 8)
     monkeypatch.setattr(allreduce, "_MAX_WAITING_PER_PEER", 4)
+    monkeypatch.setattr(allreduce, "_WAITING_EVICT_AFTER", evict_after)
     cluster = await clusters(5, arrival_grace=30.0)
     attackers, victim = cluster.transports[3:], cluster.ids[2]
     held = [await attacker.open_stream(victim, METHOD,
@@ -66,7 +71,7 @@ async def test_strangers_holding_every_waiting_slot_only_delay_an_early_sender(
                                        timeout=5)
             for a, attacker in enumerate(attackers) for i in range(4)]
     service = cluster.services[2]
-    await wait_until(lambda: service._arrival_waiters.total() == 8)
+    await wait_until(lambda: service.waiting_streams == 8)
 
     # the honest three: the victim starts its round late, so the others' streams to it come first
     # and find every waiting slot taken
@@ -74,16 +79,34 @@ async def test_strangers_holding_every_waiting_slot_only_delay_an_early_sender(
     group = make_group(cluster.ids[:3], weights=weights)
     vecs = vectors(3, group.size)
     expected = weighted(vecs, weights, range(3))
+    counter = "streams_evicted_waiting" if evict_after == 0.0 else "streams_refused_all_waiting"
 
     async def late() -> Any:
-        await wait_until(lambda: service.counters["streams_refused_all_waiting"] >= 2)
+        await wait_until(lambda: service.counters[counter] >= 2, timeout=30)
         return await service.run(group, 2, vecs[2], weights[2])
 
     reports = await asyncio.gather(cluster.services[0].run(group, 0, vecs[0], weights[0]),
                                    cluster.services[1].run(group, 1, vecs[1], weights[1]), late())
     assert all(r.ok for r in reports), [r.failures for r in reports]
     assert all(close(v, expected) for v in vecs)
-    assert sum(cluster.services[i].counters["streams_reopened_not_started"] for i in (0, 1)) >= 2
-    assert service._arrival_waiters.total() == 8  # the strangers' streams still wait, for nothing
+    reopened = sum(cluster.services[i].counters["streams_reopened_not_started"] for i in (0, 1))
+    if evict_after == 0.0:
+        # the honest streams took two of the strangers' slots at once: nobody had to ask again,
+        # and the strangers' dropped streams were told why
+        assert reopened == 0
+        assert service.counters["streams_refused_all_waiting"] == 0
+        receiving = [asyncio.ensure_future(stream.receive(timeout=60)) for stream in held]
+        await wait_until(lambda: sum(task.done() for task in receiving) >= 2, timeout=30)
+        dropped = [task.exception() for task in receiving if task.done()]
+        assert len(dropped) == 2
+        assert all(isinstance(exc, StreamAborted) and says_not_started(exc)
+                   and "went to another peer" in str(exc) for exc in dropped), dropped
+        for task in receiving:
+            task.cancel()
+        await asyncio.gather(*receiving, return_exceptions=True)
+        assert service.waiting_streams == 6
+    else:
+        assert reopened >= 2
+        assert service.waiting_streams == 8  # the strangers' streams still wait, for nothing
     for stream in held:
         await stream.abort("done")

@@ -1,5 +1,6 @@
-"""Handshake slots (admission.py): caps in total and per source, and when all are held, a source
-holding fewer takes over the oldest slot, older than `evict_after`, of a source holding more."""
+"""Fair slots (admission.py), as a transport's handshake slots use them: caps in total and per
+source, and when all are held, a source holding fewer takes over the oldest slot, older than
+`evict_after`, of a source holding more."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ import random
 
 import pytest
 
-from dedloc.daemon.net.admission import Admission, HandshakeSlots
+from dedloc.daemon.net.admission import Admission, FairSlots
 
 
-def _fill(slots: HandshakeSlots[str], now: float, *held: tuple[str, str | None]) -> None:
+def _fill(slots: FairSlots[str], now: float, *held: tuple[str, str | None]) -> None:
     for key, source in held:
         assert slots.admit(source, now).admitted
         slots.add(key, source, now)
 
 
 def test_slots_are_given_until_the_total_and_the_per_source_caps() -> None:
-    slots: HandshakeSlots[str] = HandshakeSlots(total=4, per_source=2, evict_after=2.0)
+    slots: FairSlots[str] = FairSlots(total=4, per_source=2, evict_after=2.0)
     _fill(slots, 0.0, ("a1", "A"), ("a2", "A"))
     assert slots.admit("A", 0.0) == Admission(False, refused="per_source")
     assert slots.admit("B", 0.0) == Admission(True)
@@ -29,7 +30,7 @@ def test_slots_are_given_until_the_total_and_the_per_source_caps() -> None:
 
 
 def test_when_full_the_oldest_slot_of_the_source_holding_most_is_taken_over() -> None:
-    slots: HandshakeSlots[str] = HandshakeSlots(total=4, per_source=3, evict_after=2.0)
+    slots: FairSlots[str] = FairSlots(total=4, per_source=3, evict_after=2.0)
     _fill(slots, 0.0, ("b1", "B"))
     _fill(slots, 1.0, ("a1", "A"), ("a2", "A"), ("b2", "B"))
     # tied at 2: B's oldest slot is older than A's
@@ -44,7 +45,7 @@ def test_when_full_the_oldest_slot_of_the_source_holding_most_is_taken_over() ->
 
 
 def test_a_handshake_younger_than_evict_after_is_not_taken_over() -> None:
-    slots: HandshakeSlots[str] = HandshakeSlots(total=3, per_source=3, evict_after=2.0)
+    slots: FairSlots[str] = FairSlots(total=3, per_source=3, evict_after=2.0)
     _fill(slots, 0.0, ("a1", "A"))
     _fill(slots, 1.5, ("a2", "A"), ("b1", "B"))
     assert slots.admit("C", 1.9) == Admission(False, refused="full")  # all under 2 s old
@@ -57,7 +58,7 @@ def test_a_handshake_younger_than_evict_after_is_not_taken_over() -> None:
 
 
 def test_unlimited_sources_fill_slots_but_are_never_taken_over() -> None:
-    slots: HandshakeSlots[str] = HandshakeSlots(total=3, per_source=3, evict_after=0.0)
+    slots: FairSlots[str] = FairSlots(total=3, per_source=3, evict_after=0.0)
     _fill(slots, 0.0, ("l1", None), ("l2", None), ("x1", "X"))
     assert slots.admit("Y", 0.0) == Admission(True, evict="x1")
     slots.remove("x1")
@@ -72,7 +73,7 @@ def test_unlimited_sources_fill_slots_but_are_never_taken_over() -> None:
 
 
 def test_a_slot_is_freed_once_and_an_evicted_handshake_ending_later_changes_nothing() -> None:
-    slots: HandshakeSlots[str] = HandshakeSlots(total=2, per_source=2, evict_after=0.0)
+    slots: FairSlots[str] = FairSlots(total=2, per_source=2, evict_after=0.0)
     _fill(slots, 0.0, ("a1", "A"), ("a2", "A"))
     slots.remove("a1")  # evicted: its slot is freed at once
     slots.add("b1", "B", 0.0)
@@ -87,7 +88,7 @@ def _attack(addresses: int, handshake: float, evict_after: float) -> bool:
     """Silent connections from `addresses` sources fill 64 slots; an honest newcomer's handshake
     takes `handshake` seconds; the attacker reconnects every address whose slot was taken over,
     at once. Whether the newcomer's handshake completes."""
-    slots: HandshakeSlots[str] = HandshakeSlots(total=64, per_source=16, evict_after=evict_after)
+    slots: FairSlots[str] = FairSlots(total=64, per_source=16, evict_after=evict_after)
     now, serial = 0.0, 0
     while len(slots) < 64:
         for i in range(addresses):
@@ -131,7 +132,7 @@ def _completed_per_second(arrivals: float, evict_after: float, seconds: float = 
     """Honest connections, each from an address of its own, arriving `arrivals` a second at
     random; each handshake takes 1 s. Handshakes completed per second."""
     rng = random.Random(1)
-    slots: HandshakeSlots[int] = HandshakeSlots(total=64, per_source=16, evict_after=evict_after)
+    slots: FairSlots[int] = FairSlots(total=64, per_source=16, evict_after=evict_after)
     now, ending, done, serial = 0.0, [], 0, 0
     while now < seconds:
         now += rng.expovariate(arrivals)
@@ -162,6 +163,6 @@ def test_more_honest_connections_than_slots_still_complete_as_many_handshakes_as
 
 def test_slots_need_room_for_one_and_a_floor_of_at_least_zero() -> None:
     with pytest.raises(ValueError, match="at least 1"):
-        HandshakeSlots(total=0, per_source=1, evict_after=2.0)
+        FairSlots(total=0, per_source=1, evict_after=2.0)
     with pytest.raises(ValueError, match="evict_after"):
-        HandshakeSlots(total=1, per_source=1, evict_after=float("nan"))
+        FairSlots(total=1, per_source=1, evict_after=float("nan"))

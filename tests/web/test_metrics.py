@@ -16,6 +16,7 @@ SNAPSHOT: dict[str, Any] = {
              "counters": {"requests": 40, "error.access_denied": 2, "error.bad_token": 1,
                           "membership.refusals": 4, "averaging.refused_banned": 5,
                           "net.connections_refused": 0, "net.handshakes_evicted": 6,
+                          "averaging.allreduce.streams_evicted_waiting": 9,
                           "net.links_opened": 7}},
     "peers": [
         {"peer_id": "a", "kind": "tcp", "bytes_in": 100, "bytes_out": 50},
@@ -91,6 +92,8 @@ def test_the_snapshot_as_prometheus_text() -> None:
     assert value(parsed, "dedloc_refused_total", reason="membership") == 4
     assert value(parsed, "dedloc_refused_total", reason="banned_peer") == 5
     assert value(parsed, "dedloc_refused_total", reason="peer_handshake_evicted") == 6
+    assert value(parsed, "dedloc_refused_total", reason="peer_stream_evicted") == 9
+    assert value(parsed, "dedloc_refused_total", reason="peer_stream") == 0
     assert value(parsed, "dedloc_rpc_requests_total") == 40
     assert value(parsed, "dedloc_bandwidth_cap_bytes_per_second", direction="up") == 20000
     assert value(parsed, "dedloc_bandwidth_throttled_seconds_total", direction="up") == 1.5
