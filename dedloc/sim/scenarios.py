@@ -12,8 +12,9 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   leave a liar that claims another epoch out of their rounds); `lowest_round` says which round
   that was, with its trainers and the live ones counted;
 - `max_epoch_spread`: the largest gap between the epochs of such trainers, sampled every second;
-  `widest_spread` says when it was first seen and what the trainers at the lowest epoch were
-  doing then (where a spread beyond one comes from);
+  `widest_spread` says when it was first seen (simulated seconds from the start, as the log's
+  `t`) and what the trainers at the lowest epoch were doing then (where a spread beyond one
+  comes from);
 - `newcomer_epochs_to_contribute`: for peers that joined a running run, the most epochs between
   the run's epoch when they joined and the first epoch they contributed samples to;
 - `max_donor_load_ratio`: the most state downloads one donor served over the mean of those that
@@ -57,6 +58,7 @@ from typing import Any
 
 from dedloc.daemon.collab.policy import Timing
 
+from .loop import START
 from .network import LinkProfile
 from .swarm import Lie, PeerSpec, RunSpec, SimPeer, Swarm
 
@@ -226,13 +228,13 @@ class Observer:
             progress = engine.progress
             laggards.append({
                 "peer": peer.index, "phase": engine.phase.value,
-                "started": round(peer.started_at, 1),
-                "synced": None if peer.synced_at is None else round(peer.synced_at, 1),
+                "started": round(peer.started_at - START, 1),
+                "synced": None if peer.synced_at is None else round(peer.synced_at - START, 1),
                 "rounds": progress.rounds, "failed_rounds": progress.failed_rounds,
                 "state_downloads": progress.state_downloads,
                 "failed_state_downloads": progress.failed_state_downloads,
                 "accumulated": progress.accumulated})
-        return {"at": round(now, 1), "low": low, "high": max(epochs),
+        return {"at": round(now - START, 1), "low": low, "high": max(epochs),
                 "by_epoch": {str(e): epochs.count(e) for e in sorted(set(epochs))},
                 "laggards": laggards[:16]}
 

@@ -25,6 +25,13 @@ def _healthy(result: Result) -> None:
     assert not result.split_brain, result.to_json()
     assert result.max_epoch_spread <= 1, result.to_json()
     assert result.memory_growth <= 1.5, result.to_json()
+    # the widest spread seen is described: its epochs and the trainers at the lowest
+    widest = result.widest_spread
+    if result.max_epoch_spread == 0:
+        assert widest is None, widest
+    else:
+        assert widest is not None and widest["high"] - widest["low"] == result.max_epoch_spread
+        assert widest["by_epoch"][str(widest["low"])] >= len(widest["laggards"]) >= 1, widest
 
 
 async def test_steady_every_trainer_is_in_every_round() -> None:
