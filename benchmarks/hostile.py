@@ -45,6 +45,15 @@ misbehaves through a test-only switch of daemon/averaging/corruption.py (DEDLOC_
                  honest peers link up and train as in the clean run, every round completes;
                  `net_counters` shows the slots taken over (handshakes_evicted) and the
                  refusals, `flood` what the attacker opened and lost.
+  waiting_flood  no hostile daemon: each identity stands for 32 free peer ids of this process
+                 (stream_flood.py), each linked to every honest daemon and holding 8 `avg.part`
+                 streams there for rounds that never start (one identity: 256 per daemon, every
+                 waiting slot), opening another as soon as one is dropped, from before the run
+                 starts until the end. Honest outcome: every round completes as in the clean run;
+                 an early honest stream takes over a flood stream's slot (`allreduce_counters`:
+                 streams_evicted_waiting) instead of being refused and asking again
+                 (streams_refused_all_waiting, streams_reopened_not_started); `flood` says what
+                 the attacker opened and how each stream was dropped.
   control        no switch: the extra identities are honest trainers (DEDLOC_TESTING=1 only).
                  The baseline for param_distance: extra trainers' gradients and samples change
                  the trajectory by themselves (e.g. `bandwidth`, whose attacker is averaged in).
@@ -107,6 +116,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collab import RUN, BenchmarkError, Daemon, MemorySampler  # one copy of the daemon handling
 from connection_flood import ConnectionFlood, flood_sources
+from stream_flood import WaitingStreamFlood
 
 from dedloc.rpc import RpcError
 
@@ -122,6 +132,7 @@ class Attack:
     name: str
     env: dict[str, str]
     flood_sources: int = 0  # per identity: a ConnectionFlood from this process, no hostile daemon
+    stream_flood_peers: int = 0  # per identity: a WaitingStreamFlood's peer ids, no hostile daemon
 
 
 ATTACKS: dict[str, Attack] = {a.name: a for a in (
@@ -132,12 +143,16 @@ ATTACKS: dict[str, Attack] = {a.name: a for a in (
     Attack("bandwidth", {"DEDLOC_TEST_CLAIMED_BANDWIDTH": "1e12"}),
     Attack("weight", {"DEDLOC_TEST_CLAIMED_WEIGHT": "1e15"}),
     Attack("handshake_flood", {}, flood_sources=4),
+    Attack("waiting_flood", {}, stream_flood_peers=32),
     Attack("control", {}),
 )}
 FLOOD_PER_SOURCE = 16  # connections per source address and honest daemon (a daemon's own limit)
 NET_COUNTERS = ("connections_accepted", "connections_refused", "connections_refused_per_source",
                 "handshakes_evicted", "handshake_failures")
-DEFAULT_ATTACKS = "control,sender_nan,sender_scale,wrong_answers,bandwidth,weight,handshake_flood"
+ALLREDUCE_COUNTERS = ("streams_evicted_waiting", "streams_refused_all_waiting",
+                      "streams_refused_peer_waiting", "streams_refused", "streams_reopened_not_started")
+DEFAULT_ATTACKS = ("control,sender_nan,sender_scale,wrong_answers,bandwidth,weight,handshake_flood,"
+                   "waiting_flood")
 
 
 # --- pure parts -------------------------------------------------------------------------------------
@@ -471,6 +486,10 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
         flood = ConnectionFlood(flood_sources(attack.flood_sources * identities), FLOOD_PER_SOURCE)
         honest_args = (*DAEMON_ARGS, "--net.limit_loopback", "true")
         identities = 0  # (no hostile daemon)
+    streams = None
+    if attack is not None and attack.stream_flood_peers:
+        streams = WaitingStreamFlood(attack.stream_flood_peers * identities)
+        identities = 0  # (no hostile daemon)
     for index in range(HONEST):
         key = keys / f"h{index}.key"
         if key.exists():
@@ -491,6 +510,11 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
         if flood is not None:
             for daemon, info in zip(daemons[1:], infos, strict=True):
                 flood.target(_tcp_port(daemon.p2p_address(info)))
+        if streams is not None:
+            await streams.start()
+            for address in [bootstrap, *(d.p2p_address(i) for d, i in zip(daemons[1:], infos,
+                                                                           strict=True))]:
+                streams.target(address)
         await _joined(daemons)
         honest, hostile = daemons[:HONEST], daemons[HONEST:]
         attackers = [(await d.call("node.info"))["peer_id"] for d in hostile]
@@ -515,6 +539,17 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
                                                      or net["handshake_failures"] > 0)
             extra = {"net_counters": net, "flood": {"sources": len(flood.sources),
                                                     "held_slots": held, **dict(flood.counters)}}
+        if streams is not None:
+            nodes = [(await d.call("node.info"))["counters"] for d in honest]
+            reduce = {name: sum(int(c.get(f"averaging.allreduce.{name}", 0)) for c in nodes)
+                      for name in ALLREDUCE_COUNTERS}
+            # a flood that the daemons never had to turn away or drop did not fill their slots
+            held = streams.counters["opened"] > 0 and (reduce["streams_refused_peer_waiting"] > 0
+                                                       or reduce["streams_evicted_waiting"] > 0
+                                                       or reduce["streams_refused_all_waiting"] > 0)
+            extra = {"allreduce_counters": reduce,
+                     "flood": {"peer_ids": streams.peers, "per_peer": streams.per_peer,
+                               "held_slots": held, **dict(streams.counters)}}
         attacker_states: list[str | None] = []
         for daemon in hostile:
             try:
@@ -532,6 +567,8 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
         try:
             if flood is not None:
                 await asyncio.shield(flood.close())
+            if streams is not None:
+                await asyncio.shield(streams.close())
         finally:  # (a second Ctrl-C during the flood's close still stops the daemons)
             await asyncio.shield(asyncio.gather(*(d.stop(args.stop_timeout) for d in daemons)))
     return RunResult(completed, error, seconds, statuses, averaging, attackers, attacker_states,

@@ -38,7 +38,8 @@ def test_arguments_and_quick_defaults() -> None:
 
 def test_every_attack_uses_a_test_switch() -> None:
     for attack in hostile.ATTACKS.values():
-        assert (attack.env or attack.flood_sources or attack.name == "control") and \
+        assert (attack.env or attack.flood_sources or attack.stream_flood_peers
+                or attack.name == "control") and \
             all(k.startswith("DEDLOC_TEST_") for k in attack.env)
     assert hostile.HOSTILE_ENV == {"DEDLOC_TESTING": "1"}
 
@@ -193,3 +194,65 @@ async def test_the_flood_takes_every_slot_again_as_it_is_dropped_and_an_honest_p
         await attack.close()
         await honest.close()
         await server.close()
+
+
+streams = load_benchmark("stream_flood")
+
+
+async def test_the_stream_flood_holds_every_waiting_slot_and_an_early_honest_stream_takes_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against a real all-reduce service (8 waiting slots, 4 per peer, taken over at any age):
+    the flood's 3 identities keep 4 streams each waiting there, so they hold every slot and take
+    them from each other as they are dropped; an honest round whose reducer starts late still
+    averages every part, its early stream taking a flood stream's slot."""
+    import asyncio
+    import time
+
+    from dedloc.daemon.averaging import allreduce
+    from dedloc.daemon.averaging.group import Group, Member
+    from dedloc.daemon.identity import Identity
+    from dedloc.daemon.net import TlsTransport
+    from dedloc.daemon.net.addresses import PeerAddress
+
+    monkeypatch.setattr(allreduce, "_MAX_WAITING_STREAMS", 8)
+    monkeypatch.setattr(allreduce, "_MAX_WAITING_PER_PEER", 4)
+    monkeypatch.setattr(allreduce, "_WAITING_EVICT_AFTER", 0.0)
+    loopback = [PeerAddress.parse("/ip4/127.0.0.1/tcp/0")]
+    victim = await TlsTransport.start(Identity.generate(), loopback)
+    honest = await TlsTransport.start(Identity.generate(), loopback)
+    services = [allreduce.AllReduceService(t, arrival_grace=30.0) for t in (victim, honest)]
+    attack = streams.WaitingStreamFlood(3, per_peer=4)
+    try:
+        await attack.start()
+        attack.target(str(victim.listen_addresses()[0]))  # (it names the peer id)
+        async def held() -> bool:
+            return services[0].waiting_streams == 8 and attack.counters["taken_over"] >= 2
+
+        await wait_until(held, interval=0.05)
+        honest.learn_addresses(victim.peer_id, victim.listen_addresses())
+        victim.learn_addresses(honest.peer_id, honest.listen_addresses())
+        size = 4000
+        members = tuple(Member(t.peer_id, "trainer", w, 1e6, 1e6)
+                        for t, w in ((victim, 1.0), (honest, 3.0)))
+        group = Group("honest-round", "key", members, size, ((0, 2000), (2000, size)), 1000,
+                      "none", time.time() + 30, "mean")
+        vectors = [np.full(size, 1.0, np.float32), np.full(size, 5.0, np.float32)]
+
+        async def late() -> object:  # the victim starts once the honest stream waits there
+            async def honest_stream_came() -> bool:  # (in a slot taken from the flood)
+                return services[0]._waiting.held_by(honest.peer_id) == 1
+
+            await wait_until(honest_stream_came, interval=0.01)
+            return await services[0].run(group, 0, vectors[0], 1.0)
+
+        reports = await asyncio.gather(late(), services[1].run(group, 1, vectors[1], 3.0))
+        assert all(r.ok for r in reports), [r.failures for r in reports]
+        assert all(np.allclose(v, 4.0) for v in vectors)
+        assert attack.counters["failed"] == 0 and attack.counters["other_aborts"] == 0, \
+            dict(attack.counters)
+    finally:
+        await attack.close()
+        for service in services:
+            service.close()
+        await honest.close()
+        await victim.close()
