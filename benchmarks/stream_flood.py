@@ -20,7 +20,13 @@ from collections import Counter
 
 from dedloc.daemon.averaging.wire import METHOD, StreamOpen, says_not_started
 from dedloc.daemon.identity import Identity
-from dedloc.daemon.net import PeerAddress, StreamAborted, TlsTransport, TransportLimits
+from dedloc.daemon.net import (
+    PeerAddress,
+    StreamAborted,
+    TlsTransport,
+    TransportError,
+    TransportLimits,
+)
 
 HOLD_SECONDS = 60.0  # the most one stream waits to be dropped (a daemon's arrival grace: 5 s)
 PAUSE_SECONDS = 0.05  # before opening again (a refusal comes back at once)
@@ -69,7 +75,7 @@ class WaitingStreamFlood:
                                 time.time() + HOLD_SECONDS).header()
             try:
                 stream = await transport.open_stream(peer_id, METHOD, header, timeout=CALL_TIMEOUT)
-            except (OSError, TimeoutError, ConnectionError, StreamAborted) as exc:
+            except (OSError, TimeoutError, TransportError) as exc:  # (a refused handshake too)
                 self.counters["failed"] += 1
                 self.counters[f"failed_{type(exc).__name__}"] += 1
                 await asyncio.sleep(1.0)
@@ -82,7 +88,7 @@ class WaitingStreamFlood:
                 self.counters[_outcome(exc)] += 1
             except TimeoutError:
                 self.counters["held_out"] += 1
-            except (OSError, ConnectionError):
+            except (OSError, TransportError):  # (the link closed under it)
                 self.counters["other_aborts"] += 1
             finally:
                 with contextlib.suppress(Exception):
