@@ -106,7 +106,9 @@ class AllReduceService:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads or min(8, os.cpu_count() or 2), thread_name_prefix="allreduce")
         self._rounds: dict[str, Round] = {}
-        self._arrivals: dict[str, set[_Waiter]] = {}  # by group id
+        # by group id, in the order they came (a dict, not a set: woken in that order, the same
+        # in every run of a simulation)
+        self._arrivals: dict[str, dict[_Waiter, None]] = {}
         self._waiting: FairSlots[_Waiter] = FairSlots(_MAX_WAITING_STREAMS, _MAX_WAITING_PER_PEER,
                                                       _WAITING_EVICT_AFTER)  # by sender
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -233,7 +235,7 @@ class AllReduceService:
         wait = min(self.arrival_grace, max(0.0, opened.deadline - timebase.now()))
         waiter = _Waiter(group_id, loop.create_future())
         self._waiting.add(waiter, peer_id, now)
-        self._arrivals.setdefault(group_id, set()).add(waiter)
+        self._arrivals.setdefault(group_id, {})[waiter] = None
         try:
             async with asyncio.timeout(wait):
                 woken = await waiter.woken
@@ -254,7 +256,7 @@ class AllReduceService:
         self._waiting.remove(waiter)
         waiters = self._arrivals.get(waiter.group_id)
         if waiters is not None:
-            waiters.discard(waiter)
+            waiters.pop(waiter, None)
             if not waiters:
                 del self._arrivals[waiter.group_id]
 
