@@ -42,7 +42,7 @@ from .errors import AveragingError
 from .group import Group
 from .report import AllReduceReport, PartFailure, PeerTransfer
 from .screening import ScreeningPolicy
-from .wire import METHOD, PeerFault, RoundNotStarted, StreamOpen
+from .wire import METHOD, SLOT_TAKEN, PeerFault, RoundNotStarted, StreamOpen, says_slot_taken
 
 __all__ = ["AllReduceError", "AllReduceReport", "AllReduceService", "PartFailure", "PeerTransfer"]
 
@@ -188,7 +188,8 @@ class AllReduceService:
         """Called by the round once it can take streams."""
         group_id = round_.group.group_id
         self._rounds[group_id] = round_
-        for waiter in self._arrivals.pop(group_id, ()):
+        for waiter in list(self._arrivals.get(group_id, ())):
+            self._release(waiter)  # its slot is free at once: it no longer waits
             if not waiter.woken.done():
                 waiter.woken.set_result("open")
 
@@ -204,8 +205,9 @@ class AllReduceService:
             opened = StreamOpen.parse(stream.header)
             round_ = self._rounds.get(opened.group_id) or await self._wait_for_round(opened,
                                                                                  ctx.peer_id)
-        except PeerFault:
-            self.counters["streams_refused"] += 1
+        except PeerFault as exc:
+            if not says_slot_taken(exc):  # (a take-over is counted as streams_evicted_waiting)
+                self.counters["streams_refused"] += 1
             raise
         async with asyncio.timeout_at(round_.deadline + 1.0):
             await round_.adopt(ctx.peer_id, stream, opened)
@@ -216,6 +218,9 @@ class AllReduceService:
             raise PeerFault("the all-reduce service is closing")
         if group_id in self._finished:
             raise PeerFault(f"round {group_id} is over here")
+        wait = min(self.arrival_grace, opened.deadline - timebase.now())
+        if not wait > 0:  # (NaN too)
+            raise PeerFault(f"round {group_id} has not started here and its deadline has passed")
         loop = asyncio.get_running_loop()
         now = loop.time()
         admission = self._waiting.admit(peer_id, now)
@@ -223,16 +228,18 @@ class AllReduceService:
             self.counters["streams_refused_peer_waiting"] += 1
             raise RoundNotStarted(f"this peer already has {self._waiting.per_source} streams waiting "
                                   "for rounds that have not started here; ask again shortly")
-        if not admission.admitted:
+        # a stream takes over another's slot only if it would hold it as long itself (one that
+        # announces a deadline a moment away would otherwise drop a waiter and leave at once,
+        # again and again, holding nothing)
+        if not admission.admitted or (admission.evict is not None
+                                      and wait < self._waiting.evict_after):
             self.counters["streams_refused_all_waiting"] += 1
             raise RoundNotStarted(f"{self._waiting.total} streams already wait for rounds that "
                                   "have not started here; ask again shortly")
         if admission.evict is not None:
             self._release(admission.evict)
-            if not admission.evict.woken.done():
-                admission.evict.woken.set_result("evicted")
+            admission.evict.woken.set_result("evicted")  # (a woken waiter holds no slot: _open)
             self.counters["streams_evicted_waiting"] += 1
-        wait = min(self.arrival_grace, max(0.0, opened.deadline - timebase.now()))
         waiter = _Waiter(group_id, loop.create_future())
         self._waiting.add(waiter, peer_id, now)
         self._arrivals.setdefault(group_id, {})[waiter] = None
@@ -240,12 +247,14 @@ class AllReduceService:
             async with asyncio.timeout(wait):
                 woken = await waiter.woken
         except TimeoutError:
-            raise PeerFault(f"no round of group {group_id} here (waited {wait:.1f}s)") from None
+            # (woken in the same turn of the loop as the timeout: the round came in time)
+            if not waiter.woken.done() or waiter.woken.cancelled():
+                raise PeerFault(f"no round of group {group_id} here (waited {wait:.1f}s)") from None
+            woken = waiter.woken.result()
         finally:
             self._release(waiter)
         if woken == "evicted":
-            raise RoundNotStarted("this stream's waiting slot went to another peer's stream (the "
-                                  "round has not started here); ask again shortly")
+            raise RoundNotStarted(SLOT_TAKEN)
         round_ = self._rounds.get(group_id)
         if round_ is None:
             raise PeerFault(f"round {group_id} is over here")

@@ -50,6 +50,7 @@ from .wire import (
     chunk_header,
     parse_chunk,
     says_not_started,
+    says_slot_taken,
 )
 
 FAULTS = (TransportError, PeerFault, CompressionError)
@@ -117,7 +118,8 @@ class PartSender:
         """Send part j to reducer j and take its averages back. A reducer that refuses the
         stream because its round has not started there and it has no slot for the stream to wait
         in (wire.RoundNotStarted) is asked again, every `RETRY_SECONDS` at most, for up to
-        `NOT_STARTED_PATIENCE` seconds."""
+        `NOT_STARTED_PATIENCE` seconds, and until the round's deadline after a refusal that says
+        the stream lost the slot it held (`wire.SLOT_TAKEN`)."""
         patience_ends = asyncio.get_running_loop().time() + NOT_STARTED_PATIENCE
         delay = RETRY_SECONDS[0]
         while not await self._exchange_once(j, patience_ends):
@@ -142,9 +144,12 @@ class PartSender:
             clean = True
         except* FAULTS as errors:
             reason = describe(errors)
+            # (a stream that held a waiting slot and lost it was not late: asked again until the
+            # deadline)
             if isinstance(leaf(errors), StreamAborted) and says_not_started(leaf(errors)) \
                     and not any(self.got[j]) and not any(key[0] == j for key in self.skipped) \
-                    and asyncio.get_running_loop().time() < patience_ends and self.left() > 0:
+                    and (asyncio.get_running_loop().time() < patience_ends
+                         or says_slot_taken(leaf(errors))) and self.left() > 0:
                 self.log.debug("allreduce_reducer_not_started", reducer=peer)
                 again = True
             else:

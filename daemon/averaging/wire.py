@@ -13,8 +13,9 @@ the stream; the abort reason says why. A sender that stops early aborts or close
 A stream that comes before its round has started at the reducer waits there for a while, in one
 of a bounded number of slots; when there is none free the reducer refuses it with
 `RoundNotStarted` (the abort reason begins with that name) and the sender opens it again shortly,
-for up to `NOT_STARTED_PATIENCE` seconds: strangers holding every waiting slot delay an honest
-sender until the round starts at the reducer, they do not take its part.
+for up to `NOT_STARTED_PATIENCE` seconds (until the round's deadline when the stream had a slot
+and lost it to another sender's: `SLOT_TAKEN`): strangers holding every waiting slot delay an
+honest sender until the round starts at the reducer, they do not take its part.
 """
 
 from __future__ import annotations
@@ -38,11 +39,21 @@ class RoundNotStarted(PeerFault):
 
 
 NOT_STARTED_PATIENCE = 5.0  # how long a sender keeps opening a stream refused as RoundNotStarted
+# the reason of a `RoundNotStarted` for a stream that held a waiting slot and lost it to another
+# sender's stream: its sender asks again until the round's deadline, not only its patience (the
+# stream had been admitted: it was not late)
+SLOT_TAKEN = ("this stream's waiting slot went to another peer's stream (the round has not "
+              "started here); ask again shortly")
 
 
 def says_not_started(error: BaseException) -> bool:
     """Whether a stream's abort says the reducer refused it as `RoundNotStarted`."""
     return f"{RoundNotStarted.__name__}:" in str(error)
+
+
+def says_slot_taken(error: BaseException) -> bool:
+    """Whether a stream's abort (or the refusal itself) says it lost its waiting slot."""
+    return SLOT_TAKEN in str(error)
 
 
 class ProtocolViolation(PeerFault):

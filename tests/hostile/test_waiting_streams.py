@@ -110,3 +110,46 @@ async def test_strangers_holding_every_waiting_slot_do_not_keep_an_early_sender_
         assert service.waiting_streams == 8  # the strangers' streams still wait, for nothing
     for stream in held:
         await stream.abort("done")
+
+
+async def test_a_stream_about_to_expire_takes_no_slot_from_a_waiting_one(
+        clusters: Any, monkeypatch: Any) -> None:  # noqa: F811
+    """A stream whose announced deadline is a moment away would drop a waiter and leave at
+    once, again and again, holding nothing: it may only take a free slot. One whose deadline
+    has passed gets none."""
+    monkeypatch.setattr(allreduce, "_MAX_WAITING_STREAMS", 4)
+    monkeypatch.setattr(allreduce, "_MAX_WAITING_PER_PEER", 4)
+    monkeypatch.setattr(allreduce, "_WAITING_EVICT_AFTER", 0.5)
+    cluster = await clusters(3, arrival_grace=30.0)
+    holder, newcomer, victim = cluster.transports[0], cluster.transports[1], cluster.ids[2]
+    service = cluster.services[2]
+    held = [await holder.open_stream(victim, METHOD,
+                                     StreamOpen(f"held-{i}", 0, 1.0, time.time() + 60).header(),
+                                     timeout=5)
+            for i in range(4)]
+    await wait_until(lambda: service.waiting_streams == 4, timeout=30)
+    await asyncio.sleep(0.6)  # every slot is now old enough to be taken over (a lower bound)
+
+    async def refusal(deadline: float) -> str:
+        stream = await newcomer.open_stream(victim, METHOD,
+                                            StreamOpen("brief", 0, 1.0, deadline).header(), timeout=5)
+        try:
+            await stream.receive(timeout=30)
+        except StreamAborted as exc:
+            return str(exc)
+        return "answered"
+
+    # (on a loaded machine its deadline may have passed by the time it is read: refused too)
+    brief = await refusal(time.time() + 0.4)
+    assert "streams already wait" in brief or "deadline has passed" in brief, brief
+    assert "deadline has passed" in await refusal(time.time() - 1.0)
+    assert service.waiting_streams == 4 and service.counters["streams_evicted_waiting"] == 0
+    # a stream that will wait as long as the slot it takes has been held does take it over
+    stream = await newcomer.open_stream(victim, METHOD,
+                                        StreamOpen("lasting", 0, 1.0, time.time() + 60).header(),
+                                        timeout=5)
+    await wait_until(lambda: service.counters["streams_evicted_waiting"] == 1, timeout=30)
+    assert service.waiting_streams == 4
+    await stream.abort("done")
+    for s in held:
+        await s.abort("done")
