@@ -63,7 +63,8 @@ _FINITE_CHECK_BLOCK = 1 << 20
 
 
 class _Waiter:
-    """A stream waiting for its round to start here: `woken` says "open" or "evicted"."""
+    """A stream waiting for its round to start here: `woken` says "open", "evicted" or "gone"
+    (the stream failed: its sender aborted it, or the link ended)."""
 
     __slots__ = ("group_id", "woken")
 
@@ -203,8 +204,8 @@ class AllReduceService:
         """Route a sender's stream to its round; refusals abort the stream with the reason."""
         try:
             opened = StreamOpen.parse(stream.header)
-            round_ = self._rounds.get(opened.group_id) or await self._wait_for_round(opened,
-                                                                                 ctx.peer_id)
+            round_ = self._rounds.get(opened.group_id) or await self._wait_for_round(
+                opened, ctx.peer_id, stream)
         except PeerFault as exc:
             if not says_slot_taken(exc):  # (a take-over is counted as streams_evicted_waiting)
                 self.counters["streams_refused"] += 1
@@ -212,7 +213,7 @@ class AllReduceService:
         async with asyncio.timeout_at(round_.deadline + 1.0):
             await round_.adopt(ctx.peer_id, stream, opened)
 
-    async def _wait_for_round(self, opened: StreamOpen, peer_id: str) -> Round:
+    async def _wait_for_round(self, opened: StreamOpen, peer_id: str, stream: Stream) -> Round:
         group_id = opened.group_id
         if self._closed:
             raise PeerFault("the all-reduce service is closing")
@@ -243,6 +244,13 @@ class AllReduceService:
         waiter = _Waiter(group_id, loop.create_future())
         self._waiting.add(waiter, peer_id, now)
         self._arrivals.setdefault(group_id, {})[waiter] = None
+        # the sender may abort the stream meanwhile (or its link end): its slot is free at once
+        failure = stream.failure()
+
+        def gone(_: object) -> None:
+            self._gone(waiter)
+
+        failure.add_done_callback(gone)
         try:
             async with asyncio.timeout(wait):
                 woken = await waiter.woken
@@ -252,13 +260,22 @@ class AllReduceService:
                 raise PeerFault(f"no round of group {group_id} here (waited {wait:.1f}s)") from None
             woken = waiter.woken.result()
         finally:
+            failure.remove_done_callback(gone)
             self._release(waiter)
+        if woken == "gone":
+            raise PeerFault("the stream ended while it waited for its round")
         if woken == "evicted":
             raise RoundNotStarted(SLOT_TAKEN)
         round_ = self._rounds.get(group_id)
         if round_ is None:
             raise PeerFault(f"round {group_id} is over here")
         return round_
+
+    def _gone(self, waiter: _Waiter) -> None:
+        """The stream of a waiter failed: free its slot and end its wait."""
+        self._release(waiter)
+        if not waiter.woken.done():
+            waiter.woken.set_result("gone")
 
     def _release(self, waiter: _Waiter) -> None:
         """Free a waiting stream's slot (nothing if it was freed already)."""

@@ -7,11 +7,13 @@ a small JSON-able header plus a raw binary payload (tensor bytes never go throug
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .addresses import PeerAddress
+from .errors import TransportError
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class Stream(Protocol):
 
     async def abort(self, reason: str) -> None:
         """Tear the stream down both ways; the peer's next call raises StreamAborted."""
+
+    def failure(self) -> asyncio.Future[TransportError]:
+        """Resolved with the stream's error once it fails (aborted by either side, or its link
+        ended), without reading it."""
 
 
 UnaryHandler = Callable[[RequestContext, Message], Awaitable[Message]]

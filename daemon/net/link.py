@@ -232,6 +232,7 @@ class LinkStream:
         self._into: memoryview | None = None
         self._waiting = False
         self._changed = asyncio.Event()
+        self._failure: asyncio.Future[TransportError] | None = None  # (made when asked for)
         self._remote_closed = False
         self._local_closed = False
         self._error: TransportError | None = None
@@ -294,10 +295,22 @@ class LinkStream:
         self._link._send_ctrl(FrameType.ABORT, self.sid, {"e": reason[:500]})
         self._fail(StreamAborted(f"stream aborted here: {reason}"))
 
+    def failure(self) -> asyncio.Future[TransportError]:
+        """Resolved with the stream's error once it fails (the peer aborted it, we did, or the
+        link ended): a handler that holds a stream without reading it (it waits for something
+        else first) learns that it is gone."""
+        if self._failure is None:
+            self._failure = asyncio.get_running_loop().create_future()
+            if self._error is not None:
+                self._failure.set_result(self._error)
+        return self._failure
+
     def _fail(self, error: TransportError) -> None:
         if self._error is not None:
             return
         self._error = error
+        if self._failure is not None and not self._failure.done():
+            self._failure.set_result(error)
         if not self.accepted.done():
             self.accepted.set_exception(error)
             self.accepted.exception()  # retrieved: nobody may be waiting

@@ -153,3 +153,22 @@ async def test_a_stream_about_to_expire_takes_no_slot_from_a_waiting_one(
     await stream.abort("done")
     for s in held:
         await s.abort("done")
+
+
+async def test_a_stream_its_sender_aborts_frees_its_waiting_slot_at_once(clusters: Any) -> None:  # noqa: F811
+    """A waiting stream is not read until its round starts; when its sender aborts it (or the
+    link ends), its slot is freed then, not when its wait (here 60 s) runs out."""
+    cluster = await clusters(2, arrival_grace=60.0)
+    sender, victim = cluster.transports[0], cluster.ids[1]
+    service = cluster.services[1]
+    streams = [await sender.open_stream(victim, METHOD,
+                                        StreamOpen(f"later-{i}", 0, 1.0, time.time() + 120).header(),
+                                        timeout=5)
+               for i in range(4)]
+    await wait_until(lambda: service.waiting_streams == 4, timeout=30)
+    for stream in streams[:3]:
+        await stream.abort("changed my mind")
+    await wait_until(lambda: service.waiting_streams == 1, timeout=30)  # (its wait: 60 s)
+    assert service.counters["streams_refused"] == 3
+    await streams[3].abort("done")
+    await wait_until(lambda: service.waiting_streams == 0, timeout=30)
