@@ -239,8 +239,11 @@ class AllReduceService:
                                   "have not started here; ask again shortly")
         if admission.evict is not None:
             self._release(admission.evict)
-            admission.evict.woken.set_result("evicted")  # (a woken waiter holds no slot: _open)
-            self.counters["streams_evicted_waiting"] += 1
+            # (a waiter woken by its round or its stream's end holds no slot; one whose wait
+            # just timed out still does until its task runs: its future is cancelled then)
+            if not admission.evict.woken.done():
+                admission.evict.woken.set_result("evicted")
+                self.counters["streams_evicted_waiting"] += 1
         waiter = _Waiter(group_id, loop.create_future())
         self._waiting.add(waiter, peer_id, now)
         self._arrivals.setdefault(group_id, {})[waiter] = None

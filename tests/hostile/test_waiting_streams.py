@@ -172,3 +172,43 @@ async def test_a_stream_its_sender_aborts_frees_its_waiting_slot_at_once(cluster
     assert service.counters["streams_refused"] == 3
     await streams[3].abort("done")
     await wait_until(lambda: service.waiting_streams == 0, timeout=30)
+
+
+async def test_a_waiter_whose_wait_just_ended_is_no_victim_of_a_take_over(monkeypatch: Any) -> None:
+    """A waiter whose task was cancelled (its wait timed out) still holds its slot until that
+    task runs; a stream admitted in between may pick it to take over. Its future is cancelled
+    by then: the take-over frees the slot and counts nothing (it used to raise)."""
+    monkeypatch.setattr(allreduce, "_MAX_WAITING_STREAMS", 1)
+    monkeypatch.setattr(allreduce, "_WAITING_EVICT_AFTER", 0.0)
+    loop = asyncio.get_running_loop()
+
+    class Transport:
+        peer_id = "reducer"
+
+        def add_stream_handler(self, method: str, handler: Any) -> None:
+            pass
+
+    class QuietStream:  # (never fails)
+        def failure(self) -> asyncio.Future[Any]:
+            return loop.create_future()
+
+    service = allreduce.AllReduceService(Transport(), arrival_grace=60.0)  # type: ignore[arg-type]
+    try:
+        def opened(group: str) -> StreamOpen:
+            return StreamOpen(group, 0, 1.0, time.time() + 120)
+
+        first = asyncio.create_task(service._wait_for_round(opened("g1"), "a", QuietStream()))  # type: ignore[arg-type]
+        await wait_until(lambda: service.waiting_streams == 1, timeout=30)
+        second = asyncio.create_task(service._wait_for_round(opened("g2"), "b", QuietStream()))  # type: ignore[arg-type]
+        first.cancel()  # its future is cancelled now; its task runs after `second`'s first step
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await wait_until(lambda: service.waiting_streams == 1, timeout=30)  # `second` waits
+        assert service.counters["streams_evicted_waiting"] == 0
+        assert not second.done()
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert service.waiting_streams == 0
+    finally:
+        service.close()
