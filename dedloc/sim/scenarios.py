@@ -10,7 +10,9 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   synced with the run before the round (stepped or downloaded once), or had been live for
   `SYNC_GRACE` without ever syncing, and stepped in it (honest trainers only: the others rightly
   leave a liar that claims another epoch out of their rounds); `lowest_round` says which round
-  that was, with its trainers and the live ones counted;
+  that was, with those of its trainers counted, the live ones, and `others` (trainers that
+  stepped in it without having synced before its target was reached: they count in neither,
+  so that they cannot stand in for a live trainer that was missing);
 - `max_epoch_spread`: the largest gap between the epochs of such trainers, sampled every second;
   `widest_spread` says when it was first seen (simulated seconds from the start, as the log's
   `t`) and what the trainers at the lowest epoch were doing then (where a spread beyond one
@@ -146,8 +148,10 @@ class Observer:
     def __init__(self, swarm: Swarm) -> None:
         self.swarm = swarm
         self.steps: dict[int, dict[str, set[bytes]]] = defaultdict(lambda: defaultdict(set))
-        self.participants: dict[tuple[int, str], int] = defaultdict(int)
-        self.live_at_round: dict[tuple[int, str], int] = {}
+        # per round (epoch, lineage): the honest trainers that stepped in it, and those that
+        # should have (live, synced before the round's target was reached: `_record_step`)
+        self.participants: dict[tuple[int, str], set[int]] = defaultdict(set)
+        self.live_at_round: dict[tuple[int, str], set[int]] = {}
         self.max_spread = 0
         self.widest: dict[str, Any] | None = None  # Result.widest_spread
         self.max_round_weight = 0.0  # samples
@@ -256,14 +260,14 @@ class Observer:
         # disbelieve is left out of their rounds)
         key = (epoch, lineage)
         if peer.spec.lie is None:
-            self.participants[key] += 1
+            self.participants[key].add(peer.index)
         if key not in self.live_at_round:
             reached = entry["target_reached_at"] - _unix_offset(self.swarm)
-            self.live_at_round[key] = sum(
-                1 for p in self.swarm.live if p.spec.role == "trainer" and p.spec.lie is None and (
+            self.live_at_round[key] = {
+                p.index for p in self.swarm.live if p.spec.role == "trainer" and p.spec.lie is None and (
                     (p.synced_at is not None and p.synced_at <= reached)
                     # one that had time to sync and never did counts too (not only those in)
-                    or (p.synced_at is None and p.started_at <= reached - SYNC_GRACE)))
+                    or (p.synced_at is None and p.started_at <= reached - SYNC_GRACE))}
         if peer.spec.lie is None:
             self.max_round_weight = max(self.max_round_weight, float(entry.get("weight", 0.0)))
         if entry["samples"] > 0 and peer.index not in self._first_contribution:
@@ -309,15 +313,19 @@ class Observer:
 
     def lowest_round(self) -> dict[str, Any] | None:
         """The round with the lowest share of the live trainers in it (epoch, lineage's first
-        characters, trainers in it, trainers live then), or None if no round was measured."""
+        characters, the live trainers in it, the trainers live then, and `others`: trainers
+        that stepped in it though they had not synced before its target was reached, counted
+        in neither), or None if no round was measured."""
         lowest: dict[str, Any] | None = None
         for key, live in sorted(self.live_at_round.items()):
-            if key[0] in self.excluded_epochs or live == 0:
+            if key[0] in self.excluded_epochs or not live:
                 continue
-            share = min(1.0, self.participants[key] / live)
+            inside = self.participants[key] & live
+            share = len(inside) / len(live)
             if lowest is None or share < lowest["share"]:
                 lowest = {"epoch": key[0], "lineage": key[1][:8], "share": share,
-                          "participants": self.participants[key], "live": live}
+                          "participants": len(inside), "live": len(live),
+                          "others": len(self.participants[key] - live)}
         return lowest
 
     def newcomer_delay(self) -> tuple[int, int]:
