@@ -24,6 +24,16 @@ from dedloc.daemon.averaging.wire import METHOD, StreamOpen, says_not_started
 from dedloc.daemon.net import StreamAborted
 
 
+async def _waiting_streams(opener: Any, victim: str, prefix: str, count: int, *,
+                           seconds: float) -> list[Any]:
+    """`count` streams from `opener` to `victim` for rounds nobody forms, announcing a deadline
+    `seconds` away."""
+    return [await opener.open_stream(victim, METHOD,
+                                     StreamOpen(f"{prefix}-{i}", 0, 1.0, time.time() + seconds).header(),
+                                     timeout=5)
+            for i in range(count)]
+
+
 async def test_a_stranger_holds_a_few_waiting_slots_and_the_round_goes_on(clusters: Any) -> None:  # noqa: F811
     cluster = await clusters(4, arrival_grace=30.0)
     attacker, victim = cluster.transports[3], cluster.ids[1]
@@ -123,10 +133,7 @@ async def test_a_stream_about_to_expire_takes_no_slot_from_a_waiting_one(
     cluster = await clusters(3, arrival_grace=30.0)
     holder, newcomer, victim = cluster.transports[0], cluster.transports[1], cluster.ids[2]
     service = cluster.services[2]
-    held = [await holder.open_stream(victim, METHOD,
-                                     StreamOpen(f"held-{i}", 0, 1.0, time.time() + 60).header(),
-                                     timeout=5)
-            for i in range(4)]
+    held = await _waiting_streams(holder, victim, "held", 4, seconds=60)
     await wait_until(lambda: service.waiting_streams == 4, timeout=30)
     await asyncio.sleep(0.6)  # every slot is now old enough to be taken over (a lower bound)
 
@@ -161,10 +168,7 @@ async def test_a_stream_its_sender_aborts_frees_its_waiting_slot_at_once(cluster
     cluster = await clusters(2, arrival_grace=60.0)
     sender, victim = cluster.transports[0], cluster.ids[1]
     service = cluster.services[1]
-    streams = [await sender.open_stream(victim, METHOD,
-                                        StreamOpen(f"later-{i}", 0, 1.0, time.time() + 120).header(),
-                                        timeout=5)
-               for i in range(4)]
+    streams = await _waiting_streams(sender, victim, "later", 4, seconds=120)
     await wait_until(lambda: service.waiting_streams == 4, timeout=30)
     for stream in streams[:3]:
         await stream.abort("changed my mind")
