@@ -68,6 +68,7 @@ class PeerNetwork:
         self._task: asyncio.Task[None] | None = None
         self._stun: list[StunResponder] = []
         self.relay_service: RelayService | None = None
+        self.dial_back: DialBackService | None = None
         self.relay_client: RelayClient | None = None
         self._reservations: RelayReservations | None = None
         self.upgrader: PathUpgrader | None = None
@@ -88,7 +89,7 @@ class PeerNetwork:
             self.transport.set_announced([PeerAddress.parse(a) for a in net.announce])
         if net.stun:
             await self._start_stun()
-        DialBackService(self.transport, self.transport.probe)
+        self.dial_back = DialBackService(self.transport, self.transport.probe)
         relay = self.config.relay
         self.relay_service = RelayService(
             self.transport, relay.relay_limits(), reachable=lambda: self.status.reachable,
@@ -247,6 +248,8 @@ class PeerNetwork:
             counters.update({f"relay.{k}": v for k, v in self.relay_client.counters.items()})
         if self.upgrader is not None:
             counters.update({f"net.{k}": v for k, v in self.upgrader.counters.items()})
+        if self.dial_back is not None:
+            counters.update({f"net.dial_back_{k}": v for k, v in self.dial_back.counters.items()})
         counters["membership.refusals"] = sum(self.membership.refusals_by_reason.values())
         for reason, count in self.membership.refusals_by_reason.items():
             counters[f"membership.refused_{reason}"] = count

@@ -26,11 +26,14 @@ class Message:
 
 @dataclass(frozen=True)
 class RequestContext:
-    """Who is calling: the authenticated peer id and the link it came over."""
+    """Who is calling: the authenticated peer id and the link it came over (`remote_host`: the
+    IP address at the other end of a direct link, as this side's socket sees it; None over a
+    relayed or WebRTC link)."""
 
     peer_id: str
     link_kind: str = "tcp"
     addresses: tuple[PeerAddress, ...] = ()
+    remote_host: str | None = None
 
 
 @dataclass(frozen=True)

@@ -524,7 +524,8 @@ class Link:
         self._dispatcher = dispatcher
         self._on_closed = on_closed
         self._counters = counters
-        self._context = RequestContext(peer_id, io.kind, peer_addresses)
+        self._context = RequestContext(peer_id, io.kind, peer_addresses,
+                                       remote_host=_direct_host(io.kind, address))
         self._log = log.bind(peer_id=peer_id, local=local_peer_id, outbound=outbound)
         self._next_sid = 1 if outbound else 2
         self._peer_max_sid = 0
@@ -1263,3 +1264,18 @@ class Link:
                                  f"{self.limits.message_stall_timeout:g}s")
                 return
             self._ping()
+
+
+_DIRECT_KINDS = ("tcp", "tcp-plain", "holepunch")  # a socket of ours at one end, the peer's at the other
+
+
+def _direct_host(kind: str, address: str | None) -> str | None:
+    """The IP address at the other end of a direct link (from the address its socket connected
+    to or from); None for a relayed or WebRTC link, or an address without an IP."""
+    if kind not in _DIRECT_KINDS or address is None:
+        return None
+    try:
+        parsed = PeerAddress.parse(address)
+    except ValueError:
+        return None
+    return parsed.host if parsed.host_kind in ("ip4", "ip6") else None

@@ -1,13 +1,21 @@
 """Reachability, AutoNAT style: a peer asks others to dial it back on its listen addresses.
 
 The answerer dials each address on a fresh connection, runs the full handshake (so only the asking
-peer itself can pass), hangs up, and says which addresses answered. Requests are rate-limited per
-peer and bounded in count, so a peer cannot use others to scan ports.
+peer itself can pass), hangs up, and says which addresses answered. It dials only addresses at
+the IP the request came from (the other end of a direct link, as its socket sees it): identities
+are free, so a limit per peer alone let a stranger make every daemon it reached send SYNs and
+TLS hellos to any host (a third party, the answerer's own LAN); now a peer can only have itself
+dialed. Addresses at another IP, or named by a host name, are left out of the answer (counted:
+`addresses_skipped`); a request over a relayed or WebRTC link is refused (no IP to dial back:
+`refused_indirect`). Counters reach node.info as `net.dial_back_*`.
+Requests are rate-limited per peer and bounded in count.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import ipaddress
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
@@ -38,11 +46,18 @@ class DialBackService:
         self._timeout = timeout
         self._min_interval = min_interval
         self._last_request: dict[str, float] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
         transport.add_unary_handler(DIAL_BACK, self._on_dial_back)
 
     async def _on_dial_back(self, ctx: RequestContext, message: Message) -> Message:
+        observed = _ip(ctx.remote_host)
+        if observed is None:
+            self.counters["refused_indirect"] += 1
+            raise DialBackRefused("a dial-back is answered over a direct link only: it dials the "
+                                  "address the request came from")
         now = timebase.monotonic()
         if now - self._last_request.get(ctx.peer_id, -self._min_interval) < self._min_interval:
+            self.counters["refused_rate"] += 1
             raise DialBackRefused(f"at most one dial-back per {self._min_interval:.0f} s")
         self._last_request[ctx.peer_id] = now
         if len(self._last_request) > 10_000:  # forget the oldest; bounded memory
@@ -54,9 +69,14 @@ class DialBackService:
         addresses = []
         for text in texts[:MAX_ADDRESSES]:
             try:
-                addresses.append(PeerAddress.parse(text).with_peer(ctx.peer_id))
+                address = PeerAddress.parse(text).with_peer(ctx.peer_id)
             except ValueError as exc:
                 raise DialBackRefused(str(exc)) from None
+            if _ip(address.host) != observed or address.circuit is not None:
+                self.counters["addresses_skipped"] += 1  # not the requester's own IP
+                continue
+            addresses.append(address)
+        self.counters["answered"] += 1
         results = await asyncio.gather(*(self._try(a) for a in addresses))
         return Message({"reachable": [str(a) for a, ok in zip(addresses, results, strict=True) if ok]})
 
@@ -67,6 +87,19 @@ class DialBackService:
             log.debug("dial_back_failed", address=str(address), error=str(exc))
             return False
         return True
+
+
+def _ip(host: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`host` as an IP address (an IPv4-mapped IPv6 one as IPv4); None if it is not one."""
+    if host is None:
+        return None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 async def check_reachability(transport: PeerTransport, helpers: Sequence[str],
