@@ -250,6 +250,9 @@ class PeerNetwork:
             counters.update({f"net.{k}": v for k, v in self.upgrader.counters.items()})
         if self.dial_back is not None:
             counters.update({f"net.dial_back_{k}": v for k, v in self.dial_back.counters.items()})
+        if self.puncher is not None:
+            counters["net.punches_refused"] = self.puncher.refused
+            counters["net.punches_refused_target"] = self.puncher.refused_target
         counters["membership.refusals"] = sum(self.membership.refusals_by_reason.values())
         for reason, count in self.membership.refusals_by_reason.items():
             counters[f"membership.refused_{reason}"] = count

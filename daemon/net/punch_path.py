@@ -9,7 +9,9 @@ fails by the deadline and WebRTC is tried next.
 
 A `path.punch` makes this daemon query STUN servers and send SYNs and TLS hellos to the address it
 is given, so it is bounded: at most `MAX_PUNCHES` answers at once, one per peer at a time and one
-per peer every `PUNCH_COOLDOWN` seconds, and never toward a loopback, unspecified, multicast or
+per peer every `PUNCH_COOLDOWN` seconds, at most `PER_TARGET` toward one IP address in that
+time whoever asks (identities are free: a bound per peer alone let a stranger aim this daemon at
+one host as often as it made up ids), and never toward a loopback, unspecified, multicast or
 broadcast address (private addresses stay allowed: peers on one LAN, and the NAT lab, punch there).
 """
 
@@ -34,7 +36,10 @@ PUNCH_SECONDS = 5.0
 STUN_SECONDS = 2.0
 MAX_PUNCHES = 4  # answers under way at once
 PUNCH_COOLDOWN = 30.0  # seconds between two punches answered for one peer
-MAX_REMEMBERED = 4096  # peers whose last punch is remembered
+MAX_REMEMBERED = 4096  # peers (and target addresses) whose last punches are remembered
+# punches answered toward one IP address per PUNCH_COOLDOWN, by any peers (two peers behind one
+# NAT may punch to us at once)
+PER_TARGET = 2
 
 
 class PunchRefused(TransportError):
@@ -43,14 +48,19 @@ class PunchRefused(TransportError):
 
 class TcpPuncher:
     def __init__(self, transport: TlsTransport, stun_servers: Callable[[], list[tuple[str, int]]],
-                 seconds: float = PUNCH_SECONDS) -> None:
+                 seconds: float = PUNCH_SECONDS, clock: Callable[[], float] | None = None) -> None:
         self._transport = transport
+        # (monotonic seconds: the loop's clock unless a test gives one)
+        self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self._stun_servers = stun_servers
         self._seconds = seconds
         self._tasks: set[asyncio.Task[None]] = set()
         self._answering: set[str] = set()
         self._last_answer: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # target IP -> when punches toward it were answered (the last PER_TARGET)
+        self._target_answers: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
         self.refused = 0
+        self.refused_target = 0  # of those: toward an address punched PER_TARGET times lately
         transport.add_unary_handler(PUNCH, self._on_punch)
 
     async def _public(self) -> tuple[str, int] | None:
@@ -91,17 +101,27 @@ class TcpPuncher:
         if ctx.link_kind != "relay":
             raise PunchRefused("only a relayed link is upgraded by punching")
         theirs = _remote(message.header)
-        now = asyncio.get_running_loop().time()
+        now = self._clock()
         last = self._last_answer.get(ctx.peer_id)
         if ctx.peer_id in self._answering or len(self._answering) >= MAX_PUNCHES \
                 or (last is not None and now - last < PUNCH_COOLDOWN):
             self.refused += 1
             raise PunchRefused("busy punching, or punched for this peer a moment ago; "
                                f"ask again in {PUNCH_COOLDOWN:g} s")
+        target = _target_key(theirs[0])
+        recent = [t for t in self._target_answers.pop(target, []) if now - t < PUNCH_COOLDOWN]
+        if len(recent) >= PER_TARGET:
+            self._target_answers[target] = recent
+            self.refused += 1
+            self.refused_target += 1
+            raise PunchRefused(f"punched toward {target} {PER_TARGET} times in the last "
+                               f"{PUNCH_COOLDOWN:g} s; ask again later")
+        self._target_answers[target] = [*recent, now]
         self._last_answer.pop(ctx.peer_id, None)
         self._last_answer[ctx.peer_id] = now
-        while len(self._last_answer) > MAX_REMEMBERED:
-            self._last_answer.popitem(last=False)
+        for remembered in (self._last_answer, self._target_answers):
+            while len(remembered) > MAX_REMEMBERED:
+                remembered.popitem(last=False)
         self._answering.add(ctx.peer_id)
         try:
             mine = await self._public()
@@ -135,6 +155,14 @@ class TcpPuncher:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _target_key(ip: str) -> str:
+    """One key per address however it is written (an IPv4-mapped IPv6 address as IPv4)."""
+    address = ipaddress.ip_address(ip)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
 
 
 def _remote(header: dict[str, object]) -> tuple[str, int]:
