@@ -63,8 +63,8 @@ _FINITE_CHECK_BLOCK = 1 << 20
 
 
 class _Waiter:
-    """A stream waiting for its round to start here: `woken` says "open", "evicted" or "gone"
-    (the stream failed: its sender aborted it, or the link ended)."""
+    """A stream waiting for its round to start here: `woken` says "open", "evicted", "gone" (the
+    stream failed: its sender aborted it, or the link ended) or "closed" (the service)."""
 
     __slots__ = ("group_id", "woken")
 
@@ -267,6 +267,8 @@ class AllReduceService:
             self._release(waiter)
         if woken == "gone":
             raise PeerFault("the stream ended while it waited for its round")
+        if woken == "closed":
+            raise PeerFault("the all-reduce service is closing")
         if woken == "evicted":
             raise RoundNotStarted(SLOT_TAKEN)
         round_ = self._rounds.get(group_id)
@@ -290,8 +292,14 @@ class AllReduceService:
                 del self._arrivals[waiter.group_id]
 
     def close(self) -> None:
-        """Refuse new rounds and streams and stop the worker threads (call after the rounds)."""
+        """Refuse new rounds and streams, end the waits of streams whose rounds will not start
+        now, and stop the worker threads (call after the rounds)."""
         self._closed = True
+        for waiters in list(self._arrivals.values()):
+            for waiter in list(waiters):
+                self._release(waiter)
+                if not waiter.woken.done():
+                    waiter.woken.set_result("closed")
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def status(self) -> dict[str, Any]:

@@ -216,3 +216,15 @@ async def test_a_waiter_whose_wait_just_ended_is_no_victim_of_a_take_over(monkey
         assert service.waiting_streams == 0
     finally:
         service.close()
+
+
+async def test_closing_the_service_ends_every_wait(clusters: Any) -> None:  # noqa: F811
+    cluster = await clusters(2, arrival_grace=60.0)
+    service = cluster.services[1]
+    streams = await _waiting_streams(cluster.transports[0], cluster.ids[1], "never", 3, seconds=120)
+    await wait_until(lambda: service.waiting_streams == 3, timeout=30)
+    service.close()
+    assert service.waiting_streams == 0
+    for stream in streams:  # each is told, not left to its 60 s wait
+        with pytest.raises(StreamAborted, match="closing"):
+            await stream.receive(timeout=30)
