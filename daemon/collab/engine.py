@@ -266,9 +266,11 @@ class RunEngine(RoundTaking, CatchingUp):
                 # (checkpoint, donations) is the run's (a local-update run's outer parameters)
                 await self.trainer.zero_grad()
                 p.accumulated = 0
+            # the final checkpoint first: a run that says it is finished has it on disk (a
+            # status read between the two found "finished" and no checkpoint of the last epoch)
+            await self._save_checkpoint()
             if self._on_finished is not None:
                 self._on_finished()
-            await self._save_checkpoint()
         view = View(local, run, self.schedule, now, self.timing, blocked, self._finished_at,
                     self._averaged)
         return view, read
