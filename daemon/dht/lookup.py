@@ -83,7 +83,8 @@ async def iterative_lookup(target: int, initial: list[Contact], query: Query, *,
                     break
                 closest_before = min((distances[p] for p in contacts if p not in failed), default=None)
                 done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
+                # (in the order they were asked, not the set's: the same in every simulated run)
+                for task in [t for t in in_flight if t in done]:
                     peer_id = in_flight.pop(task)
                     if task.exception() is not None:
                         failed.add(peer_id)

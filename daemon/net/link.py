@@ -143,7 +143,8 @@ class InboundBudget:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.links: set[Link] = set()
+        # (a dict, not a set: the same order in every simulated run, where ties are broken)
+        self.links: dict[Link, None] = {}
         self.refused = 0
         # An upper bound of `due()`: its last exact sum plus every reservation since (what links
         # owe only shrinks between reservations). Summing over every link for each message
@@ -508,7 +509,7 @@ class Link:
         self.io = io
         self._budget = budget
         if budget is not None:
-            budget.links.add(self)
+            budget.links[self] = None
         self.peer_id = peer_id
         self.peer_addresses = peer_addresses
         self.outbound = outbound
@@ -616,7 +617,7 @@ class Link:
         self.io.close()
         self._assembling.clear()  # what its peer owed no longer counts against the budget
         if self._budget is not None:
-            self._budget.links.discard(self)
+            self._budget.links.pop(self, None)
         self._log.debug("link_closed", reason=reason)
         self._on_closed(self)
 

@@ -77,7 +77,8 @@ class TokenBucket:
         self._booked = 0.0  # bytes booked, ever
         self._covered = 0.0  # bytes the refill (and the initial burst) covered, ever
         self._stamp = clock()
-        self._sleepers: set[asyncio.Event] = set()
+        # (a dict, not a set: woken in the order they slept, the same in every simulated run)
+        self._sleepers: dict[asyncio.Event, None] = {}
         self.waited_seconds = 0.0  # time `acquire` callers slept, in all
         self.set_rate(rate, burst)
         self._covered = self._booked + self._burst  # start full
@@ -156,11 +157,11 @@ class TokenBucket:
         delay = self.delay(mark)
         if delay <= 0 or wake.is_set():
             return delay
-        self._sleepers.add(wake)
+        self._sleepers[wake] = None
         try:
             await self._waiter(wake, delay)
         finally:
-            self._sleepers.discard(wake)
+            self._sleepers.pop(wake, None)
         return self.delay(mark)
 
     async def acquire(self, count: float) -> float:

@@ -203,7 +203,7 @@ class SimNetwork:
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._hosts: dict[str, _Host] = {}
-        self._pipes: set[SimPipe] = set()
+        self._pipes: dict[SimPipe, None] = {}  # (ordered: runs of one seed alike)
         self._partitions: list[tuple[frozenset[int], frozenset[int]]] = []
         self._topology_changed = asyncio.Event()
 
@@ -244,7 +244,7 @@ class SimNetwork:
         self._topology_changed = asyncio.Event()
 
     def _forget(self, pipe: SimPipe) -> None:
-        self._pipes.discard(pipe)
+        self._pipes.pop(pipe, None)
 
     # Connections -------------------------------------------------------------------------
 
@@ -252,7 +252,7 @@ class SimNetwork:
         a_to_b, b_to_a = _Direction(self.loop), _Direction(self.loop)
         ours = SimPipe(self, a, b, b_to_a, a_to_b)
         theirs = SimPipe(self, b, a, a_to_b, b_to_a)
-        self._pipes.update((ours, theirs))
+        self._pipes.update(dict.fromkeys((ours, theirs)))
         held = self._separated(a, b)
         a_to_b.hold(held)
         b_to_a.hold(held)
