@@ -84,8 +84,14 @@ class ConnectionFlood:
 
     async def close(self) -> None:
         self._closed = True
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:  # (bounded: a task that went on anyway ends at its next turn of the loop)
-            await asyncio.wait(tasks, timeout=30.0)
+        await cancel_all(self._tasks)
+
+
+async def cancel_all(tasks: set[asyncio.Task[None]]) -> None:
+    """Cancel a flood's tasks and wait for them (bounded: a task that went on anyway ends at its
+    next turn of the loop)."""
+    pending = list(tasks)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=30.0)

@@ -15,8 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import sys
 import time
 from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from connection_flood import cancel_all  # one copy of a flood's shutdown
 
 from dedloc.daemon.averaging.wire import METHOD, StreamOpen, says_not_started
 from dedloc.daemon.identity import Identity
@@ -97,11 +102,7 @@ class WaitingStreamFlood:
 
     async def close(self) -> None:
         self._closed = True
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=30.0)
+        await cancel_all(self._tasks)
         for transport in self._transports:
             with contextlib.suppress(Exception):
                 await transport.close()

@@ -99,6 +99,20 @@ class PeerAddress:
         return text + (f"/p2p-circuit/p2p/{self.circuit}" if self.circuit else "")
 
 
+def ip_of(host: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`host` as an IP address, an IPv4-mapped IPv6 one (a dual-stack socket's view of an IPv4
+    peer) as IPv4; None if it is not an IP address."""
+    if host is None:
+        return None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
 @functools.lru_cache(maxsize=8192)
 def _parse(text: str) -> PeerAddress:
     return PeerAddress._parse_uncached(text)

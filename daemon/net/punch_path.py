@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import structlog
 
+from .addresses import ip_of
 from .errors import PeerUnreachableError, TransportError
 from .holepunch import AlreadyLinked, listen_port, public_tcp_guess, punch, stun_public_ip, tls_role
 from .interface import Message, RequestContext
@@ -158,23 +159,17 @@ class TcpPuncher:
 
 
 def _target_key(ip: str) -> str:
-    """One key per address however it is written (an IPv4-mapped IPv6 address as IPv4)."""
-    address = ipaddress.ip_address(ip)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return str(address)
+    """One key per address however it is written (`_remote` checked that it is one)."""
+    return str(ip_of(ip))
 
 
 def _remote(header: dict[str, object]) -> tuple[str, int]:
     ip, port = header.get("ip"), header.get("port")
     if not isinstance(ip, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise PunchRefused("path.punch needs 'ip' (str) and 'port' (1-65535)")
-    try:
-        address = ipaddress.ip_address(ip)
-    except ValueError:
-        raise PunchRefused(f"path.punch: {ip[:64]!r} is not an IP address") from None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # ::ffff:127.0.0.1 is loopback too (the socket is dual-stack)
+    address = ip_of(ip)  # (::ffff:127.0.0.1 is loopback too: the socket is dual-stack)
+    if address is None:
+        raise PunchRefused(f"path.punch: {ip[:64]!r} is not an IP address")
     if address.is_link_local or address.is_loopback or address.is_unspecified or address.is_multicast or \
             address == ipaddress.IPv4Address("255.255.255.255"):
         raise PunchRefused(f"path.punch will not send to {address}")

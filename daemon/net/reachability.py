@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
 from .. import timebase
-from .addresses import PeerAddress
+from .addresses import PeerAddress, ip_of
 from .errors import TransportError
 from .interface import Message, PeerTransport, RequestContext
 
@@ -50,7 +49,7 @@ class DialBackService:
         transport.add_unary_handler(DIAL_BACK, self._on_dial_back)
 
     async def _on_dial_back(self, ctx: RequestContext, message: Message) -> Message:
-        observed = _ip(ctx.remote_host)
+        observed = ip_of(ctx.remote_host)
         if observed is None:
             self.counters["refused_indirect"] += 1
             raise DialBackRefused("a dial-back is answered over a direct link only: it dials the "
@@ -72,7 +71,7 @@ class DialBackService:
                 address = PeerAddress.parse(text).with_peer(ctx.peer_id)
             except ValueError as exc:
                 raise DialBackRefused(str(exc)) from None
-            if _ip(address.host) != observed or address.circuit is not None:
+            if ip_of(address.host) != observed or address.circuit is not None:
                 self.counters["addresses_skipped"] += 1  # not the requester's own IP
                 continue
             addresses.append(address)
@@ -87,19 +86,6 @@ class DialBackService:
             log.debug("dial_back_failed", address=str(address), error=str(exc))
             return False
         return True
-
-
-def _ip(host: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """`host` as an IP address (an IPv4-mapped IPv6 one as IPv4); None if it is not one."""
-    if host is None:
-        return None
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
 
 
 async def check_reachability(transport: PeerTransport, helpers: Sequence[str],

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import structlog
 
 from ..identity import Identity
-from .addresses import PeerAddress
+from .addresses import PeerAddress, ip_of
 from .admission import FairSlots
 from .errors import (
     CallTimeout,
@@ -530,12 +530,11 @@ class TlsTransport:
     def _source_of(self, sock: socket.socket) -> str | None:
         """The source a connection's handshake counts against (None: not limited)."""
         try:
-            host = str(sock.getpeername()[0])
-            address = ipaddress.ip_address(host)
-        except (OSError, ValueError, IndexError):
+            address = ip_of(str(sock.getpeername()[0]))
+        except (OSError, IndexError):
             return None
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        if address is None:
+            return None
         if address.is_loopback and not self.limits.limit_loopback:
             return None
         if isinstance(address, ipaddress.IPv6Address):  # one host holds a whole /64
