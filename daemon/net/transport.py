@@ -124,7 +124,7 @@ class TlsTransport:
         self._announced: list[PeerAddress] | None = None
         self._book: dict[str, list[PeerAddress]] = {}
         self._links: dict[str, list[Link]] = {}
-        self._all_links: set[Link] = set()
+        self._all_links: dict[Link, None] = {}  # (in the order they came: closing is ordered)
         self._accept_tasks: set[asyncio.Task[None]] = set()
         self._handshakes: FairSlots[asyncio.Task[None]] = FairSlots(
             self.limits.max_handshakes, self.limits.max_handshakes_per_source,
@@ -583,7 +583,7 @@ class TlsTransport:
         existing = self._links.setdefault(peer_id, [])
         first = not any(not other.closed for other in existing)
         existing.append(link)
-        self._all_links.add(link)
+        self._all_links[link] = None
         self._counters["links_opened"] += 1
         link.start()
         self._dedupe(peer_id)
@@ -610,7 +610,7 @@ class TlsTransport:
 
     def _on_link_closed(self, link: Link) -> None:
         self._counters["links_closed"] += 1
-        self._all_links.discard(link)
+        self._all_links.pop(link, None)
         links = self._links.get(link.peer_id, [])
         if link in links:
             links.remove(link)

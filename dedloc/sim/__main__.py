@@ -1,5 +1,5 @@
 """`python -m dedloc.sim SCENARIO --peers N [--aux M] [--seed S] [--epochs E] [--max-group-size G]
-[--average-state-every K] [--joiners J] [--period SECONDS] [--json]`: run one scenario of the
+[--average-state-every K] [--joiners J] [--period SECONDS] [--json] [--trace FILE]`: run one scenario of the
 swarm simulator and print what it measured (scenarios.py)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import structlog
 
 from .loop import START, run_virtual
 from .scenarios import EPOCH_SECONDS, SCENARIOS, run_scenario
+from .trace import tracing
 
 
 def _virtual_time(logger: object, method: str, event: dict[str, object]) -> dict[str, object]:
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="error", help="the daemons' log level")
     parser.add_argument("--log-events", default="",
                         help="log only these events (comma-separated names), e.g. at debug level")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="write every callback the loop runs to FILE (slow): two traces of "
+                             "one command show where runs part (trace.py)")
     args = parser.parse_args(argv)
     if args.peers < 1:
         parser.error("--peers must be at least 1")
@@ -81,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         else {"joiners": args.joiners}
     if args.period is not None:
         script["period"] = args.period
-    result = run_virtual(run_scenario(args.scenario, args.peers, aux=args.aux, seed=args.seed,
-                                      epochs=args.epochs, script=script, **run))
+    with contextlib.ExitStack() as stack:
+        if args.trace is not None:
+            stack.enter_context(tracing(stack.enter_context(open(args.trace, "w", encoding="utf-8"))))
+        result = run_virtual(run_scenario(args.scenario, args.peers, aux=args.aux,
+                                          seed=args.seed, epochs=args.epochs, script=script,
+                                          **run))
     data = result.to_json()
     if args.json:
         sys.stdout.write(orjson.dumps(data).decode() + "\n")

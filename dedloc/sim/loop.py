@@ -6,6 +6,9 @@
   time its code takes to execute, whatever the machine's load: on virtual time nothing is late;
 - `run_in_executor` (and so `asyncio.to_thread`) runs the function inline, in no virtual time:
   a thread would finish in wall time while virtual time races ahead.
+Its tasks and futures hash by the order of their creation, not by their memory address: a set of
+them (a `TaskGroup`'s, `asyncio.wait`'s, a link's background tasks) iterates in the same order in
+every run of one seed, where by address it would differ between runs (ASLR) and part them.
 Real file descriptors still work (they are polled without waiting), but nothing in a simulation
 should need them. A loop with nothing ready, no timer and no file descriptor to wait for would
 wait forever: `SimulationStalled`.
@@ -14,6 +17,7 @@ wait forever: `SimulationStalled`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import selectors
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
@@ -48,12 +52,41 @@ class _VirtualSelector(selectors.DefaultSelector):
         return []
 
 
+class _SerialTask(asyncio.Task):  # type: ignore[type-arg]
+    """A task whose hash is its creation's serial number (see the module docstring)."""
+
+    serial = 0
+
+    def __hash__(self) -> int:
+        return self.serial
+
+
+class _SerialFuture(asyncio.Future):  # type: ignore[type-arg]
+    serial = 0
+
+    def __hash__(self) -> int:
+        return self.serial
+
+
 class VirtualClockLoop(asyncio.SelectorEventLoop):
     """See the module docstring. `advance` is called by the loop itself when it is idle."""
 
     def __init__(self) -> None:
         self._virtual_time = START
+        self._serials = itertools.count(1)
         super().__init__(_VirtualSelector(self))
+        self.set_task_factory(self._serial_task)
+
+    def _serial_task(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
+                     **kwargs: Any) -> asyncio.Task[Any]:
+        task = _SerialTask(coro, loop=loop, **kwargs)
+        task.serial = next(self._serials)
+        return task
+
+    def create_future(self) -> asyncio.Future[Any]:
+        future = _SerialFuture(loop=self)
+        future.serial = next(self._serials)
+        return future
 
     def time(self) -> float:
         return self._virtual_time

@@ -42,6 +42,9 @@ virtual time, watches every peer (`Observer`) and returns a `Result`:
   how long those reads took on the virtual clock (p50, p90, max; a read ends at its deadline,
   5 s, with what had come by then): at 256 peers these reads took seconds, and the trainers
   decided that an epoch's target was reached up to 20 s apart;
+- `parameters_digest`: a digest of every live trainer's parameters at the end, bit for bit:
+  two runs of one command (one seed) give the same (the simulator is deterministic: loop.py,
+  and `python -m dedloc.sim --trace` to find where two runs part if they do not);
 - `partition` also: `epochs_to_reconcile` (after the heal, epochs until every live trainer holds
   the same parameters) and `epoch_went_backwards`.
 """
@@ -111,6 +114,7 @@ class Result:
     # epoch -> [step spread, trainers measured, state round spread, trainers measured]: where
     # in a run the trainers drew apart (a hidden split in the first round, or every epoch)
     spread_by_epoch: dict[str, list[float]] = field(default_factory=dict)
+    parameters_digest: str = ""  # of every live trainer's parameters at the end, bit for bit
     errors: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -562,6 +566,11 @@ def _finish(swarm: Swarm, observer: Observer, result: Result) -> None:
     result.max_round_weight = round(observer.max_round_weight / swarm.run.target_batch_size, 3)
     result.parameter_spread = _spread([p.trainer.parameters for p in swarm.live
                                        if p.trainer is not None])
+    ends = hashlib.blake2b(digest_size=16)
+    for peer in sorted(swarm.live, key=lambda p: p.index):
+        if peer.trainer is not None:
+            ends.update(peer.trainer.parameters.tobytes())
+    result.parameters_digest = ends.hexdigest()
     result.step_spread = observer.step_spread()
     result.state_round_spread = observer.state_round_spread()
     result.spread_by_epoch = {

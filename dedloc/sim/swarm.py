@@ -244,7 +244,7 @@ class SimPeer:
             peer_id=self.peer_id, role=role, schedule=run.schedule(), board=published,
             averaging=NetworkRounds(self.averager, board.key, self.dht),
             states=NetworkStates(self.transport, self.membership, board.key, allocate=ArrayBuffer,
-                                parameters=run.size),
+                                parameters=run.size, rng=random.Random(self.rng.random())),
             trainer=self.trainer, progress=progress, parameters=run.size,
             aggregation=manifest.aggregation, timing=swarm.timing,
             name="sim", donors=DonorChoice(rng=random.Random(self.rng.random())))
