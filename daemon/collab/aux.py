@@ -78,6 +78,7 @@ class AuxRun:
             self.engine = self._engine()
             self.engine.progress.rounds = progress.rounds
             self.engine.progress.failed_rounds = progress.failed_rounds
+            self.engine.progress.rounds_sat_out = progress.rounds_sat_out
         await self.rounds.prepare()
         self.state = "running"
         self._task = asyncio.create_task(self._main(self.engine), name=f"aux-{self.name}")

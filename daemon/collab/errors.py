@@ -22,8 +22,8 @@ class DonorBusy(StateSyncError):
 
 
 class RoundSatOut(CollaborationError):
-    """This peer has no place in a grid round (an aux peer that does not fit beside its cells):
-    it sits the round out, which is no failure."""
+    """This peer has no place in a grid round (an aux peer, or a newcomer, that does not fit
+    beside its cells): it sits the round out, which is no failure."""
 
 
 class ManifestError(CollaborationError):

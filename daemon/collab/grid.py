@@ -193,25 +193,50 @@ class GridLayout:
 
 
 def grid_layout(key: str, trainers: Sequence[str], max_group_size: int,
-                helpers: Sequence[str] = (), training_helpers: Sequence[str] = ()) -> GridLayout | None:
+                helpers: Sequence[str] = (), training_helpers: Sequence[str] = (),
+                counts: tuple[int, int] | None = None) -> GridLayout | None:
     """The grid of a round of `trainers` (each given a cell) and `helpers` under `key` (of which
     `training_helpers` train), or None when they fit in one group (or no grid of at most
-    MAX_STAGES stages fits)."""
+    MAX_STAGES stages fits). The fewest stages whose slices have room for twice the helpers'
+    mean (they land by a hash); else, given `counts`, the fewest in which every training
+    helper finds a slice in every stage (the aux peers may sit stages out): where the cells
+    fill the slices nearly to `max_group_size`, the first rule seats no helper, and newcomers
+    to the head sat every round out (8 cells and 4 newcomers in groups of 4: 90 failed rounds
+    in 5 epochs, a third of the live trainers left out of a round). `counts`: the (training,
+    other) helpers to lay the grid out for, agreed by every peer of the round (a roster's,
+    roster.py), where the helpers each peer sees are its own view: the stages follow the
+    counts, so views that differ by a newcomer lay out one grid, and the helpers a peer sees
+    are placed as the slices have room. (Without agreed counts the second rule is not tried:
+    a view with one helper more would lay out more stages, and the round would fail.)"""
     base = sorted(set(trainers))
     extra = sorted(set(helpers) - set(base))
+    training = tuple(sorted(set(training_helpers) & set(extra)))
     n = len(base)
-    if n + len(extra) <= max_group_size or n < 2:
+    helping, training_count = (len(extra), len(training)) if counts is None \
+        else (counts[0] + counts[1], counts[0])
+    if n + helping <= max_group_size or n < 2:
         return None
-    for dimensions in range(2, MAX_STAGES + 1):
-        side = _root_ceil(n, dimensions)
-        slices = math.ceil(n / side)  # slices per stage, about
-        if side < 2 or side + math.ceil(2 * len(extra) / slices) > max_group_size:
-            continue  # (helpers land in slices by a hash: room for twice their mean)
-        ranked = sorted(base, key=lambda p: hashlib.sha256(f"{key}\0grid\0{p}".encode()).digest())
+    ranked = sorted(base, key=lambda p: hashlib.sha256(f"{key}\0grid\0{p}".encode()).digest())
+
+    def laid_out(dimensions: int, side: int) -> GridLayout:
         cells = {p: tuple((i // side ** (dimensions - 1 - s)) % side for s in range(dimensions))
                  for i, p in enumerate(ranked)}
-        return GridLayout(side, dimensions, cells, tuple(extra),
-                          tuple(sorted(set(training_helpers) & set(extra))), max_group_size)
+        return GridLayout(side, dimensions, cells, tuple(extra), training, max_group_size)
+
+    sides = {d: _root_ceil(n, d) for d in range(2, MAX_STAGES + 1)}
+    for dimensions, side in sides.items():
+        slices = math.ceil(n / side)  # slices per stage, about
+        if side >= 2 and side + math.ceil(2 * helping / slices) <= max_group_size:
+            return laid_out(dimensions, side)
+    if not training_count or counts is None:  # (views of the helpers differ: see below)
+        return None
+    for dimensions, side in sides.items():
+        if not 2 <= side < max_group_size:
+            continue
+        layout = laid_out(dimensions, side)  # (a helper finds a slice while any has room)
+        if all(sum(max_group_size - len(m) for m in layout._slices(s).values()) >= training_count
+               for s in range(dimensions)):
+            return layout
     return None
 
 
@@ -277,7 +302,8 @@ class GridRounds:
         self.max_group_size = max_group_size
 
     def layout(self, key: str, trainers: Sequence[str], aux: Sequence[str], role: Role,
-               leaders: Sequence[str] = (), *, roster: bool = False) -> GridLayout | None:
+               leaders: Sequence[str] = (), *, roster: bool = False,
+               helpers_said: tuple[int, int] | None = None) -> GridLayout | None:
         """The grid of a round with `trainers` and `aux` peers (this peer aside). The cells go
         to the trainers among `leaders` (the members of the round that made the head: the same
         list on every peer that came out of it, where views of who is at the head differ a
@@ -287,18 +313,20 @@ class GridRounds:
         every trainer seen gets a cell; but where they are the round's agreed `roster`
         (roster.py: the same list on every peer, where views differ) and more than half of the
         trainers seen, the cells stay theirs and the helpers sit the round out, so that every
-        peer still lays out the same grid."""
+        peer still lays out the same grid; `helpers_said`: the (trainers, aux peers) beside the
+        roster its writer saw, so that every peer lays the grid out for as many helpers
+        (grid_layout's `counts`)."""
         me = {self.peer_id}
         seen = {*trainers, *(me if role == "trainer" else set())}
         base = (seen & set(leaders)) - set(aux) if leaders else seen
         if len(base) < 2:
             base = seen
         helpers = {*aux, *(me if role == "aux" else set()), *(seen - base)}
-        layout = grid_layout(key, sorted(base), self.max_group_size, sorted(helpers),
-                             sorted(seen - base))
         # (a roster of at most half the trainers seen can make no step on its own cells: the
         # round needs more than half of them, so all get a cell, views differing or not)
         agreed = roster and 2 * len(base) > len(seen)
+        layout = grid_layout(key, sorted(base), self.max_group_size, sorted(helpers),
+                             sorted(seen - base), counts=helpers_said if agreed else None)
         if layout is None and base != seen and not agreed:
             # the leaders are too few to seat the others as helpers (a round that stepped with
             # 3 of 8 trainers, in groups of 4: no grid of 3 cells has room for 6 helpers, and
@@ -322,9 +350,13 @@ class GridRounds:
         round there (its report says what failed). `coming(labels)`: while inside, this peer
         tells the peers of those stages that it is on its way (matchmaking.py); it covers our
         stages and stand-ins until our own stages end. Raises RoundSatOut for an aux peer that
-        has no slice in any stage."""
+        has no slice in any stage, and for a trainer without a cell that has none in the first
+        (it would send nothing and hold no mean)."""
         if role == "aux" and all(stage is None for stage in layout.stages(self.peer_id, key)):
             raise RoundSatOut(f"no slice of grid round {key} has room for this aux peer")
+        if role == "trainer" and self.peer_id not in layout.cells \
+                and layout.stages(self.peer_id, key)[0] is None:
+            raise RoundSatOut(f"no slice of grid round {key} has room for this trainer")
         everyone = [*layout.cells, *layout.helpers]
         reports: list[AveragingReport] = []
         duties = layout.duties(self.peer_id, key)

@@ -68,7 +68,7 @@ class RoundAverager(Protocol):
         the trainers this peer has seen at the head for a while (itself included when it has
         been there as long): when neither `cells` nor `leaders` are known, a grid round's cells
         go to a roster drawn from them (roster.py). The round's report, or None if no round
-        could run; RoundSatOut (errors.py) for an aux peer a grid round has no room for."""
+        could run; RoundSatOut (errors.py) for a peer a grid round has no room for."""
 
     async def roster_published(self, key: str, trainers: Collection[str], *,
                                timeout: float) -> bool:

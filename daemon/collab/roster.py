@@ -59,8 +59,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["MAX_ROSTER", "TTL", "WRITERS", "Published", "Rosters", "agrees", "decode", "encode",
-           "pick", "publishes", "writers"]
+__all__ = ["MAX_ROSTER", "TTL", "WRITERS", "Published", "Rosters", "agrees", "decode",
+           "decode_record", "encode", "pick", "publishes", "writers"]
 
 WRITERS = 3  # trainers that publish their view of a grid round
 # a roster is taken only from a writer among the first WRITERS + WRITER_SLACK of the reader's own
@@ -82,6 +82,10 @@ class Published:
 
     roster: tuple[str, ...]
     at: float
+    # (trainers, aux peers) the writer saw beside the roster (None: a writer of an earlier
+    # version said nothing): the helpers a grid round is laid out for, the same on every peer
+    # that takes this roster (grid.py: how many stages depends on them, and views of them differ)
+    helpers: tuple[int, int] | None = None
 
 
 def _rank(key: str, peer: str) -> bytes:
@@ -124,21 +128,40 @@ def publishes(key: str, peer: str, view: Collection[str], drawn: Collection[str]
                                           and peer in writers(key, view, WRITERS + WRITER_SLACK))
 
 
-def encode(roster: Iterable[str]) -> bytes:
-    return orjson.dumps(sorted(set(roster)))
+def encode(roster: Iterable[str], helpers: tuple[int, int] | None = None) -> bytes:
+    """A roster's record: its trainers and, if given, the helpers (trainers, aux peers) its
+    writer saw beside them."""
+    cells = sorted(set(roster))
+    if helpers is None:
+        return orjson.dumps(cells)
+    return orjson.dumps({"cells": cells, "helpers": helpers[0], "aux": helpers[1]})
 
 
 def decode(value: bytes) -> tuple[str, ...] | None:
     """A roster as published, or None when it is not one (junk is ignored, not fatal)."""
+    decoded = decode_record(value)
+    return None if decoded is None else decoded[0]
+
+
+def decode_record(value: bytes) -> tuple[tuple[str, ...], tuple[int, int] | None] | None:
+    """A roster's record as published: its trainers and the helpers its writer said it saw
+    (None where it said none), or None when it is not one."""
     try:
         data = orjson.loads(value)
     except orjson.JSONDecodeError:
         return None
+    helpers = None
+    if isinstance(data, dict):
+        counts = (data.get("helpers"), data.get("aux"))
+        if set(data) != {"cells", "helpers", "aux"} or not all(
+                type(c) is int and 0 <= c <= MAX_ROSTER for c in counts):
+            return None
+        helpers, data = (counts[0], counts[1]), data["cells"]
     if not isinstance(data, list) or not 0 < len(data) <= MAX_ROSTER \
             or not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in data) \
             or len(set(data)) != len(data):
         return None
-    return tuple(data)
+    return tuple(data), helpers  # type: ignore[return-value]  # (the counts were checked)
 
 
 @dataclass
@@ -158,11 +181,14 @@ class Rosters:
         self.run_key = run_key
 
     async def agree(self, key: str, trainers: Collection[str], *, wait: float,
-                    write: bool = True, seen: Collection[str] = ()) -> tuple[str, ...]:
-        """The trainers a grid round of `key` gives its cells to: the first-published roster
-        that agrees with this peer's view (`trainers`, itself included if it trains, and
-        `seen`), waited for at most `wait` seconds; else `trainers`. This peer writes
-        `trainers` as a roster if it is one of the writers (`publishes`) and `write` allows.
+                    write: bool = True, seen: Collection[str] = (),
+                    helpers: tuple[int, int] | None = None
+                    ) -> tuple[tuple[str, ...], tuple[int, int] | None]:
+        """The trainers a grid round of `key` gives its cells to, and the helpers (trainers,
+        aux peers) their writer saw beside them: the first-published roster that agrees with
+        this peer's view (`trainers`, itself included if it trains, and `seen`), waited for at
+        most `wait` seconds; else `trainers` and `helpers`. This peer writes `trainers` (and
+        `helpers`) as a roster if it is one of the writers (`publishes`) and `write` allows.
         (`seen`: the trainers this peer sees at the head beyond those it would publish; a first
         round publishes only those seen there for a while, `Timing.settle`, and judges a roster
         by all: peers that began together see each other arrive at different moments, so the
@@ -184,7 +210,7 @@ class Rosters:
         wrote: bool | None = None  # None: not a writer of this round (or one was out already)
         if write and publishes(key, self.peer_id, view, drawn) and self.peer_id not in entries \
                 and pick(key, view, {w: e for w, e in entries.items() if w in first}) is None:
-            published = await self._write(dht_key, drawn)
+            published = await self._write(dht_key, drawn, helpers)
             wrote = published is not None
             if published is not None:
                 entries[self.peer_id] = published
@@ -221,13 +247,13 @@ class Rosters:
                      writers=[w[:12] for w in writers(key, view)], rosters_out=len(entries),
                      out={w[:12]: {"allowed": w in allowed, "size": len(entries[w].roster),
                                    "agrees": agrees(entries[w].roster, view)} for w in shown})
-            return tuple(sorted(drawn))
+            return tuple(sorted(drawn)), helpers
         writer, entry = chosen
         log.debug("grid_roster", key=key, writer=writer[:12], trainers=len(entry.roster),
                   unseen=len(set(entry.roster) - view), missing=len(view - set(entry.roster)),
                   published_at=round(entry.at, 3),
                   others={w[:12]: round(e.at, 3) for w, e in entries.items() if w != writer})
-        return entry.roster
+        return entry.roster, entry.helpers
 
     async def published(self, key: str, trainers: Collection[str], *,
                         timeout: float = DHT_TIMEOUT) -> bool:
@@ -249,18 +275,19 @@ class Rosters:
             return {}
         out: dict[str, tuple[str, ...]] = {}
         for writer, entry in (record.own_sub_keys.items() if record is not None else ()):
-            roster = decode(entry.value)
-            if roster is not None:
-                out[writer] = Published(roster, entry.expiration - TTL)
+            decoded = decode_record(entry.value)
+            if decoded is not None:
+                out[writer] = Published(decoded[0], entry.expiration - TTL, decoded[1])
         return out
 
-    async def _write(self, dht_key: str, view: Collection[str]) -> Published | None:
+    async def _write(self, dht_key: str, view: Collection[str],
+                     helpers: tuple[int, int] | None) -> Published | None:
         now = timebase.now()
         try:
-            await self.dht.store(dht_key, encode(view), now + TTL, sub_key=self.peer_id,
+            await self.dht.store(dht_key, encode(view, helpers), now + TTL, sub_key=self.peer_id,
                                  timeout=DHT_TIMEOUT)
         except (TransportError, TimeoutError) as exc:
             log.info("grid_roster_write_failed", key=dht_key, error=str(exc))
             return None
         log.debug("grid_roster_written", key=dht_key, trainers=len(set(view)))
-        return Published(tuple(sorted(set(view))), now)
+        return Published(tuple(sorted(set(view))), now, helpers)

@@ -142,7 +142,17 @@ class RoundTaking:
                                               max_weight=self._weight_ceiling(),
                                               weight_budget=self._weight_budget(),
                                               settled=self._settled())
-        report = await (self._train_while(averaged) if self.overlap and weight > 0 else averaged)
+        try:
+            report = await (self._train_while(averaged) if self.overlap and weight > 0
+                            else averaged)
+        except RoundSatOut as exc:
+            # no slice of the grid has room for us (more newcomers than its slices hold): not a
+            # failed round (counted as one, it was tried again at once, every half second,
+            # until the head moved); the gradients stay ours for the next round
+            p.rounds_sat_out += 1
+            self._log.info("averaging_round_sat_out", epoch=head.epoch, reason=str(exc))
+            await self._wait(Wait(timebase.now() + self.timing.max_look, "sitting a round out"))
+            return
         if report is not None:
             self.last_round = report
         result = None if report is None else RoundResult(report.trainers, report.senders,
@@ -320,6 +330,7 @@ class RoundTaking:
             # no room for it beside the grid's cells: not a failed round (counted as one, it
             # tried again every second or two); it looks again a while later (a retry of the
             # same head may have room: the head is not marked as averaged)
+            self.progress.rounds_sat_out += 1
             self._log.debug("aux_round_sat_out", epoch=action.head.epoch, reason=str(exc))
             await self._wait(Wait(timebase.now() + self.timing.max_look, "sitting a round out"))
             return

@@ -97,13 +97,17 @@ class NetworkRounds:
             # (meanwhile a slice's peers that begin sooner are told we are on our way: the
             # wait for the roster took up to a window, and they gave up on us as their leader
             # after one, averaging apart from the rest of our slice)
+            # (the helpers beside the roster, written with it: how many stages the grid has
+            # depends on them, and each peer sees the newest newcomers at another moment)
+            seen_helpers = (len(everyone - view), len(set(aux)))
             with self.averager.coming_under(f"{self.run_key}/{key}/"):
                 # (a first round judges rosters by every trainer seen at the head: roster.py)
-                roster = await self.rosters.agree(key, view, wait=self.averager.config.window,
-                                                  write=role == "trainer" and me in view,
-                                                  seen=() if known else everyone)
+                roster, said = await self.rosters.agree(
+                    key, view, wait=self.averager.config.window,
+                    write=role == "trainer" and me in view, seen=() if known else everyone,
+                    helpers=seen_helpers)
             layout = self.grid.layout(key, sorted({*trainers, *roster} - {me}), aux, role,
-                                      roster, roster=True)
+                                      roster, roster=True, helpers_said=said)
         if layout is None:
             return await self._round(vector, key, weight=weight, expected=expected, role=role,
                                      compression=compression, aggregation=aggregation,

@@ -32,6 +32,7 @@ class RunProgress:
     skipped_steps: int = 0
     rounds: int = 0
     failed_rounds: int = 0
+    rounds_sat_out: int = 0  # grid rounds with no slice for this peer (helpers beyond the room)
     state_rounds: int = 0
     failed_state_rounds: int = 0
     state_downloads: int = 0

@@ -223,6 +223,8 @@ def _run(out: Exposition, run: Mapping[str, Any]) -> None:
         ("dedloc_run_rounds_total", "rounds", "Averaging rounds of an aux peer in the run."),
         ("dedloc_run_failed_rounds_total", "failed_rounds", "Gradient rounds that failed (no step "
          "was taken on them)."),
+        ("dedloc_run_rounds_sat_out_total", "rounds_sat_out", "Grid rounds whose slices had no "
+         "room for this peer (it sat them out)."),
         ("dedloc_run_skipped_steps_total", "skipped_steps", "Steps skipped for non-finite "
          "gradients."),
         ("dedloc_run_state_rounds_total", "state_rounds", "Parameter and optimizer state "

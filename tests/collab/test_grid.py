@@ -12,7 +12,7 @@ import pytest
 
 from dedloc.daemon.averaging.report import AveragingReport
 from dedloc.daemon.collab.errors import RoundSatOut
-from dedloc.daemon.collab.grid import GridRounds, grid_layout
+from dedloc.daemon.collab.grid import GridLayout, GridRounds, grid_layout
 
 
 def _ids(n: int) -> list[str]:
@@ -115,20 +115,69 @@ async def test_an_aux_peer_the_grid_has_no_room_for_sits_the_round_out() -> None
 def test_a_rosters_cells_stay_the_rosters_when_the_others_do_not_fit_as_helpers() -> None:
     # after a roster (the same list everywhere) a grid laid out on each peer's own view would
     # differ between views of 8 and 9 trainers: the roster's trainers keep the cells, the others
-    # (and the aux peer) sit the round out
+    # (and the aux peer) sit the round out where the roster's writer said nothing of helpers
     trainers, aux = _ids(9), ["ff" * 31]
     roster = trainers[:5]  # (more than half of the trainers seen: it can make a step alone)
-    views = [GridRounds(p, 4).layout("k", [t for t in trainers[:8] if t != p], aux, "trainer",
-                                     roster, roster=True) for p in trainers[:2]]
-    views += [GridRounds(p, 4).layout("k", [t for t in trainers if t != p], aux, "trainer",
-                                      roster, roster=True) for p in (trainers[2], trainers[8])]
-    assert all(v is not None and v == views[0] for v in views)
-    assert set(views[0].cells) == set(roster) and not views[0].helpers
-    assert all(stage is None for stage in views[0].stages(trainers[8], "k"))
+
+    def views(said: tuple[int, int] | None) -> list[GridLayout | None]:
+        out = [GridRounds(p, 4).layout("k", [t for t in trainers[:8] if t != p], aux, "trainer",
+                                       roster, roster=True, helpers_said=said)
+               for p in trainers[:2]]
+        return out + [GridRounds(p, 4).layout("k", [t for t in trainers if t != p], aux,
+                                              "trainer", roster, roster=True, helpers_said=said)
+                      for p in (trainers[2], trainers[8])]
+
+    silent = views(None)
+    assert all(v is not None and v == silent[0] for v in silent)
+    assert set(silent[0].cells) == set(roster) and not silent[0].helpers
+    assert all(stage is None for stage in silent[0].stages(trainers[8], "k"))
     # a roster of half the trainers seen or fewer could make no step on its own cells
     few = GridRounds(trainers[0], 4).layout("k", trainers[1:8], aux, "trainer", trainers[:3],
                                             roster=True)
     assert few is not None and set(few.cells) == set(trainers[:8])
+
+
+def test_helpers_a_roster_names_get_a_slice_in_every_stage_on_every_view() -> None:
+    # 8 cells and 4 newcomers in groups of 4: no grid has room for twice the helpers' mean, so
+    # the newcomers sat every round out (a churn of 8 trainers: 90 failed rounds, a third of
+    # the live trainers out of a round). The roster's writer saw 4 newcomers and the aux peer:
+    # every view lays out that grid, the one that sees only 3 of them too, and every newcomer
+    # it sees has a slice in every stage, no slice over the group size
+    trainers, aux = _ids(12), ["ff" * 31]
+    roster, newcomers = trainers[:8], trainers[8:]
+    by_view = {p: GridRounds(p, 4).layout("k", [t for t in trainers if t != p], aux, "trainer",
+                                          roster, roster=True, helpers_said=(4, 1))
+               for p in trainers}
+    narrow = GridRounds(trainers[0], 4).layout("k", trainers[1:11], aux, "trainer", roster,
+                                               roster=True, helpers_said=(4, 1))
+    layouts = [*by_view.values(), narrow]
+    assert all(v is not None for v in layouts)
+    assert len({(v.dimensions, tuple(sorted(v.cells.items()))) for v in layouts}) == 1  # type: ignore[union-attr]
+    full = by_view[trainers[0]]
+    assert full is not None and set(full.cells) == set(roster)
+    for newcomer in newcomers:
+        stages = full.stages(newcomer, "k")
+        assert all(stage is not None and len(stage.peers) <= 4 for stage in stages), stages
+    # the same without a count from the roster: the newcomers have no room and sit out
+    silent = GridRounds(trainers[0], 4).layout("k", trainers[1:], aux, "trainer", roster,
+                                               roster=True)
+    assert silent is not None and not silent.helpers
+
+
+async def test_a_trainer_the_grid_has_no_room_for_sits_the_round_out() -> None:
+    # a newcomer beyond the slices' room: not a failed round to try again at once (it was, every
+    # half second, until the head moved), but RoundSatOut: the engine waits and keeps its samples
+    trainers, aux = _ids(9), ["ff" * 31]
+    roster = trainers[:5]
+    rounds = GridRounds(trainers[8], 4)
+    layout = rounds.layout("k", trainers[:8], aux, "trainer", roster, roster=True)
+    assert layout is not None and trainers[8] not in layout.cells
+
+    async def never(*args: object) -> AveragingReport | None:
+        raise AssertionError("a trainer that sits the round out runs no stage")
+    with pytest.raises(RoundSatOut, match="has room for this trainer"):
+        await rounds.average(layout, np.ones(6, np.float32), "k", weight=1.0, role="trainer",
+                             stage_round=never)
 
 
 @dataclass

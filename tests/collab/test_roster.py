@@ -25,6 +25,7 @@ from dedloc.daemon.collab.roster import (
     Rosters,
     agrees,
     decode,
+    decode_record,
     encode,
     pick,
     publishes,
@@ -81,13 +82,23 @@ def test_pick_takes_the_first_published_roster_that_agrees() -> None:
 
 
 @pytest.mark.parametrize("value", [b"", b"{}", b"[]", b"[1, 2]", b'["a", "a"]', b'["' + b"x" * 200 + b'"]',
-                                   b"not json"])
+                                   b"not json",
+                                   # helpers said: both counts, small non-negative integers
+                                   b'{"cells": ["a"], "helpers": 1}',
+                                   b'{"cells": ["a"], "helpers": -1, "aux": 0}',
+                                   b'{"cells": ["a"], "helpers": 1e9, "aux": 0}',
+                                   b'{"cells": ["a"], "helpers": 100000, "aux": 0}',
+                                   b'{"cells": ["a"], "helpers": true, "aux": 0}',
+                                   b'{"cells": [], "helpers": 1, "aux": 0}',
+                                   b'{"cells": ["a"], "helpers": 1, "aux": 0, "more": 1}'])
 def test_junk_is_no_roster(value: bytes) -> None:
-    assert decode(value) is None
+    assert decode(value) is None and decode_record(value) is None
 
 
 def test_a_roster_round_trips() -> None:
     assert decode(encode(["b", "a", "b"])) == ("a", "b")
+    assert decode_record(encode(["b", "a"])) == (("a", "b"), None)  # (an earlier writer's)
+    assert decode_record(encode(["b", "a"], (3, 1))) == (("a", "b"), (3, 1))
 
 
 @dataclass
@@ -130,7 +141,8 @@ async def test_views_differing_by_newcomers_lay_out_one_grid() -> None:
 
     # the first writer goes first (it does not wait for anyone); the others find its roster
     views = {first: base, **{p: [*base, *newcomers[: i % 5]] for i, p in enumerate(base) if p != first}}
-    chosen = {peer: await rosters(peer).agree(key, view, wait=0.0) for peer, view in views.items()}
+    chosen = {peer: (await rosters(peer).agree(key, view, wait=0.0))[0]
+              for peer, view in views.items()}
     assert set(chosen.values()) == {tuple(sorted(base))}
     layouts = {peer: grid_layout(key, roster, 16) for peer, roster in chosen.items()}
     assert len({tuple(sorted(layout.cells.items())) for layout in layouts.values() if layout}) == 1
@@ -150,7 +162,7 @@ async def test_a_peer_that_takes_no_roster_logs_why_naming_a_bounded_number_of_r
     fifth = writers(key, view, 5)[-1]  # a writer we would take from, whose roster disagrees
     await dht.store(f"run/roster/{key}", encode(_ids(30, start=9000)), 0.0, sub_key=fifth)
     with capture_logs() as logs:
-        roster = await Rosters(dht, view[0], "run").agree(key, view, wait=0.0, write=False)  # type: ignore[arg-type]
+        roster, _ = await Rosters(dht, view[0], "run").agree(key, view, wait=0.0, write=False)  # type: ignore[arg-type]
     assert roster == tuple(sorted(view))
     [missing] = [entry for entry in logs if entry["event"] == "grid_roster_missing"]
     assert missing["rosters_out"] == 51 and missing["reads_failed"] == 0 and missing["wrote"] is None
@@ -163,7 +175,8 @@ async def test_a_peer_that_may_not_write_and_finds_no_roster_keeps_its_view() ->
     dht = _Dht()
     view = _ids(40)
     peer = writers("k", view)[0]
-    assert await Rosters(dht, peer, "run").agree("k", view, wait=0.0, write=False) == tuple(sorted(view))  # type: ignore[arg-type]
+    taken = await Rosters(dht, peer, "run").agree("k", view, wait=0.0, write=False)  # type: ignore[arg-type]
+    assert taken == (tuple(sorted(view)), None)
     assert dht.values == {}
 
 
@@ -249,7 +262,7 @@ async def test_a_round_has_begun_once_one_of_its_first_writers_published_a_roste
 def _agreeing(dht: _Dht, key: str) -> Callable[[str, list[str]], Awaitable[tuple[str, ...]]]:
     """`agree(peer, view)`: that peer's roster of the round `key`, taken at once."""
     async def agree(peer: str, view: list[str]) -> tuple[str, ...]:
-        return await Rosters(dht, peer, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
+        return (await Rosters(dht, peer, "run").agree(key, view, wait=0.0))[0]  # type: ignore[arg-type]
     return agree
 
 
@@ -286,8 +299,8 @@ async def test_peers_that_settled_different_parts_of_one_view_take_one_roster(
     chosen = []
     for k, peer in enumerate(order):
         drawn = trainers if peer == best else order[1:k + 1]
-        chosen.append(await Rosters(dht, peer, "run").agree(  # type: ignore[arg-type]
-            key, drawn, wait=0.0, seen=trainers if judged_by_all else ()))
+        chosen.append((await Rosters(dht, peer, "run").agree(  # type: ignore[arg-type]
+            key, drawn, wait=0.0, seen=trainers if judged_by_all else ()))[0])
     assert (set(chosen) == {tuple(sorted(trainers))}) is judged_by_all
 
 
@@ -304,13 +317,13 @@ async def test_a_writer_ranked_low_in_the_view_does_not_publish_what_it_settled_
     assert not publishes(key, low, trainers, settled)
     assert publishes(key, ranked[0], trainers, trainers)
     dht = _Dht()
-    chosen = [await Rosters(dht, low, "run").agree(  # type: ignore[arg-type]
-        key, settled, wait=0.0, seen=trainers)]
+    chosen = [(await Rosters(dht, low, "run").agree(  # type: ignore[arg-type]
+        key, settled, wait=0.0, seen=trainers))[0]]
     for peer, drawn in [(ranked[0], trainers), (ranked[6], settled),
                         (ranked[11], [ranked[11], ranked[10]]),
                         *((p, trainers) for p in ranked[1:11] if p != ranked[6])]:
-        chosen.append(await Rosters(dht, peer, "run").agree(  # type: ignore[arg-type]
-            key, drawn, wait=0.0, seen=trainers))
+        chosen.append((await Rosters(dht, peer, "run").agree(  # type: ignore[arg-type]
+            key, drawn, wait=0.0, seen=trainers))[0])
     assert set(chosen[1:]) == {tuple(sorted(trainers))}
     assert set(dht.values["run/roster/" + key]) <= set(writers(key, trainers, 5))
 
@@ -324,7 +337,7 @@ async def test_a_roster_dated_in_the_future_holds_a_reader_no_longer_than_its_wa
     dht.values["run/roster/" + key] = {hostile: _Entry(encode(view), timebase.now() + 3600 + TTL)}
     reader = next(p for p in view if p not in writers(key, view, 5))
     started = timebase.monotonic()
-    roster = await Rosters(dht, reader, "run").agree(key, view, wait=0.5)  # type: ignore[arg-type]
+    roster, _ = await Rosters(dht, reader, "run").agree(key, view, wait=0.5)  # type: ignore[arg-type]
     assert roster == tuple(sorted(view))
     assert timebase.monotonic() - started <= 0.5 + SETTLE + 0.01
 
@@ -392,3 +405,16 @@ async def test_a_roster_from_a_slack_rank_writer_does_not_silence_the_first_writ
     best = writers(key, view)[0]
     await Rosters(dht, best, "run").agree(key, view, wait=0.0)  # type: ignore[arg-type]
     assert set(dht.values[f"run/roster/{key}"]) == {fourth, best}
+
+
+async def test_readers_take_the_helpers_the_rosters_writer_saw() -> None:
+    # the grid's stages depend on how many helpers it seats (grid.py), and a reader that does
+    # not see a newcomer yet would lay out fewer: every reader takes the writer's counts
+    key, view = "grad/7/abc", _ids(12)
+    dht = _Dht()
+    best = writers(key, view)[0]
+    assert await Rosters(dht, best, "run").agree(  # type: ignore[arg-type]
+        key, view, wait=0.0, helpers=(4, 1)) == (tuple(sorted(view)), (4, 1))
+    reader = next(p for p in view if p not in writers(key, view, 5))
+    assert await Rosters(dht, reader, "run").agree(  # type: ignore[arg-type]
+        key, view, wait=0.0, helpers=(3, 0)) == (tuple(sorted(view)), (4, 1))
