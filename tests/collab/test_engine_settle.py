@@ -143,3 +143,41 @@ def test_without_a_roster_it_settles_and_reads_the_key_at_most_once_a_poll() -> 
     assert len(reads) >= 5  # it kept watching while it settled ...
     gaps = [b - a for a, b in itertools.pairwise(reads)]
     assert min(gaps) >= ROSTER_POLL - 1e-9  # ... at most once a poll
+
+
+def test_a_trainer_a_grid_round_has_no_room_for_sits_it_out_and_keeps_its_samples() -> None:
+    # RoundSatOut (a newcomer beyond the slices' room): no failed round tried again at once
+    # (it was, every half second, until the head moved), but a look's wait, its samples kept
+    from dedloc.daemon.collab.errors import RoundSatOut
+
+    @dataclass
+    class NoRoom(GridAverager):
+        calls: list[tuple[float, int]] = field(default_factory=list)
+
+        async def average(self, vector: np.ndarray, key: str,
+                          **options: object) -> AveragingReport | None:
+            assert self.engine is not None
+            self.calls.append((asyncio.get_running_loop().time(),
+                               self.engine.progress.accumulated))
+            if len(self.calls) == 1:
+                raise RoundSatOut(f"no slice of grid round {key} has room for this trainer")
+            self.engine.stop()
+            return None
+
+    async def main() -> tuple[NoRoom, RunEngine]:
+        loop = asyncio.get_running_loop()
+        timebase.use(SkewedClock(loop))
+        averager = NoRoom(roster_at=0.0)
+        engine = RunEngine(peer_id="peer-me", role="trainer", schedule=Schedule(TARGET),
+                           board=StandingBoard(), averaging=averager, trainer=CountingTrainer(),
+                           progress=RunProgress(lineage=LINEAGE), parameters=8, timing=TIMING)
+        averager.engine = engine
+        assert await asyncio.wait_for(engine.run(), timeout=3600) == "stopped"
+        return averager, engine
+
+    averager, engine = run_virtual(main())
+    assert len(averager.calls) == 2, averager.calls
+    (first, samples), (second, kept) = averager.calls
+    assert samples > 0 and kept >= samples  # its samples go to the next round
+    assert second - first >= TIMING.max_look  # a look later, not at once
+    assert engine.progress.rounds_sat_out == 1 and engine.progress.failed_rounds == 1  # the 2nd
