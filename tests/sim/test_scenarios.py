@@ -330,5 +330,10 @@ def test_one_seed_gives_one_run_bit_for_bit() -> None:
 
     first, second = once(), once()
     assert first[0]["state_downloads"] > 0 and first[0]["epochs"] >= 4, first  # it did churn
+    # (and its newcomers, 4 beside a roster of 8 in groups of 4, found slices: before the
+    # rosters said how many helpers to lay the grid out for, they sat every round out and tried
+    # again at once: participation 0.667, 90 failed rounds)
+    assert first[0]["min_round_participation"] >= 0.9, first
+    assert first[0]["failed_rounds"] <= 10, first
     assert first[1] > 100_000, first[1]  # (the trace saw the whole run)
     assert first == second
