@@ -93,6 +93,8 @@ class GridLayout:
     # (after it, their slice's real members carry it) and are placed before the aux peers
     training_helpers: tuple[str, ...] = ()
     max_group_size: int = 0  # a slice with its helpers holds at most this many (0: no bound)
+    # helpers placed before all others (a roster's, the same on every peer: grid_layout)
+    listed_helpers: tuple[str, ...] = ()
     _slice_cache: dict[int, dict[str, tuple[str, ...]]] = field(
         default_factory=dict, compare=False, repr=False)
     _helper_cache: dict[tuple[str, int], dict[str, str]] = field(
@@ -139,10 +141,11 @@ class GridLayout:
         labels = sorted(slices)
         room = {label: (self.max_group_size - len(members)) if self.max_group_size > 0 else len(self.helpers)
                 for label, members in slices.items()}
-        training = set(self.training_helpers)
+        training, listed = set(self.training_helpers), set(self.listed_helpers)
 
-        def order(helper: str) -> tuple[bool, bytes]:
-            return helper not in training, hashlib.sha256(f"{key}\0order\0{helper}\0{s}".encode()).digest()
+        def order(helper: str) -> tuple[bool, bool, bytes]:
+            return (helper not in listed, helper not in training,
+                    hashlib.sha256(f"{key}\0order\0{helper}\0{s}".encode()).digest())
 
         placed: dict[str, str] = {}
         for helper in sorted(self.helpers, key=order):
@@ -194,26 +197,29 @@ class GridLayout:
 
 def grid_layout(key: str, trainers: Sequence[str], max_group_size: int,
                 helpers: Sequence[str] = (), training_helpers: Sequence[str] = (),
-                counts: tuple[int, int] | None = None) -> GridLayout | None:
+                listed: tuple[Sequence[str], int] | None = None) -> GridLayout | None:
     """The grid of a round of `trainers` (each given a cell) and `helpers` under `key` (of which
     `training_helpers` train), or None when they fit in one group (or no grid of at most
     MAX_STAGES stages fits). The fewest stages whose slices have room for twice the helpers'
-    mean (they land by a hash); else, given `counts`, the fewest in which every training
-    helper finds a slice in every stage (the aux peers may sit stages out): where the cells
-    fill the slices nearly to `max_group_size`, the first rule seats no helper, and newcomers
-    to the head sat every round out (8 cells and 4 newcomers in groups of 4: 90 failed rounds
-    in 5 epochs, a third of the live trainers left out of a round). `counts`: the (training,
-    other) helpers to lay the grid out for, agreed by every peer of the round (a roster's,
-    roster.py), where the helpers each peer sees are its own view: the stages follow the
-    counts, so views that differ by a newcomer lay out one grid, and the helpers a peer sees
-    are placed as the slices have room. (Without agreed counts the second rule is not tried:
-    a view with one helper more would lay out more stages, and the round would fail.)"""
+    mean (they land by a hash); else, given `listed`, the fewest in which every listed
+    helper finds a slice in every stage (the others may sit stages out): where the cells fill
+    the slices nearly to `max_group_size`, the first rule seats no helper, and newcomers to
+    the head sat every round out (8 cells and 4 newcomers in groups of 4: 90 failed rounds in
+    5 epochs, a third of the live trainers left out of a round). `listed`: the training
+    helpers (part of `helpers` and `training_helpers`) and the number of other helpers to lay
+    the grid out for, agreed by every peer of the round (a roster's, roster.py), where the
+    helpers each peer sees are its own view: the stages follow them, and the listed helpers
+    are placed first, so views that differ by a newcomer lay out one grid and place the
+    listed ones alike; the others a peer sees go where room is left. (Without an agreed list
+    the second rule is not tried: a view with one helper more would lay out more stages, and
+    the round would fail; a rule without slack seats them only by one order on all peers.)"""
     base = sorted(set(trainers))
     extra = sorted(set(helpers) - set(base))
     training = tuple(sorted(set(training_helpers) & set(extra)))
+    first = tuple(sorted(set(listed[0]) & set(training))) if listed is not None else ()
     n = len(base)
-    helping, training_count = (len(extra), len(training)) if counts is None \
-        else (counts[0] + counts[1], counts[0])
+    helping, training_count = (len(extra), len(training)) if listed is None \
+        else (len(first) + listed[1], len(first))
     if n + helping <= max_group_size or n < 2:
         return None
     ranked = sorted(base, key=lambda p: hashlib.sha256(f"{key}\0grid\0{p}".encode()).digest())
@@ -221,14 +227,15 @@ def grid_layout(key: str, trainers: Sequence[str], max_group_size: int,
     def laid_out(dimensions: int, side: int) -> GridLayout:
         cells = {p: tuple((i // side ** (dimensions - 1 - s)) % side for s in range(dimensions))
                  for i, p in enumerate(ranked)}
-        return GridLayout(side, dimensions, cells, tuple(extra), training, max_group_size)
+        return GridLayout(side, dimensions, cells, tuple(extra), training, max_group_size,
+                          first)
 
     sides = {d: _root_ceil(n, d) for d in range(2, MAX_STAGES + 1)}
     for dimensions, side in sides.items():
         slices = math.ceil(n / side)  # slices per stage, about
         if side >= 2 and side + math.ceil(2 * helping / slices) <= max_group_size:
             return laid_out(dimensions, side)
-    if not training_count or counts is None:  # (views of the helpers differ: see below)
+    if not training_count or listed is None:  # (views of the helpers differ: see below)
         return None
     for dimensions, side in sides.items():
         if not 2 <= side < max_group_size:
@@ -303,7 +310,7 @@ class GridRounds:
 
     def layout(self, key: str, trainers: Sequence[str], aux: Sequence[str], role: Role,
                leaders: Sequence[str] = (), *, roster: bool = False,
-               helpers_said: tuple[int, int] | None = None) -> GridLayout | None:
+               helpers_said: tuple[Sequence[str], int] | None = None) -> GridLayout | None:
         """The grid of a round with `trainers` and `aux` peers (this peer aside). The cells go
         to the trainers among `leaders` (the members of the round that made the head: the same
         list on every peer that came out of it, where views of who is at the head differ a
@@ -313,20 +320,29 @@ class GridRounds:
         every trainer seen gets a cell; but where they are the round's agreed `roster`
         (roster.py: the same list on every peer, where views differ) and more than half of the
         trainers seen, the cells stay theirs and the helpers sit the round out, so that every
-        peer still lays out the same grid; `helpers_said`: the (trainers, aux peers) beside the
-        roster its writer saw, so that every peer lays the grid out for as many helpers
-        (grid_layout's `counts`)."""
+        peer still lays out the same grid; `helpers_said`: the trainers (ids) and the number of
+        aux peers its writer saw beside the roster, so that every peer lays the grid out for
+        those helpers (grid_layout's `listed`), those it does not see included. A list by which
+        the cells alone would fit one group is not one an honest writer of a grid round makes:
+        it is ignored."""
         me = {self.peer_id}
         seen = {*trainers, *(me if role == "trainer" else set())}
         base = (seen & set(leaders)) - set(aux) if leaders else seen
         if len(base) < 2:
             base = seen
-        helpers = {*aux, *(me if role == "aux" else set()), *(seen - base)}
         # (a roster of at most half the trainers seen can make no step on its own cells: the
         # round needs more than half of them, so all get a cell, views differing or not)
         agreed = roster and 2 * len(base) > len(seen)
+        listed: tuple[Sequence[str], int] | None = None
+        if agreed and helpers_said is not None:
+            others = set(aux) | (me if role == "aux" else set())
+            named = set(helpers_said[0]) - base - others
+            if len(base) + len(named) + helpers_said[1] > self.max_group_size:
+                listed = (sorted(named), helpers_said[1])
+        training = (seen - base) | set(listed[0] if listed is not None else ())
+        helpers = {*aux, *(me if role == "aux" else set()), *training}
         layout = grid_layout(key, sorted(base), self.max_group_size, sorted(helpers),
-                             sorted(seen - base), counts=helpers_said if agreed else None)
+                             sorted(training), listed=listed)
         if layout is None and base != seen and not agreed:
             # the leaders are too few to seat the others as helpers (a round that stepped with
             # 3 of 8 trainers, in groups of 4: no grid of 3 cells has room for 6 helpers, and
@@ -350,13 +366,16 @@ class GridRounds:
         round there (its report says what failed). `coming(labels)`: while inside, this peer
         tells the peers of those stages that it is on its way (matchmaking.py); it covers our
         stages and stand-ins until our own stages end. Raises RoundSatOut for an aux peer that
-        has no slice in any stage, and for a trainer without a cell that has none in the first
-        (it would send nothing and hold no mean)."""
+        has no slice in any stage, and for a trainer without a cell that has none in some stage
+        (it would hold no mean)."""
         if role == "aux" and all(stage is None for stage in layout.stages(self.peer_id, key)):
             raise RoundSatOut(f"no slice of grid round {key} has room for this aux peer")
         if role == "trainer" and self.peer_id not in layout.cells \
-                and layout.stages(self.peer_id, key)[0] is None:
-            raise RoundSatOut(f"no slice of grid round {key} has room for this trainer")
+                and any(stage is None for stage in layout.stages(self.peer_id, key)):
+            # (before it sends: a helper with no slice in a later stage would give its gradient
+            # to the others' mean and get none back)
+            raise RoundSatOut(f"no slice of grid round {key} has room for this trainer in "
+                              "every stage")
         everyone = [*layout.cells, *layout.helpers]
         reports: list[AveragingReport] = []
         duties = layout.duties(self.peer_id, key)

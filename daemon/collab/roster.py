@@ -82,10 +82,11 @@ class Published:
 
     roster: tuple[str, ...]
     at: float
-    # (trainers, aux peers) the writer saw beside the roster (None: a writer of an earlier
-    # version said nothing): the helpers a grid round is laid out for, the same on every peer
-    # that takes this roster (grid.py: how many stages depends on them, and views of them differ)
-    helpers: tuple[int, int] | None = None
+    # the trainers (ids) and the number of aux peers the writer saw beside the roster (None: a
+    # writer of an earlier version said nothing): the helpers a grid round is laid out for, the
+    # same on every peer that takes this roster (grid.py: how many stages depends on them,
+    # where they sit too, and views of them differ)
+    helpers: tuple[tuple[str, ...], int] | None = None
 
 
 def _rank(key: str, peer: str) -> bytes:
@@ -128,13 +129,14 @@ def publishes(key: str, peer: str, view: Collection[str], drawn: Collection[str]
                                           and peer in writers(key, view, WRITERS + WRITER_SLACK))
 
 
-def encode(roster: Iterable[str], helpers: tuple[int, int] | None = None) -> bytes:
-    """A roster's record: its trainers and, if given, the helpers (trainers, aux peers) its
-    writer saw beside them."""
+def encode(roster: Iterable[str], helpers: tuple[Iterable[str], int] | None = None) -> bytes:
+    """A roster's record: its trainers and, if given, the helpers its writer saw beside them
+    (trainers, and the number of aux peers)."""
     cells = sorted(set(roster))
     if helpers is None:
         return orjson.dumps(cells)
-    return orjson.dumps({"cells": cells, "helpers": helpers[0], "aux": helpers[1]})
+    return orjson.dumps({"cells": cells, "helpers": sorted(set(helpers[0]) - set(cells)),
+                         "aux": helpers[1]})
 
 
 def decode(value: bytes) -> tuple[str, ...] | None:
@@ -143,25 +145,33 @@ def decode(value: bytes) -> tuple[str, ...] | None:
     return None if decoded is None else decoded[0]
 
 
-def decode_record(value: bytes) -> tuple[tuple[str, ...], tuple[int, int] | None] | None:
+def _peers(data: object, least: int) -> tuple[str, ...] | None:
+    if not isinstance(data, list) or not least <= len(data) <= MAX_ROSTER \
+            or not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in data) \
+            or len(set(data)) != len(data):
+        return None
+    return tuple(data)
+
+
+def decode_record(value: bytes) -> tuple[tuple[str, ...], tuple[tuple[str, ...], int] | None] | None:
     """A roster's record as published: its trainers and the helpers its writer said it saw
-    (None where it said none), or None when it is not one."""
+    (trainers, the number of aux peers; None where it said none), or None when it is not one
+    (at most MAX_ROSTER peers in all)."""
     try:
         data = orjson.loads(value)
     except orjson.JSONDecodeError:
         return None
-    helpers = None
-    if isinstance(data, dict):
-        counts = (data.get("helpers"), data.get("aux"))
-        if set(data) != {"cells", "helpers", "aux"} or not all(
-                type(c) is int and 0 <= c <= MAX_ROSTER for c in counts):
-            return None
-        helpers, data = (counts[0], counts[1]), data["cells"]
-    if not isinstance(data, list) or not 0 < len(data) <= MAX_ROSTER \
-            or not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in data) \
-            or len(set(data)) != len(data):
+    if not isinstance(data, dict):
+        cells = _peers(data, 1)
+        return None if cells is None else (cells, None)
+    if set(data) != {"cells", "helpers", "aux"}:
         return None
-    return tuple(data), helpers  # type: ignore[return-value]  # (the counts were checked)
+    cells, helpers, aux = _peers(data["cells"], 1), _peers(data["helpers"], 0), data["aux"]
+    if cells is None or helpers is None or type(aux) is not int \
+            or not 0 <= aux <= MAX_ROSTER or len(cells) + len(helpers) > MAX_ROSTER \
+            or set(cells) & set(helpers):
+        return None
+    return cells, (helpers, aux)
 
 
 @dataclass
@@ -182,12 +192,12 @@ class Rosters:
 
     async def agree(self, key: str, trainers: Collection[str], *, wait: float,
                     write: bool = True, seen: Collection[str] = (),
-                    helpers: tuple[int, int] | None = None
-                    ) -> tuple[tuple[str, ...], tuple[int, int] | None]:
+                    helpers: tuple[tuple[str, ...], int] | None = None
+                    ) -> tuple[tuple[str, ...], tuple[tuple[str, ...], int] | None]:
         """The trainers a grid round of `key` gives its cells to, and the helpers (trainers,
-        aux peers) their writer saw beside them: the first-published roster that agrees with
-        this peer's view (`trainers`, itself included if it trains, and `seen`), waited for at
-        most `wait` seconds; else `trainers` and `helpers`. This peer writes `trainers` (and
+        the number of aux peers) their writer saw beside them: the first-published roster that
+        agrees with this peer's view (`trainers`, itself included if it trains, and `seen`),
+        waited for at most `wait` seconds; else `trainers` and `helpers`. This peer writes `trainers` (and
         `helpers`) as a roster if it is one of the writers (`publishes`) and `write` allows.
         (`seen`: the trainers this peer sees at the head beyond those it would publish; a first
         round publishes only those seen there for a while, `Timing.settle`, and judges a roster
@@ -281,7 +291,7 @@ class Rosters:
         return out
 
     async def _write(self, dht_key: str, view: Collection[str],
-                     helpers: tuple[int, int] | None) -> Published | None:
+                     helpers: tuple[tuple[str, ...], int] | None) -> Published | None:
         now = timebase.now()
         try:
             await self.dht.store(dht_key, encode(view, helpers), now + TTL, sub_key=self.peer_id,
@@ -290,4 +300,6 @@ class Rosters:
             log.info("grid_roster_write_failed", key=dht_key, error=str(exc))
             return None
         log.debug("grid_roster_written", key=dht_key, trainers=len(set(view)))
-        return Published(tuple(sorted(set(view))), now, helpers)
+        cells = tuple(sorted(set(view)))
+        return Published(cells, now, None if helpers is None
+                         else (tuple(sorted(set(helpers[0]) - set(cells))), helpers[1]))

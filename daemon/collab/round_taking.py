@@ -293,12 +293,19 @@ class RoundTaking:
             aux = {p["peer_id"] for p in self.global_progress.live_peers if p["role"] == "aux"} \
                 if self.global_progress is not None else set()
             peers = tuple(m for m in round_.members if m != self.peer_id and m not in aux)
-            report = await self.averaging.average(
-                state.buffer.array[: state.numel], round_key("state", self.head), weight=1.0,
-                expected=round_.trainers, role="trainer", peers=peers,
-                aggregation=self.aggregation,
-                leaders=tuple(m for m in round_.members if m not in aux),
-                max_weight=1.0)  # one vote per trainer: an equal-weight mean, by the run's rule
+            try:
+                report = await self.averaging.average(
+                    state.buffer.array[: state.numel], round_key("state", self.head),
+                    weight=1.0, expected=round_.trainers, role="trainer", peers=peers,
+                    aggregation=self.aggregation,
+                    leaders=tuple(m for m in round_.members if m not in aux),
+                    max_weight=1.0)  # one vote per trainer: an equal-weight mean, by the rule
+            except RoundSatOut as exc:
+                # no slice of the state round's grid has room for us (its roster left us out):
+                # our state is the one we stepped to, which is the run's (to float drift)
+                p.failed_state_rounds += 1
+                self._log.info("state_averaging_skipped", epoch=p.epoch, reason=str(exc))
+                return
             if report is None or report.failed_parts or report.group_size < 2:
                 p.failed_state_rounds += 1
                 self._log.info("state_averaging_skipped", epoch=p.epoch,

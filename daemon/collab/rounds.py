@@ -99,7 +99,7 @@ class NetworkRounds:
             # after one, averaging apart from the rest of our slice)
             # (the helpers beside the roster, written with it: how many stages the grid has
             # depends on them, and each peer sees the newest newcomers at another moment)
-            seen_helpers = (len(everyone - view), len(set(aux)))
+            seen_helpers = (tuple(sorted(everyone - view)), len(set(aux)))
             with self.averager.coming_under(f"{self.run_key}/{key}/"):
                 # (a first round judges rosters by every trainer seen at the head: roster.py)
                 roster, said = await self.rosters.agree(

@@ -53,16 +53,22 @@ class _VirtualSelector(selectors.DefaultSelector):
 
 
 class _SerialTask(asyncio.Task):  # type: ignore[type-arg]
-    """A task whose hash is its creation's serial number (see the module docstring)."""
+    """A task whose hash is its creation's serial number (see the module docstring), set
+    before the task registers itself in asyncio's set of live tasks (after it, every task went
+    in with hash 0: one chain of collisions, 16k tasks created in 3 s instead of 0.04 s)."""
 
-    serial = 0
+    def __init__(self, coro: Coroutine[Any, Any, Any], *, serial: int, **kwargs: Any) -> None:
+        self.serial = serial
+        super().__init__(coro, **kwargs)
 
     def __hash__(self) -> int:
         return self.serial
 
 
 class _SerialFuture(asyncio.Future):  # type: ignore[type-arg]
-    serial = 0
+    def __init__(self, *, serial: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.serial = serial
+        super().__init__(loop=loop)
 
     def __hash__(self) -> int:
         return self.serial
@@ -79,14 +85,10 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def _serial_task(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any],
                      **kwargs: Any) -> asyncio.Task[Any]:
-        task = _SerialTask(coro, loop=loop, **kwargs)
-        task.serial = next(self._serials)
-        return task
+        return _SerialTask(coro, serial=next(self._serials), loop=loop, **kwargs)
 
     def create_future(self) -> asyncio.Future[Any]:
-        future = _SerialFuture(loop=self)
-        future.serial = next(self._serials)
-        return future
+        return _SerialFuture(serial=next(self._serials), loop=self)
 
     def time(self) -> float:
         return self._virtual_time

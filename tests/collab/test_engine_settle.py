@@ -181,3 +181,57 @@ def test_a_trainer_a_grid_round_has_no_room_for_sits_it_out_and_keeps_its_sample
     assert samples > 0 and kept >= samples  # its samples go to the next round
     assert second - first >= TIMING.max_look  # a look later, not at once
     assert engine.progress.rounds_sat_out == 1 and engine.progress.failed_rounds == 1  # the 2nd
+
+
+def test_a_state_round_with_no_room_for_this_trainer_is_skipped_not_fatal() -> None:
+    # a state round's roster may leave a trainer of the step out (its writer had not seen it):
+    # RoundSatOut there ended the run as failed; now the state round is skipped and it trains on
+    from dedloc.daemon.collab.errors import RoundSatOut
+
+    class StateTrainer(CountingTrainer):
+        async def export_state(self) -> DownloadedState:
+            class Buffer:
+                array = np.zeros(8, np.float32)
+
+            class State:
+                numel, buffer = 8, Buffer()
+
+                def close(self) -> None:
+                    return None
+            return State()  # type: ignore[return-value]
+
+    @dataclass
+    class StateNoRoom(GridAverager):
+        keys: list[str] = field(default_factory=list)
+
+        async def average(self, vector: np.ndarray, key: str,
+                          **options: object) -> AveragingReport | None:
+            assert self.engine is not None
+            self.keys.append(key)
+            if key.startswith("state/"):
+                self.engine.stop()  # (it ends once the state round is over, if it survives it)
+                raise RoundSatOut(f"no slice of grid round {key} has room for this trainer")
+            members = ("peer-me", *StandingBoard().peers)
+            return AveragingReport(
+                key=key, group_id="grid/" + key, members=members, trainers=12, senders=12,
+                part=(0, 8), shares=(8,), seconds=1.0, matchmaking_seconds=0.1,
+                allreduce_seconds=0.1, bytes_sent=0, bytes_received=0, failed_parts=(),
+                senders_excluded={}, senders_rejected={}, finished_at=timebase.now(),
+                weight=240.0, represented=12, stages=2)
+
+    async def main() -> tuple[StateNoRoom, RunEngine, str]:
+        loop = asyncio.get_running_loop()
+        timebase.use(SkewedClock(loop))
+        averager = StateNoRoom(roster_at=0.0)
+        engine = RunEngine(peer_id="peer-me", role="trainer",
+                           schedule=Schedule(TARGET, average_state_every=1),
+                           board=StandingBoard(), averaging=averager, trainer=StateTrainer(),
+                           progress=RunProgress(lineage=LINEAGE), parameters=8, timing=TIMING)
+        averager.engine = engine
+        reason = await asyncio.wait_for(engine.run(), timeout=3600)
+        return averager, engine, reason
+
+    averager, engine, reason = run_virtual(main())
+    assert reason == "stopped"
+    assert [k.split("/")[0] for k in averager.keys] == ["grad", "state"], averager.keys
+    assert engine.progress.failed_state_rounds == 1 and engine.progress.rounds == 1

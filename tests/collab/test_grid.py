@@ -140,28 +140,50 @@ def test_a_rosters_cells_stay_the_rosters_when_the_others_do_not_fit_as_helpers(
 def test_helpers_a_roster_names_get_a_slice_in_every_stage_on_every_view() -> None:
     # 8 cells and 4 newcomers in groups of 4: no grid has room for twice the helpers' mean, so
     # the newcomers sat every round out (a churn of 8 trainers: 90 failed rounds, a third of
-    # the live trainers out of a round). The roster's writer saw 4 newcomers and the aux peer:
-    # every view lays out that grid, the one that sees only 3 of them too, and every newcomer
-    # it sees has a slice in every stage, no slice over the group size
-    trainers, aux = _ids(12), ["ff" * 31]
-    roster, newcomers = trainers[:8], trainers[8:]
-    by_view = {p: GridRounds(p, 4).layout("k", [t for t in trainers if t != p], aux, "trainer",
-                                          roster, roster=True, helpers_said=(4, 1))
-               for p in trainers}
-    narrow = GridRounds(trainers[0], 4).layout("k", trainers[1:11], aux, "trainer", roster,
-                                               roster=True, helpers_said=(4, 1))
-    layouts = [*by_view.values(), narrow]
+    # the live trainers out of a round). The roster's writer saw the 4 newcomers and the aux
+    # peer: every view lays out that grid and places them alike, the view that sees only 3 of
+    # them and the one that sees a fifth newcomer too; no slice holds more than the group
+    trainers, aux = _ids(13), ["ff" * 31]
+    roster, newcomers, late = trainers[:8], trainers[8:12], trainers[12]
+    said = (tuple(newcomers), 1)
+
+    def layout(peer: str, view: list[str]) -> GridLayout | None:
+        return GridRounds(peer, 4).layout("k", [t for t in view if t != peer], aux, "trainer",
+                                          roster, roster=True, helpers_said=said)
+
+    layouts = [layout(p, trainers[:12]) for p in trainers[:12]]
+    layouts += [layout(trainers[0], trainers[:11]), layout(trainers[0], trainers)]
+    layouts += [layout(late, trainers)]
     assert all(v is not None for v in layouts)
     assert len({(v.dimensions, tuple(sorted(v.cells.items()))) for v in layouts}) == 1  # type: ignore[union-attr]
-    full = by_view[trainers[0]]
-    assert full is not None and set(full.cells) == set(roster)
-    for newcomer in newcomers:
-        stages = full.stages(newcomer, "k")
-        assert all(stage is not None and len(stage.peers) <= 4 for stage in stages), stages
-    # the same without a count from the roster: the newcomers have no room and sit out
-    silent = GridRounds(trainers[0], 4).layout("k", trainers[1:], aux, "trainer", roster,
+    for s in range(layouts[0].dimensions):  # type: ignore[union-attr]
+        for newcomer in newcomers:  # placed alike on every view
+            stages = [v.stages(newcomer, "k")[s] for v in layouts]  # type: ignore[union-attr]
+            assert None not in stages and len({st.label for st in stages}) == 1, stages  # type: ignore[union-attr]
+        # each peer goes where its own view puts it: no slice gets more than a group
+        arrivals: Counter[str] = Counter()
+        for peer, view in [*((p, layouts[0]) for p in [*roster, *newcomers]), (late, layouts[-1])]:
+            stage = view.stages(peer, "k")[s]  # type: ignore[union-attr]
+            if stage is not None:
+                assert len(stage.peers) <= 4, stage
+                arrivals[stage.label] += 1
+        assert max(arrivals.values()) <= 4, arrivals
+    # the same without a list from the roster: the newcomers have no room and sit out
+    silent = GridRounds(trainers[0], 4).layout("k", trainers[1:12], aux, "trainer", roster,
                                                roster=True)
     assert silent is not None and not silent.helpers
+
+
+def test_a_list_by_which_the_cells_would_fit_one_group_is_ignored() -> None:
+    # a hostile writer's list of no helpers beside 11 cells in groups of 16 would make the
+    # round one group of 11 expected where 20 trainers come: the peer's own view counts then
+    trainers, aux = _ids(20), ["ff" * 31]
+    roster = trainers[:11]
+    own = GridRounds(trainers[0], 16).layout("k", trainers[1:], aux, "trainer", roster,
+                                             roster=True)
+    hostile = GridRounds(trainers[0], 16).layout("k", trainers[1:], aux, "trainer", roster,
+                                                 roster=True, helpers_said=((), 0))
+    assert own is not None and hostile == own
 
 
 async def test_a_trainer_the_grid_has_no_room_for_sits_the_round_out() -> None:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 import pytest
 from structlog.testing import capture_logs
 
@@ -19,6 +20,7 @@ from dedloc.daemon.averaging.settings import AveragingSettings
 from dedloc.daemon.collab.grid import grid_layout
 from dedloc.daemon.collab.roster import (
     LOGGED_ROSTERS,
+    MAX_ROSTER,
     SETTLE,
     TTL,
     Published,
@@ -83,14 +85,20 @@ def test_pick_takes_the_first_published_roster_that_agrees() -> None:
 
 @pytest.mark.parametrize("value", [b"", b"{}", b"[]", b"[1, 2]", b'["a", "a"]', b'["' + b"x" * 200 + b'"]',
                                    b"not json",
-                                   # helpers said: both counts, small non-negative integers
-                                   b'{"cells": ["a"], "helpers": 1}',
-                                   b'{"cells": ["a"], "helpers": -1, "aux": 0}',
-                                   b'{"cells": ["a"], "helpers": 1e9, "aux": 0}',
-                                   b'{"cells": ["a"], "helpers": 100000, "aux": 0}',
-                                   b'{"cells": ["a"], "helpers": true, "aux": 0}',
-                                   b'{"cells": [], "helpers": 1, "aux": 0}',
-                                   b'{"cells": ["a"], "helpers": 1, "aux": 0, "more": 1}'])
+                                   # helpers said: peer ids apart from the cells, a count of aux
+                                   b'{"cells": ["a"], "helpers": ["b"]}',
+                                   b'{"cells": ["a"], "helpers": 1, "aux": 0}',
+                                   b'{"cells": ["a"], "helpers": ["a"], "aux": 0}',
+                                   b'{"cells": ["a"], "helpers": ["b", "b"], "aux": 0}',
+                                   b'{"cells": ["a"], "helpers": [2], "aux": 0}',
+                                   b'{"cells": ["a"], "helpers": [], "aux": -1}',
+                                   b'{"cells": ["a"], "helpers": [], "aux": 1e9}',
+                                   b'{"cells": ["a"], "helpers": [], "aux": 100000}',
+                                   b'{"cells": ["a"], "helpers": [], "aux": true}',
+                                   b'{"cells": [], "helpers": ["b"], "aux": 0}',
+                                   b'{"cells": ["a"], "helpers": [], "aux": 0, "more": 1}',
+                                   b'{"cells": ["a"], "helpers": ' + orjson.dumps(
+                                       [f"p{i}" for i in range(MAX_ROSTER)]) + b', "aux": 0}'])
 def test_junk_is_no_roster(value: bytes) -> None:
     assert decode(value) is None and decode_record(value) is None
 
@@ -98,7 +106,7 @@ def test_junk_is_no_roster(value: bytes) -> None:
 def test_a_roster_round_trips() -> None:
     assert decode(encode(["b", "a", "b"])) == ("a", "b")
     assert decode_record(encode(["b", "a"])) == (("a", "b"), None)  # (an earlier writer's)
-    assert decode_record(encode(["b", "a"], (3, 1))) == (("a", "b"), (3, 1))
+    assert decode_record(encode(["b", "a"], (("d", "c", "a"), 1))) == (("a", "b"), (("c", "d"), 1))
 
 
 @dataclass
@@ -413,8 +421,9 @@ async def test_readers_take_the_helpers_the_rosters_writer_saw() -> None:
     key, view = "grad/7/abc", _ids(12)
     dht = _Dht()
     best = writers(key, view)[0]
+    newcomers = tuple(_ids(4, start=100))
     assert await Rosters(dht, best, "run").agree(  # type: ignore[arg-type]
-        key, view, wait=0.0, helpers=(4, 1)) == (tuple(sorted(view)), (4, 1))
+        key, view, wait=0.0, helpers=(newcomers, 1)) == (tuple(sorted(view)), (newcomers, 1))
     reader = next(p for p in view if p not in writers(key, view, 5))
     assert await Rosters(dht, reader, "run").agree(  # type: ignore[arg-type]
-        key, view, wait=0.0, helpers=(3, 0)) == (tuple(sorted(view)), (4, 1))
+        key, view, wait=0.0, helpers=(newcomers[:3], 0)) == (tuple(sorted(view)), (newcomers, 1))
