@@ -59,8 +59,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["MAX_ROSTER", "TTL", "WRITERS", "Published", "Rosters", "agrees", "decode",
-           "decode_record", "encode", "pick", "publishes", "writers"]
+__all__ = ["MAX_ROSTER", "TTL", "WRITERS", "Published", "Rosters", "agrees", "decode_record",
+           "encode", "pick", "publishes", "writers"]
 
 WRITERS = 3  # trainers that publish their view of a grid round
 # a roster is taken only from a writer among the first WRITERS + WRITER_SLACK of the reader's own
@@ -139,12 +139,6 @@ def encode(roster: Iterable[str], helpers: tuple[Iterable[str], int] | None = No
                          "aux": helpers[1]})
 
 
-def decode(value: bytes) -> tuple[str, ...] | None:
-    """A roster as published, or None when it is not one (junk is ignored, not fatal)."""
-    decoded = decode_record(value)
-    return None if decoded is None else decoded[0]
-
-
 def _peers(data: object, least: int) -> tuple[str, ...] | None:
     if not isinstance(data, list) or not least <= len(data) <= MAX_ROSTER \
             or not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in data) \
@@ -156,7 +150,7 @@ def _peers(data: object, least: int) -> tuple[str, ...] | None:
 def decode_record(value: bytes) -> tuple[tuple[str, ...], tuple[tuple[str, ...], int] | None] | None:
     """A roster's record as published: its trainers and the helpers its writer said it saw
     (trainers, the number of aux peers; None where it said none), or None when it is not one
-    (at most MAX_ROSTER peers in all)."""
+    (at most MAX_ROSTER peers in all; junk is ignored, not fatal)."""
     try:
         data = orjson.loads(value)
     except orjson.JSONDecodeError:
