@@ -93,7 +93,9 @@ class GridLayout:
     # (after it, their slice's real members carry it) and are placed before the aux peers
     training_helpers: tuple[str, ...] = ()
     max_group_size: int = 0  # a slice with its helpers holds at most this many (0: no bound)
-    # helpers placed before all others (a roster's, the same on every peer: grid_layout)
+    # helpers placed before all others, in one order (a roster's list, the same on every peer:
+    # grid_layout), those this peer does not see included: they take their room, so that the
+    # others land alike on every peer, but no stage expects them
     listed_helpers: tuple[str, ...] = ()
     _slice_cache: dict[int, dict[str, tuple[str, ...]]] = field(
         default_factory=dict, compare=False, repr=False)
@@ -132,8 +134,9 @@ class GridLayout:
 
     def _placed(self, key: str, s: int) -> dict[str, str]:
         """Stage `s`'s helpers -> their slice: the one a hash picks, or the next with room (a
-        slice holds at most `max_group_size` peers); the training helpers first, in an order
-        by hash, then the aux peers. A helper no slice has room for is left out of the stage."""
+        slice holds at most `max_group_size` peers); the listed helpers first, then the
+        training helpers, each in an order by hash, then the aux peers. A helper no slice has
+        room for is left out of the stage."""
         cached = self._helper_cache.get((key, s))
         if cached is not None:
             return cached
@@ -144,11 +147,11 @@ class GridLayout:
         training, listed = set(self.training_helpers), set(self.listed_helpers)
 
         def order(helper: str) -> tuple[bool, bool, bytes]:
-            return (helper not in listed, helper not in training,
+            return (helper not in listed, helper not in listed and helper not in training,
                     hashlib.sha256(f"{key}\0order\0{helper}\0{s}".encode()).digest())
 
         placed: dict[str, str] = {}
-        for helper in sorted(self.helpers, key=order):
+        for helper in sorted({*self.helpers, *self.listed_helpers}, key=order):
             first = _hash_index(key, f"helper\0{helper}\0{s}", len(labels))
             for step in range(len(labels)):
                 label = labels[(first + step) % len(labels)]
@@ -156,6 +159,8 @@ class GridLayout:
                     room[label] -= 1
                     placed[helper] = label
                     break
+        unseen = set(self.listed_helpers) - set(self.helpers)
+        placed = {helper: label for helper, label in placed.items() if helper not in unseen}
         self._helper_cache[(key, s)] = placed
         return placed
 
@@ -205,18 +210,19 @@ def grid_layout(key: str, trainers: Sequence[str], max_group_size: int,
     helper finds a slice in every stage (the others may sit stages out): where the cells fill
     the slices nearly to `max_group_size`, the first rule seats no helper, and newcomers to
     the head sat every round out (8 cells and 4 newcomers in groups of 4: 90 failed rounds in
-    5 epochs, a third of the live trainers left out of a round). `listed`: the training
-    helpers (part of `helpers` and `training_helpers`) and the number of other helpers to lay
-    the grid out for, agreed by every peer of the round (a roster's, roster.py), where the
-    helpers each peer sees are its own view: the stages follow them, and the listed helpers
-    are placed first, so views that differ by a newcomer lay out one grid and place the
-    listed ones alike; the others a peer sees go where room is left. (Without an agreed list
-    the second rule is not tried: a view with one helper more would lay out more stages, and
-    the round would fail; a rule without slack seats them only by one order on all peers.)"""
+    5 epochs, a third of the live trainers left out of a round). `listed`: the helpers that
+    train (ids) and the number of other helpers to lay the grid out for, agreed by every peer
+    of the round (a roster's, roster.py), where the `helpers` each peer sees are its own view:
+    the stages follow the list, and the listed ids are placed first, in one order, those this
+    peer does not see included (they take their room but no stage expects them), so views
+    that differ by a newcomer lay out one grid and place the listed ones alike; the others a
+    peer sees go where room is left. (Without an agreed list the second rule is not tried: a
+    view with one helper more would lay out more stages, and the round would fail; a rule
+    without slack seats them only by one order on all peers.)"""
     base = sorted(set(trainers))
     extra = sorted(set(helpers) - set(base))
     training = tuple(sorted(set(training_helpers) & set(extra)))
-    first = tuple(sorted(set(listed[0]) & set(training))) if listed is not None else ()
+    first = tuple(sorted(set(listed[0]) - set(base))) if listed is not None else ()
     n = len(base)
     helping, training_count = (len(extra), len(training)) if listed is None \
         else (len(first) + listed[1], len(first))
@@ -330,19 +336,22 @@ class GridRounds:
         base = (seen & set(leaders)) - set(aux) if leaders else seen
         if len(base) < 2:
             base = seen
-        # (a roster of at most half the trainers seen can make no step on its own cells: the
-        # round needs more than half of them, so all get a cell, views differing or not)
-        agreed = roster and 2 * len(base) > len(seen)
+        # (the list, where the roster has one, is the same on every peer that took it: each
+        # reads from it alone whether a grid is needed and whether the roster is a majority)
         listed: tuple[Sequence[str], int] | None = None
-        if agreed and helpers_said is not None:
-            others = set(aux) | (me if role == "aux" else set())
-            named = set(helpers_said[0]) - base - others
+        if roster and helpers_said is not None:
+            named = sorted(set(helpers_said[0]) - base)
             if len(base) + len(named) + helpers_said[1] > self.max_group_size:
-                listed = (sorted(named), helpers_said[1])
-        training = (seen - base) | set(listed[0] if listed is not None else ())
-        helpers = {*aux, *(me if role == "aux" else set()), *training}
+                listed = (named, helpers_said[1])
+        # (a roster of at most half the trainers can make no step on its own cells: the round
+        # needs more than half of them, so all get a cell, views differing or not)
+        agreed = roster and 2 * len(base) > (len(base) + len(listed[0]) if listed is not None
+                                             else len(seen))
+        if not agreed:
+            listed = None
+        helpers = {*aux, *(me if role == "aux" else set()), *(seen - base)}
         layout = grid_layout(key, sorted(base), self.max_group_size, sorted(helpers),
-                             sorted(training), listed=listed)
+                             sorted(seen - base), listed=listed)
         if layout is None and base != seen and not agreed:
             # the leaders are too few to seat the others as helpers (a round that stepped with
             # 3 of 8 trainers, in groups of 4: no grid of 3 cells has room for 6 helpers, and

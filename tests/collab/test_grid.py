@@ -151,15 +151,22 @@ def test_helpers_a_roster_names_get_a_slice_in_every_stage_on_every_view() -> No
         return GridRounds(peer, 4).layout("k", [t for t in view if t != peer], aux, "trainer",
                                           roster, roster=True, helpers_said=said)
 
-    layouts = [layout(p, trainers[:12]) for p in trainers[:12]]
-    layouts += [layout(trainers[0], trainers[:11]), layout(trainers[0], trainers)]
-    layouts += [layout(late, trainers)]
+    views = [(p, trainers[:12]) for p in trainers[:12]]
+    views += [(trainers[0], trainers[:11]), (trainers[0], trainers), (late, trainers)]
+    layouts = [layout(p, view) for p, view in views]
     assert all(v is not None for v in layouts)
     assert len({(v.dimensions, tuple(sorted(v.cells.items()))) for v in layouts}) == 1  # type: ignore[union-attr]
     for s in range(layouts[0].dimensions):  # type: ignore[union-attr]
-        for newcomer in newcomers:  # placed alike on every view
-            stages = [v.stages(newcomer, "k")[s] for v in layouts]  # type: ignore[union-attr]
+        for newcomer in newcomers:  # placed alike on every view that sees it
+            stages = [v.stages(newcomer, "k")[s] for v, (_, view) in zip(layouts, views,
+                                                                         strict=True)
+                      if newcomer in view]  # type: ignore[union-attr]
             assert None not in stages and len({st.label for st in stages}) == 1, stages  # type: ignore[union-attr]
+        # one it does not see takes its room, but no stage expects it
+        unseen = layouts[12].stages(trainers[11], "k")[s]  # type: ignore[union-attr]
+        assert unseen is None
+        assert all(trainers[11] not in (st.peers if st else ()) for p in trainers[:8]
+                   for st in [layouts[12].stages(p, "k")[s]])  # type: ignore[union-attr]
         # each peer goes where its own view puts it: no slice gets more than a group
         arrivals: Counter[str] = Counter()
         for peer, view in [*((p, layouts[0]) for p in [*roster, *newcomers]), (late, layouts[-1])]:
