@@ -443,14 +443,6 @@ class GridRounds:
                       failed_parts=len(report.failed_parts))
             if report.failed_parts:
                 return "done"
-            if helper and report.group_size <= 1:
-                # none of its slice came: the round has passed it by (a newcomer that began it
-                # late, once the others were stages on) or its slice failed. Alone, it holds
-                # no mean in any later stage either (it stands for no one there): it stops now
-                # and catches up on the round's state, where it spent a window on each later
-                # stage (64 trainers in groups of 16: newcomers failed such rounds after ~34 s,
-                # 2 epochs behind meanwhile)
-                return "no step"
             if helper:  # its slice's cells carry its weight from here on (LISTENING_SHARE)
                 weight = report.weight * LISTENING_SHARE if role == "trainer" else 0.0
                 represents = 0

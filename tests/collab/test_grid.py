@@ -355,27 +355,3 @@ def test_a_members_claim_to_stand_for_many_trainers_counts_for_what_its_stage_al
     assert group.averaged((), layout.max_represents(1)) == (160.0, 256)  # not 60 240
     assert group.averaged({liar.peer_id}, layout.max_represents(1)) == (150.0, 240)
     assert group.averaged((), 1) == (160.0, 16)  # a one-group round: one trainer each
-
-
-async def test_a_helper_alone_in_its_first_stage_stops_there() -> None:
-    # a newcomer that began the round once the others were stages on: none of its slice came.
-    # It went on alone through every later stage, a window each (~34 s at 64 trainers in groups
-    # of 16), to fail the round anyway (it stands for no one there): now it stops at once
-    trainers = _ids(9)
-    newcomer = trainers[8]
-    rounds = GridRounds(newcomer, 4)
-    layout = rounds.layout("k", trainers[:8], (), "trainer", trainers[:8])
-    assert layout is not None and newcomer not in layout.cells and layout.dimensions >= 2
-    labels: list[str] = []
-
-    async def alone(vector: np.ndarray, label: str, *args: object) -> AveragingReport | None:
-        labels.append(label)
-        return AveragingReport(
-            key=label, group_id="solo-1", members=(newcomer,), trainers=1, senders=1,
-            part=(0, 6), shares=(6,), seconds=10.0, matchmaking_seconds=10.0,
-            allreduce_seconds=0.0, bytes_sent=0, bytes_received=0, failed_parts=(),
-            senders_excluded={}, senders_rejected={}, finished_at=0.0, weight=1.0,
-            represented=1)
-    assert await rounds.average(layout, np.ones(6, np.float32), "k", weight=1.0,
-                                role="trainer", stage_round=alone) is None
-    assert len(labels) == 1 and labels[0].startswith("m0/"), labels
