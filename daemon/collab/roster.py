@@ -191,8 +191,8 @@ class Rosters:
         """The trainers a grid round of `key` gives its cells to, and the helpers (trainers,
         the number of aux peers) their writer saw beside them: the first-published roster that
         agrees with this peer's view (`trainers`, itself included if it trains, and `seen`),
-        waited for at most `wait` seconds; else `trainers` and `helpers`. This peer writes `trainers` (and
-        `helpers`) as a roster if it is one of the writers (`publishes`) and `write` allows.
+        waited for at most `wait` seconds; else `trainers` and `helpers`. This peer writes
+        `trainers` (and `helpers`) as a roster if it is one of the writers (`publishes`) and `write` allows.
         (`seen`: the trainers this peer sees at the head beyond those it would publish; a first
         round publishes only those seen there for a while, `Timing.settle`, and judges a roster
         by all: peers that began together see each other arrive at different moments, so the
@@ -287,13 +287,13 @@ class Rosters:
     async def _write(self, dht_key: str, view: Collection[str],
                      helpers: tuple[tuple[str, ...], int] | None) -> Published | None:
         now = timebase.now()
+        value = encode(view, helpers)
         try:
-            await self.dht.store(dht_key, encode(view, helpers), now + TTL, sub_key=self.peer_id,
+            await self.dht.store(dht_key, value, now + TTL, sub_key=self.peer_id,
                                  timeout=DHT_TIMEOUT)
         except (TransportError, TimeoutError) as exc:
             log.info("grid_roster_write_failed", key=dht_key, error=str(exc))
             return None
         log.debug("grid_roster_written", key=dht_key, trainers=len(set(view)))
-        cells = tuple(sorted(set(view)))
-        return Published(cells, now, None if helpers is None
-                         else (tuple(sorted(set(helpers[0]) - set(cells))), helpers[1]))
+        written = decode_record(value)  # (what readers will take: one rule, the decoder's)
+        return None if written is None else Published(written[0], now, written[1])
