@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from .aggregation import Aggregation, clip_scales, l2_norm
+from .signatures import DIGEST_HEX, SIGNATURE_HEX, signed_by
 from .wire import PeerFault
 
 Z = 8.0  # Hoeffding: P(false alarm per segment) <= 2 exp(-Z^2 / 2) < 3e-14
@@ -80,12 +81,26 @@ class WrongAverage(PeerFault):
     contribution or breaks the group: the answer is not applied and the reducer is an offender."""
 
 
+class MisstatedContribution(WrongAverage):
+    """The account misstates this member's own contribution: what it sent (`payload`, `meta`,
+    once the sender adds them) proves it to the other members (accusations.py)."""
+
+    def __init__(self, message: str, chunk: int = -1, payload: Any = None,
+                 meta: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.chunk = chunk
+        self.payload = payload
+        self.meta = meta or {}
+
+
 @dataclass(frozen=True)
 class Entry:
     sender: int
     weight: float
     projections: tuple[float, ...]  # one per segment of the chunk (`segments`)
     norm: float
+    digest: str = ""  # hex SHA-256 of the contribution as sent (signatures.py); "" for the reducer's
+    signature: str = ""  # the sender's hex signature of it; "" for the reducer's own
 
 
 def segments(n: int, senders: int) -> list[tuple[int, int]]:
@@ -98,15 +113,26 @@ def segments(n: int, senders: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-def signs(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any], payload: Any,
-          n: int) -> np.ndarray:
-    """The +-1 vector (float32, n long) that an answer is checked against: SHAKE-128 of a
-    SHA-256 of the answer, one bit per element. Any platform and numpy version agree."""
+def answer_digest(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any],
+                  payload: Any) -> bytes:
+    """The SHA-256 of an answer that its signs are drawn from (`signs_of`)."""
     digest = hashlib.sha256()
     digest.update(f"dedloc-answer\0{group_id}\0{reducer}\0{chunk}\0".encode())
     digest.update(repr(sorted(meta.items())).encode())
     digest.update(memoryview(payload).cast("B"))
-    bits = hashlib.shake_128(digest.digest()).digest(-(-n // 8))
+    return digest.digest()
+
+
+def signs(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any], payload: Any,
+          n: int) -> np.ndarray:
+    """The +-1 vector (float32, n long) that an answer is checked against: SHAKE-128 of a
+    SHA-256 of the answer, one bit per element. Any platform and numpy version agree."""
+    return signs_of(answer_digest(group_id, reducer, chunk, meta, payload), n)
+
+
+def signs_of(digest: bytes, n: int) -> np.ndarray:
+    """`signs` from the answer's digest."""
+    bits = hashlib.shake_128(digest).digest(-(-n // 8))
     unpacked = np.unpackbits(np.frombuffer(bits, np.uint8), count=n, bitorder="little")
     signs_ = unpacked.astype(np.float32)
     signs_ *= 2
@@ -140,8 +166,10 @@ def codec_errors(decoded: np.ndarray, average: np.ndarray, parts: Sequence[tuple
 
 def account_header(entries: Sequence[Entry], errors: Sequence[float]) -> dict[str, Any]:
     """The account as it goes in the answer's header: {"s": [[sender, weight, [projection per
-    segment], norm], ...], "e": [||answer - the float32 mean it encodes||_2 per segment]}."""
-    return {"s": [[e.sender, e.weight, list(e.projections), e.norm] for e in entries],
+    segment], norm, digest, signature], ...], "e": [||answer - the float32 mean it encodes||_2 per
+    segment]}."""
+    return {"s": [[e.sender, e.weight, list(e.projections), e.norm, e.digest, e.signature]
+                  for e in entries],
             "e": list(errors)}
 
 
@@ -153,10 +181,15 @@ def _numbers(raw: Any, count: int) -> list[float] | None:
     return [float(x) for x in raw]
 
 
+def _hex(raw: Any, length: int) -> bool:
+    return isinstance(raw, str) and len(raw) == length and all(c in "0123456789abcdef" for c in raw)
+
+
 def parse_account(raw: Any, senders: int, parts: int) -> tuple[list[Entry], list[float]]:
     """The entries and the per-segment codec errors of an answer header's account; WrongAverage
     for anything malformed (at most `senders` entries, each a sender index, a weight, `parts`
-    projections and a norm, all finite; `parts` codec errors, finite and not negative)."""
+    projections and a norm, all finite, and a digest and signature, hex text or empty; `parts`
+    codec errors, finite and not negative)."""
     if not isinstance(raw, dict) or set(raw) != {"s", "e"}:
         raise WrongAverage("the answer's account is not {\"s\": entries, \"e\": codec errors}")
     errors = _numbers(raw["e"], parts)
@@ -167,9 +200,10 @@ def parse_account(raw: Any, senders: int, parts: int) -> tuple[list[Entry], list
         raise WrongAverage(f"the answer's account is not a list of at most {senders} entries")
     entries = []
     for item in raw:
-        if not isinstance(item, list) or len(item) != 4:
-            raise WrongAverage("an account entry is not [sender, weight, projections, norm]")
-        sender, weight, projections, norm = item
+        if not isinstance(item, list) or len(item) != 6:
+            raise WrongAverage("an account entry is not [sender, weight, projections, norm, digest, "
+                               "signature] (a reducer of an older dedloc?)")
+        sender, weight, projections, norm, digest, signature = item
         if isinstance(sender, bool) or not isinstance(sender, int):
             raise WrongAverage("an account entry's sender is not a member index")
         numbers = _numbers([weight, norm], 2)
@@ -177,7 +211,10 @@ def parse_account(raw: Any, senders: int, parts: int) -> tuple[list[Entry], list
         if numbers is None or projected is None:
             raise WrongAverage(f"an account entry holds a non-finite or non-numeric value, or not "
                                f"{parts} projections")
-        entries.append(Entry(sender, numbers[0], tuple(projected), numbers[1]))
+        if not ((_hex(digest, DIGEST_HEX) and _hex(signature, SIGNATURE_HEX))
+                or digest == signature == ""):
+            raise WrongAverage("an account entry's digest and signature are not hex text")
+        entries.append(Entry(sender, numbers[0], tuple(projected), numbers[1], digest, signature))
     return entries, errors
 
 
@@ -200,6 +237,15 @@ def norm_bound(entries: Sequence[Entry], n: int, codec_error: float) -> float:
     rounding = (len(entries) + 2) * FLOAT32_UNIT * math.sqrt(mean_square)
     mean = sum(e.weight / total * e.norm for e in entries)
     return (mean + rounding + codec_error) * (1 + 8 * FLOAT32_UNIT + 2 * n * FLOAT64_UNIT) + 1e-30
+
+
+def misstates(entry: Entry, projections: Sequence[float], norm: float, n: int) -> bool:
+    """Whether `entry` states other projections or another norm than `measure` gives for the
+    n-element contribution it names (beyond float32 and float64 rounding: sums may run in
+    another order on another machine)."""
+    slack = n * FLOAT64_UNIT * math.sqrt(n) * norm * 4 + 1e-30
+    return any(abs(stated - p) > slack for stated, p in zip(entry.projections, projections, strict=True)) \
+        or abs(entry.norm - norm) > 4 * FLOAT32_UNIT * norm + slack
 
 
 def effective(entries: Sequence[Entry], aggregation: Aggregation) -> list[Entry]:
@@ -234,7 +280,8 @@ def check_answer(entries: Sequence[Entry], errors: Sequence[float], *, weights: 
         if e.weight != weights[e.sender]:
             raise WrongAverage(f"the account gives member {e.sender} weight {e.weight:g}, the "
                                f"group {weights[e.sender]:g}")
-        if e.norm < 0 or any(abs(p) > math.sqrt(size) * e.norm * (1 + 1e-6) + 1e-30
+        # (Hoeffding: r is independent of a contribution, |<r, x>| <= Z ||x|| but for 3e-14)
+        if e.norm < 0 or any(abs(p) > min(math.sqrt(size), Z) * e.norm * (1 + 1e-6) + 1e-30
                              for p, size in zip(e.projections, sizes, strict=True)):
             raise WrongAverage(f"the account's projection for member {e.sender} exceeds what its "
                                "norm allows")
@@ -244,13 +291,9 @@ def check_answer(entries: Sequence[Entry], errors: Sequence[float], *, weights: 
         if error > 2.0 * answer_bound * math.sqrt(size):
             raise WrongAverage(f"the account claims a codec error of {error:.3g}, more than the "
                                f"codec allows ({2.0 * answer_bound * math.sqrt(size):.3g})")
-    if mine is not None and me in seen:
-        own = next(e for e in entries if e.sender == me)
-        projections, norm = mine
-        slack = n * FLOAT64_UNIT * math.sqrt(n) * norm * 4 + 1e-30
-        if any(abs(stated - p) > slack for stated, p in zip(own.projections, projections, strict=True)) \
-                or abs(own.norm - norm) > 4 * FLOAT32_UNIT * norm + slack:
-            raise WrongAverage("the account misstates this member's own contribution")
+    if mine is not None and me in seen \
+            and misstates(next(e for e in entries if e.sender == me), *mine, n):
+        raise MisstatedContribution("the account misstates this member's own contribution")
     entries = effective(entries, aggregation)
     total = sum(e.weight for e in entries)
     largest = norm_bound(entries, n, math.sqrt(sum(e * e for e in errors)))
@@ -264,3 +307,19 @@ def check_answer(entries: Sequence[Entry], errors: Sequence[float], *, weights: 
             raise WrongAverage(f"the answer's projection {answer_projections[k]:.6g} (segment {k}) "
                                f"differs from the account's weighted mean {expected:.6g} by more "
                                f"than {allowed:.3g}")
+
+
+def check_signatures(entries: Sequence[Entry], *, peers: Sequence[str], reducer: int, me: int,
+                     my_digest: bytes | None) -> None:
+    """WrongAverage unless every entry but the reducer's own carries its sender's signature of
+    the digest it names (signatures.py: the reducer lists only what each sender sent it);
+    MisstatedContribution if this member's own entry names another digest than what it sent."""
+    for e in entries:
+        if e.sender == reducer or not 0 <= e.sender < len(peers):
+            continue  # (its own: nobody else signs it; an index out of range fails check_answer)
+        if not e.digest or not signed_by(peers[e.sender], bytes.fromhex(e.digest), e.signature):
+            raise WrongAverage(f"the account's entry for member {e.sender} does not carry that "
+                               "member's signature of the contribution it names")
+        if e.sender == me and my_digest is not None and e.digest != my_digest.hex():
+            raise MisstatedContribution("the account names another contribution of this member "
+                                        "than the one it sent")

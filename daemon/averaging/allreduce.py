@@ -32,8 +32,10 @@ import numpy as np
 import structlog
 
 from .. import timebase
+from ..identity import Identity
 from ..net import PeerTransport, RequestContext, Stream
 from ..net.admission import FairSlots
+from .accusations import Accusations
 from .bans import BanList
 from .butterfly import Round
 from .compression import CODECS, CompressionError, finite_range
@@ -95,8 +97,10 @@ class AllReduceService:
                  arrival_grace: float = 5.0, inline_elements: int = 1 << 16,
                  threads: int | None = None, policy: ScreeningPolicy | None = None,
                  bans: BanList | None = None, corruption: SenderCorruption | None = None,
-                 wrong_answers: str | None = None) -> None:
+                 wrong_answers: str | None = None, identity: Identity | None = None) -> None:
         self.transport = transport
+        # signs our contributions (signatures.py): the transport's own identity where it has one
+        self.identity = identity or getattr(transport, "identity", None)
         self.policy = policy or ScreeningPolicy()
         self.bans = bans or BanList()
         self.corruption = corruption
@@ -117,6 +121,7 @@ class AllReduceService:
         self.counters: collections.Counter[str] = collections.Counter()
         self._log = log.bind(peer_id=transport.peer_id)
         transport.add_stream_handler(METHOD, self._handle)
+        self.accusations = Accusations(transport, self.bans, self.counters)
 
     # --- rounds ---------------------------------------------------------------------------------
     async def run(self, group: Group, my_index: int, vector: np.ndarray, weight: float, *,
@@ -146,7 +151,8 @@ class AllReduceService:
                        stall_timeout=self.stall_timeout, inline_elements=self.inline_elements,
                        counters=self.counters, on_open=self._open, policy=self.policy, bans=self.bans,
                        corruption=self.corruption.next_round() if self.corruption else None,
-                       wrong_answers=self.wrong_answers)
+                       wrong_answers=self.wrong_answers, identity=self.identity,
+                       accusations=self.accusations)
         try:
             report = await round_.execute()
         finally:
@@ -295,6 +301,7 @@ class AllReduceService:
         """Refuse new rounds and streams, end the waits of streams whose rounds will not start
         now, and stop the worker threads (call after the rounds)."""
         self._closed = True
+        self.accusations.close()
         for waiters in list(self._arrivals.values()):
             for waiter in list(waiters):
                 self._release(waiter)

@@ -37,20 +37,35 @@ import numpy as np
 import structlog
 
 from .. import timebase
+from ..identity import Identity
 from ..net import Message, PeerTransport, Stream
-from .accounts import ACCOUNT_KEY, CLIPPED, Entry, account_header, codec_errors, project, segments, signs
+from .accounts import (
+    ACCOUNT_KEY,
+    CLIPPED,
+    Entry,
+    MisstatedContribution,
+    WrongAverage,
+    account_header,
+    codec_errors,
+    measure,
+    project,
+    segments,
+    signs,
+)
+from .accusations import Accusations
 from .aggregation import l2_norm
 from .bans import BanList
 from .claims import stall_allowance
 from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
-from .corruption import wrong_answer
+from .corruption import forged_entries, wrong_answer
 from .group import Group
 from .jobs import ChunkJobs
 from .reducer import PartReducer
 from .report import AllReduceReport, TransferLog, build_report
 from .screening import OffenceKind, ScreeningPolicy, offence_kind
 from .sending import FAULTS, PartSender, describe, leaf, receive_buffer
-from .wire import ChunkPlan, PeerFault, StreamOpen, chunk_header, parse_chunk
+from .signatures import SIGNATURE_KEY, contribution_digest, signed_by
+from .wire import ChunkPlan, PeerFault, ProtocolViolation, StreamOpen, chunk_header, parse_chunk
 
 log = structlog.get_logger(__name__)
 
@@ -61,7 +76,8 @@ class Round:
                  pool: concurrent.futures.Executor, stall_timeout: float,
                  inline_elements: int, counters: Counter[str], on_open: Callable[[Round], None],
                  policy: ScreeningPolicy, bans: BanList, corruption: str | None = None,
-                 wrong_answers: str | None = None) -> None:
+                 wrong_answers: str | None = None, identity: Identity | None = None,
+                 accusations: Accusations | None = None) -> None:
         self.transport = transport
         self.group = group
         self.index = index
@@ -102,6 +118,10 @@ class Round:
         self.excluded: dict[int, str] = {}
         self.offences: dict[int, OffenceKind] = {}
         self.clipped = 0  # contributions the round's rule scaled down (aggregation.py)
+        # (sender, chunk) -> the digest of its contribution and its signature (signatures.py)
+        self.signed: dict[tuple[int, int], tuple[str, str]] = {}
+        self.accusations = accusations
+        self.over = asyncio.Event()  # the round has ended here
         # shared
         self.traffic = TransferLog()
         self.jobs = ChunkJobs(pool, inline_elements)
@@ -114,7 +134,10 @@ class Round:
                                  corruption, check=policy.check_answers,
                                  accept_clipped=policy.robust == "centered_clip",
                                  aggregation=group.aggregation,
-                                 on_wrong_average=self._wrong_average, weights=self.weights)
+                                 on_wrong_average=self._wrong_average, weights=self.weights,
+                                 identity=identity)
+        if accusations is not None:
+            accusations.remember(group, index, self.sender.applied, self.over)
 
     # --- the round ------------------------------------------------------------------------------
     async def execute(self) -> AllReduceReport:
@@ -141,6 +164,7 @@ class Round:
         finally:
             self.closing = True
             await self.jobs.drain()
+            self.over.set()
             if self.sender.retries:
                 self.counters["streams_reopened_not_started"] += self.sender.retries
         report = self._report(timebase.monotonic() - started)
@@ -248,14 +272,20 @@ class Round:
             reducer.take(i, c)
             first, last = plan.relative(c)
             previous = self.jobs.submit(last - first, self._add_chunk, i, c, message.payload, meta,
-                                        weight, decoded[c % 2])
+                                        weight, decoded[c % 2], message.header.get(SIGNATURE_KEY))
             previous.add_done_callback(partial(self._on_added, i, c, weight))
         if previous is not None:
             await asyncio.shield(previous)
 
     def _add_chunk(self, i: int, c: int, payload: Buffer, meta: Meta, weight: float,
-                   out: np.ndarray | None) -> None:
+                   out: np.ndarray | None, signature: Any) -> None:
         assert self.own is not None and self.reducer is not None
+        if self.policy.check_answers:  # the account names it; members check the signature
+            digest = contribution_digest(self.group.group_id, self.index, c, meta, payload)
+            if not signed_by(self.group.members[i].peer_id, digest, signature):
+                raise ProtocolViolation(f"chunk {c} does not carry the sender's signature of it "
+                                        "(a sender of an older dedloc?)")
+            self.signed[(i, c)] = (digest.hex(), signature)
         first, last = self.own.relative(c)
         row = self.reducer.row(c, i)
         target = row if row is not None else None if out is None else out[:last - first]
@@ -331,9 +361,14 @@ class Round:
             parts = segments(b - a, self.senders)
             errors = [0.0] * len(parts) if self.reply.name == "none" else codec_errors(
                 self.vector[a:b], average, parts)
+            entries = [Entry(u.sender, u.weight, project(r, u.values, parts),
+                             l2_norm(u.values) if u.norm is None else u.norm,
+                             *self.signed.pop((u.sender, c), ("", ""))) for u in used]
+            if self.wrong_answers == "forge":
+                entries = forged_entries(entries, [u.scale for u in used], self.index,
+                                         measure(r, self.vector[a:b], parts)[0])
             account = CLIPPED if self.policy.robust == "centered_clip" else account_header(
-                [Entry(u.sender, u.weight, project(r, u.values, parts),
-                       l2_norm(u.values) if u.norm is None else u.norm) for u in used], errors)
+                entries, errors)
         self.results[c] = (payload, meta, account)
         return rejected, sum(1 for u in used if u.scale < 1.0)
 
@@ -372,12 +407,16 @@ class Round:
             if member.sends and i != self.index and i not in self.adopted:
                 self._exclude(i, f"no stream came within {self.stall_timeout}s")
 
-    def _wrong_average(self, j: int, reason: str) -> None:
+    def _wrong_average(self, j: int, reason: str, error: WrongAverage) -> None:
         """Reducer j answered against its own account: nothing more of its part is applied here
-        (sending.py stops at the first such answer), and it is banned at once."""
+        (sending.py stops at the first such answer), and it is banned at once. Where its account
+        misstated our contribution, the other senders applied that answer: we show them
+        (accusations.py)."""
         peer = self.group.members[j].peer_id
         self.counters["wrong_averages"] += 1
         self.bans.offence(peer, "wrong_average", reason, conclusive=True)
+        if isinstance(error, MisstatedContribution) and self.accusations is not None:
+            self.accusations.accuse(self.group, self.index, j, error)
 
     def _exclude_banned(self) -> None:
         for i, member in enumerate(self.group.members):

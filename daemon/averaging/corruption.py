@@ -13,7 +13,8 @@ Its own part, its averages and everything else stay honest. The local API cannot
 NaN is the caller's error (averaging.average refuses it), so a bad sender is simulated below it.
 
 DEDLOC_TEST_WRONG_ANSWERS=zeros (or scale=F) makes this daemon a reducer that answers every
-chunk wrong while its account (accounts.py) stays honest.
+chunk wrong while its account (accounts.py) stays honest; =forge answers zeros and forges its
+account to agree, misstating one other sender's contribution (the one of largest weight).
 
 DEDLOC_TEST_CLAIMED_BANDWIDTH=F makes this daemon claim F bytes/s of upload and download in every
 round, whatever it measured (claims.py bounds what others believe of it).
@@ -30,14 +31,16 @@ a production daemon never corrupts anything because of a stray variable.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import structlog
 
+from .accounts import Entry
 from .compression import Buffer, Codec, Meta
 
 log = structlog.get_logger(__name__)
@@ -89,17 +92,37 @@ class SenderCorruption:
 
 
 ANSWERS_SWITCH = "DEDLOC_TEST_WRONG_ANSWERS"
-ANSWER_MODES = ("zeros", "scale")
+ANSWER_MODES = ("zeros", "scale", "forge")
 
 
 def wrong_answer(mode: str, average: np.ndarray) -> None:
-    """TEST ONLY: turn a reducer's average (in place) into a wrong one, its account left honest:
-    `zeros`, or `scale=F` (the average times F)."""
+    """TEST ONLY: turn a reducer's average (in place) into a wrong one: `zeros` or `forge`, or
+    `scale=F` (the average times F)."""
     name, _, argument = mode.partition("=")
-    if name == "zeros":
+    if name in ("zeros", "forge"):
         average[...] = 0.0
     else:
         np.multiply(average, np.float32(float(argument)), out=average)
+
+
+def forged_entries(entries: Sequence[Entry], scales: Sequence[float], reducer: int,
+                   answer_projections: Sequence[float]) -> list[Entry]:
+    """TEST ONLY (`forge`): the account with one other sender's projections (the one of largest
+    weight) rewritten so that the weighted mean of the entries (scaled as the rule scales them)
+    is the answer's projection in every segment: every check passes but that sender's own."""
+    others = [k for k, e in enumerate(entries) if e.sender != reducer]
+    if not others:
+        return list(entries)
+    victim = max(others, key=lambda k: entries[k].weight)
+    total = sum(e.weight for e in entries)
+    projections = []
+    for segment, answer in enumerate(answer_projections):
+        rest = sum(e.weight * s * e.projections[segment]
+                   for k, (e, s) in enumerate(zip(entries, scales, strict=True)) if k != victim)
+        projections.append((answer * total - rest) / (entries[victim].weight * scales[victim]))
+    forged = list(entries)
+    forged[victim] = dataclasses.replace(entries[victim], projections=tuple(projections))
+    return forged
 
 
 def answers_from_environment(env: Mapping[str, str] = os.environ) -> str | None:
@@ -115,7 +138,7 @@ def answers_from_environment(env: Mapping[str, str] = os.environ) -> str | None:
     name, _, argument = wanted.partition("=")
     if name not in ANSWER_MODES or (name == "scale") != bool(argument) \
             or (argument and not math.isfinite(float(argument))):
-        raise ValueError(f"unknown wrong answer {wanted!r} (known: zeros, scale=F)")
+        raise ValueError(f"unknown wrong answer {wanted!r} (known: zeros, scale=F, forge)")
     log.warning("test_wrong_answers_enabled", switch=ANSWERS_SWITCH, mode=wanted)
     return wanted
 

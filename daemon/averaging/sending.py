@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..identity import Identity
 from ..net import (
     Message,
     PeerTransport,
@@ -28,19 +29,24 @@ from ..net import (
 from .accounts import (
     ACCOUNT_KEY,
     CLIPPED,
+    MisstatedContribution,
     WrongAverage,
+    answer_digest,
     check_answer,
+    check_signatures,
     measure,
     parse_account,
     segments,
-    signs,
+    signs_of,
 )
+from .accusations import Applied
 from .aggregation import Aggregation
 from .compression import Buffer, Codec, CompressionError, Meta
 from .corruption import SenderCorruption
 from .group import Group
 from .jobs import ChunkJobs
 from .report import TransferLog
+from .signatures import SIGNATURE_KEY, contribution_digest, sign
 from .wire import (
     METHOD,
     NOT_STARTED_PATIENCE,
@@ -91,15 +97,20 @@ class PartSender:
     check: bool = False  # check each answer against its reducer's account before applying it
     accept_clipped: bool = False  # take answers aggregated by centered clipping (not checkable)
     aggregation: Aggregation = "mean"  # the round's rule, which the answers are checked against
-    on_wrong_average: Callable[[int, str], None] | None = None  # reducer j contradicted its account
+    # reducer j contradicted its account (or misstated ours: the error holds our proof)
+    on_wrong_average: Callable[[int, str, WrongAverage], None] | None = None
     weights: Sequence[float] | None = None  # each member's weight in the round (its claim if None)
+    identity: Identity | None = None  # signs each chunk we send (signatures.py) where we check
     # the reducers we send to, which averaged chunks came back, why others did not
     targets: list[int] = field(init=False)
     got: dict[int, list[bool]] = field(init=False)
     skipped: dict[tuple[int, int], str] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
-    # what we sent, until its answer is checked (lossy codecs: the reducer averaged the decoded)
-    sent: dict[tuple[int, int], tuple[Buffer, Meta]] = field(default_factory=dict)
+    # what we sent and its digest, until its answer is checked (lossy codecs: the reducer
+    # averaged the decoded; a misstated answer: it is our proof, accusations.py)
+    sent: dict[tuple[int, int], tuple[Buffer, Meta, bytes | None]] = field(default_factory=dict)
+    # what we applied of each (reducer, chunk), for judging others' accusations (accusations.py)
+    applied: dict[tuple[int, int], Applied] = field(default_factory=dict)
     retries: int = 0  # streams opened again after a RoundNotStarted refusal
 
     def __post_init__(self) -> None:
@@ -155,8 +166,9 @@ class PartSender:
             else:
                 self.errors[j] = reason
                 self.log.info("allreduce_reducer_failed", reducer=peer, reason=reason)
-                if isinstance(leaf(errors), WrongAverage) and self.on_wrong_average is not None:
-                    self.on_wrong_average(j, reason)
+                wrong = leaf(errors)
+                if isinstance(wrong, WrongAverage) and self.on_wrong_average is not None:
+                    self.on_wrong_average(j, reason, wrong)
                 if isinstance(leaf(errors), TransportClosed | PeerUnreachableError):
                     self.on_link_lost(j, f"link lost: {reason}")
         finally:
@@ -164,22 +176,36 @@ class PartSender:
                 await stream.abort(reason)
         return not again
 
-    def _encode(self, plan: ChunkPlan, c: int) -> asyncio.Future[tuple[Buffer, Meta]]:
+    def _encode(self, plan: ChunkPlan, j: int, c: int
+                ) -> asyncio.Future[tuple[Buffer, Meta, bytes | None, str | None]]:
         a, b = plan.absolute(c)
+        return self.jobs.submit(b - a, self._encode_signed, j, c, self.vector[a:b])
+
+    def _encode_signed(self, j: int, c: int, values: np.ndarray
+                       ) -> tuple[Buffer, Meta, bytes | None, str | None]:
+        """Chunk c of part j as it goes out, its digest and our signature of it (None, None
+        where we do not check answers, or have no identity to sign with)."""
         if self.corruption is not None:
-            return self.jobs.submit(b - a, SenderCorruption.encode, self.corruption, self.codec,
-                                    self.vector[a:b])
-        return self.jobs.submit(b - a, self.codec.encode, self.vector[a:b])
+            payload, meta = SenderCorruption.encode(self.corruption, self.codec, values)
+        else:
+            payload, meta = self.codec.encode(values)
+        if not self.check or self.identity is None:
+            return payload, meta, None, None
+        digest = contribution_digest(self.group.group_id, j, c, meta, payload)
+        return payload, meta, digest, sign(self.identity, digest)
 
     async def _push(self, stream: Stream, plan: ChunkPlan, peer: str, j: int) -> None:
-        upcoming = self._encode(plan, 0)
+        upcoming = self._encode(plan, j, 0)
         for c in range(plan.count):
-            payload, meta = await asyncio.shield(upcoming)
-            if self.check and (self.codec.name != "none" or self.corruption is not None):
-                self.sent[(j, c)] = (payload, meta)
+            payload, meta, digest, signature = await asyncio.shield(upcoming)
+            if self.check:
+                self.sent[(j, c)] = (payload, meta, digest)
             if c + 1 < plan.count:
-                upcoming = self._encode(plan, c + 1)  # encode the next chunk while this one goes
-            await stream.send(Message(chunk_header(c, meta), payload), timeout=self.left())
+                upcoming = self._encode(plan, j, c + 1)  # encode the next chunk while this one goes
+            header = chunk_header(c, meta)
+            if signature is not None:
+                header[SIGNATURE_KEY] = signature
+            await stream.send(Message(header, payload), timeout=self.left())
             self.traffic.sent(peer, len(payload))
         await stream.close()
 
@@ -223,16 +249,28 @@ class PartSender:
         a, b = self.plans[j].absolute(c)
         parts = segments(b - a, senders)
         entries, errors = parse_account(account, senders, len(parts))
-        r = signs(self.group.group_id, j, c, meta, payload, b - a)
+        digest = answer_digest(self.group.group_id, j, c, meta, payload)
+        r = signs_of(digest, b - a)
         projections, norm = measure(r, answer, parts)
-        mine = None
+        mine = sent = None
         if members[self.index].sends:
             sent = self.sent.pop((j, c), None)
-            values = self.vector[a:b] if sent is None else self.codec.decode(*sent, b - a)
+            values = self.vector[a:b] if sent is None else self.codec.decode(sent[0], sent[1], b - a)
             mine = measure(r, values, parts)
-        check_answer(entries, errors, weights=[m.weight for m in members] if self.weights is None
-                     else list(self.weights),
-                     sends=[m.sends for m in members], me=self.index, mine=mine,
-                     answer_projections=projections, answer_norm=norm,
-                     answer_bound=self.reply.error_bound(answer), parts=parts,
-                     aggregation=self.aggregation)
+        try:
+            check_signatures(entries, peers=[m.peer_id for m in members], reducer=j, me=self.index,
+                             my_digest=None if sent is None else sent[2])
+            check_answer(entries, errors, weights=[m.weight for m in members] if self.weights is None
+                         else list(self.weights),
+                         sends=[m.sends for m in members], me=self.index, mine=mine,
+                         answer_projections=projections, answer_norm=norm,
+                         answer_bound=self.reply.error_bound(answer), parts=parts,
+                         aggregation=self.aggregation)
+        except MisstatedContribution as exc:
+            if sent is None or sent[2] is None:
+                raise
+            # our proof for the other members: the chunk as it went out (a copy: the vector's
+            # slice may change once the round is over)
+            raise MisstatedContribution(str(exc), c, bytes(memoryview(sent[0]).cast("B")),
+                                        sent[1]) from None
+        self.applied[(j, c)] = Applied(tuple(entries), digest, tuple(parts))

@@ -25,6 +25,7 @@ from dedloc.daemon.averaging.compression import get_codec, reply_codec
 from dedloc.daemon.averaging.error_feedback import unconveyed
 from dedloc.daemon.averaging.group import Group, Member, Role
 from dedloc.daemon.averaging.screening import ScreeningPolicy
+from dedloc.daemon.averaging.signatures import SIGNATURE_KEY, contribution_digest, sign
 from dedloc.daemon.averaging.wire import METHOD, StreamOpen
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import (
@@ -391,13 +392,18 @@ def _chunks_of(start: int, end: int, group: Group) -> list[tuple[int, int]]:
 
 async def hostile_sender(transport: TlsTransport, group: Group, index: int, vector: np.ndarray,
                          mode: str) -> None:
-    """Speaks the wire protocol by hand: chunk 0 good, chunk 1 bad (as `mode` says)."""
+    """Speaks the wire protocol by hand: chunk 0 good, chunk 1 bad (as `mode` says), each
+    signed as it goes (signatures.py)."""
+
+    def signed(j: int, header: dict[str, Any], payload: bytes) -> Message:
+        digest = contribution_digest(group.group_id, j, header["c"], {}, payload)
+        return Message({**header, SIGNATURE_KEY: sign(transport.identity, digest)}, payload)
 
     async def one(j: int) -> None:
         a = group.part_bounds[j][0]
         opened = StreamOpen(group.group_id, index, group.members[index].weight, group.deadline)
         stream = await transport.open_stream(group.members[j].peer_id, METHOD, opened.header(), timeout=5)
-        await stream.send(Message({"c": 0}, vector[a:a + CHUNK].tobytes()), timeout=5)
+        await stream.send(signed(j, {"c": 0}, vector[a:a + CHUNK].tobytes()), timeout=5)
         bad = vector[a + CHUNK:a + 2 * CHUNK].copy()
         header: dict[str, Any] = {"c": 1}
         if mode == "nan":
@@ -408,7 +414,7 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
             header = {"c": 999}
         elif mode == "duplicate":
             header = {"c": 0}
-        await stream.send(Message(header, bad.tobytes()), timeout=5)
+        await stream.send(signed(j, header, bad.tobytes()), timeout=5)
         try:
             while await stream.receive(timeout=10) is not None:
                 pass

@@ -192,6 +192,9 @@ async def test_a_waiter_whose_wait_just_ended_is_no_victim_of_a_take_over(monkey
         def add_stream_handler(self, method: str, handler: Any) -> None:
             self.handler = handler  # (the test calls _wait_for_round itself)
 
+        def add_unary_handler(self, method: str, handler: Any) -> None:
+            self.unary = handler  # (avg.accuse: no accusation comes here)
+
     class QuietStream:  # (never fails)
         def failure(self) -> asyncio.Future[Any]:
             return loop.create_future()

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import DaemonProcess, average_in_shared_memory, swarm_with_odd_one
+from support import DaemonProcess, average_in_shared_memory, swarm_with_odd_one, wait_until
 
 from dedloc.daemon.averaging.compression import get_codec
 
@@ -75,3 +75,52 @@ async def test_wrong_average_is_not_applied_and_its_reducer_is_banned(
         assert not report["failed_parts"], report
         np.testing.assert_allclose(result, honest, rtol=1e-5, atol=tolerance)
         np.testing.assert_array_equal(result, results[0])
+
+
+async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_reducer_banned(
+        daemon_factory: Any) -> None:
+    """The reducer answers zeros and forges its account to agree: it rewrites the projections
+    of the sender of largest weight (member of weight 3), whose check alone can see it. That
+    sender refuses the answer and shows the others the chunk it signed (accusations.py); they
+    applied the zeros already (the accusation comes after), find the account misstated it, and
+    ban the reducer. The next round averages the honest three to their exact weighted mean."""
+    daemons = await swarm(daemon_factory, "forge")
+    bad = (await daemons[3].call("node.info"))["peer_id"]
+    reports, results, vectors = await average(daemons, "forged/0", 0, "none")
+    assert all(r["group_size"] == 4 for r in reports), reports
+    position, shares = reports[0]["members"].index(bad), reports[0]["shares"]
+    start = sum(shares[:position])
+    end = start + shares[position]
+    victim = WEIGHTS.index(3.0)
+    for index in range(3):
+        if index == victim:  # its own entry misstated: refused, its own values kept
+            assert reports[index]["failed_parts"] == [[start, end]], reports[index]
+            np.testing.assert_array_equal(results[index][start:end], vectors[index][start:end])
+        else:  # nothing in the answer contradicts what they can check themselves: applied
+            assert not reports[index]["failed_parts"], reports[index]
+            assert not results[index][start:end].any()
+
+    async def all_banned() -> bool:
+        for daemon in daemons[:3]:
+            status = await daemon.call("averaging.status")
+            if [b["peer_id"] for b in status["bans"]["active"]] != [bad]:
+                return False
+        return True
+
+    await wait_until(all_banned, timeout=60)
+    for index, daemon in enumerate(daemons[:3]):
+        counters = (await daemon.call("node.info"))["counters"]
+        if index == victim:
+            assert counters["averaging.offences_wrong_average"] == 1, counters
+            assert counters["averaging.allreduce.accusations_sent"] == 2, counters
+        else:
+            assert counters["averaging.offences_forged_account"] == 1, counters
+            assert counters["averaging.allreduce.forged_accounts"] == 1, counters
+        assert counters.get("averaging.allreduce.accusations_false", 0) == 0, counters
+
+    reports, results, vectors = await average(daemons, "forged/1", 1, "none")
+    assert [r["group_size"] for r in reports[:3]] == [3, 3, 3], reports
+    honest = np.average(np.stack(vectors[:3]).astype(np.float64), axis=0, weights=WEIGHTS[:3])
+    for report, result in zip(reports[:3], results[:3], strict=True):
+        assert not report["failed_parts"], report
+        np.testing.assert_allclose(result, honest, rtol=1e-5, atol=1e-5)
