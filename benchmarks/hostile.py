@@ -25,6 +25,16 @@ misbehaves through a test-only switch of daemon/averaging/corruption.py (DEDLOC_
                  (offences_wrong_average); later rounds leave it out. The first round's part stays
                  local, so the honest peers' parameters can differ a little from the clean run's.
   wrong_zeros    DEDLOC_TEST_WRONG_ANSWERS=zeros: the same with zeros (not in the default list).
+  forged_account DEDLOC_TEST_WRONG_ANSWERS=forge: as a reducer it answers zeros and forges its
+                 account to agree, misstating the contribution of the sender of largest weight.
+                 Honest outcome: that sender refuses the answer (offences_wrong_average) and
+                 shows the others the chunk it signed (accusations_sent); they applied the zeros,
+                 find the account misstated it and ban the reducer (forged_accounts,
+                 offences_forged_account). Its first round's part is lost.
+  forged_own     DEDLOC_TEST_WRONG_ANSWERS=forge_own: the same, misstating its own contribution,
+                 which nobody else sees. Honest outcome: every member applies the zeros, then
+                 audits a segment of its own contribution (audits_failed) and bans it
+                 (offences_forged_account); honest reducers pass (audits_passed).
   bandwidth      DEDLOC_TEST_CLAIMED_BANDWIDTH=1e12: it claims 1e12 B/s to be given most of the
                  vector to reduce. Honest outcome: it is NOT excluded (its transfers are honest):
                  honest leaders bound its claim (bandwidth_claims_bounded, _cut), it reduces at
@@ -140,6 +150,8 @@ ATTACKS: dict[str, Attack] = {a.name: a for a in (
     Attack("sender_scale", {"DEDLOC_TEST_CORRUPT_PARTS": "scale=1e6"}),
     Attack("wrong_answers", {"DEDLOC_TEST_WRONG_ANSWERS": "scale=10"}),
     Attack("wrong_zeros", {"DEDLOC_TEST_WRONG_ANSWERS": "zeros"}),
+    Attack("forged_account", {"DEDLOC_TEST_WRONG_ANSWERS": "forge"}),
+    Attack("forged_own", {"DEDLOC_TEST_WRONG_ANSWERS": "forge_own"}),
     Attack("bandwidth", {"DEDLOC_TEST_CLAIMED_BANDWIDTH": "1e12"}),
     Attack("weight", {"DEDLOC_TEST_CLAIMED_WEIGHT": "1e15"}),
     Attack("handshake_flood", {}, flood_sources=4),
@@ -150,9 +162,12 @@ FLOOD_PER_SOURCE = 16  # connections per source address and honest daemon (a dae
 NET_COUNTERS = ("connections_accepted", "connections_refused", "connections_refused_per_source",
                 "handshakes_evicted", "handshake_failures")
 ALLREDUCE_COUNTERS = ("streams_evicted_waiting", "streams_refused_all_waiting",
-                      "streams_refused_peer_waiting", "streams_refused", "streams_reopened_not_started")
-DEFAULT_ATTACKS = ("control,sender_nan,sender_scale,wrong_answers,bandwidth,weight,handshake_flood,"
-                   "waiting_flood")
+                      "streams_refused_peer_waiting", "streams_refused", "streams_reopened_not_started",
+                      "accusations_sent", "forged_accounts", "accusations_false",
+                      "accusations_unfounded", "audits_made", "audits_passed", "audits_failed",
+                      "audits_unanswered")
+DEFAULT_ATTACKS = ("control,sender_nan,sender_scale,wrong_answers,forged_account,forged_own,"
+                   "bandwidth,weight,handshake_flood,waiting_flood")
 
 
 # --- pure parts -------------------------------------------------------------------------------------
@@ -528,28 +543,26 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
         finals = [await _final(d, s, args.epochs) if completed else None
                   for d, s in zip(honest, statuses, strict=True)]
         averaging = [await d.call("averaging.status") for d in honest]
-        extra: dict[str, Any] = {}
+        nodes = [(await d.call("node.info"))["counters"] for d in honest]
+        reduce = {name: sum(int(c.get(f"averaging.allreduce.{name}", 0)) for c in nodes)
+                  for name in ALLREDUCE_COUNTERS}
+        extra: dict[str, Any] = {"allreduce_counters": reduce}
         if flood is not None:
-            nodes = [(await d.call("node.info"))["counters"] for d in honest]
             net = {name: sum(int(c.get(f"net.{name}", 0)) for c in nodes) for name in NET_COUNTERS}
             # a flood that held nothing (no connection opened, none refused or taken over by the
             # honest daemons) did not attack: its run says nothing about the defence
             held = flood.counters["opened"] > 0 and (net["connections_refused"] > 0
                                                      or net["handshakes_evicted"] > 0
                                                      or net["handshake_failures"] > 0)
-            extra = {"net_counters": net, "flood": {"sources": len(flood.sources),
-                                                    "held_slots": held, **dict(flood.counters)}}
+            extra.update({"net_counters": net, "flood": {"sources": len(flood.sources),
+                                                         "held_slots": held, **dict(flood.counters)}})
         if streams is not None:
-            nodes = [(await d.call("node.info"))["counters"] for d in honest]
-            reduce = {name: sum(int(c.get(f"averaging.allreduce.{name}", 0)) for c in nodes)
-                      for name in ALLREDUCE_COUNTERS}
             # a flood that the daemons never had to turn away or drop did not fill their slots
             held = streams.counters["opened"] > 0 and (reduce["streams_refused_peer_waiting"] > 0
                                                        or reduce["streams_evicted_waiting"] > 0
                                                        or reduce["streams_refused_all_waiting"] > 0)
-            extra = {"allreduce_counters": reduce,
-                     "flood": {"peer_ids": streams.peers, "per_peer": streams.per_peer,
-                               "held_slots": held, **dict(streams.counters)}}
+            extra["flood"] = {"peer_ids": streams.peers, "per_peer": streams.per_peer,
+                              "held_slots": held, **dict(streams.counters)}
         attacker_states: list[str | None] = []
         for daemon in hostile:
             try:

@@ -46,9 +46,18 @@ those of a weighted mean of the scaled contributions (their rounding scales with
 
 A wrong answer (zeros, a scaled average, a vector of the reducer's choosing, another sender's
 contribution dropped or counted twice) with an honest account fails (3) or (4); an account that
-misstates the member's own contribution fails (1). Not covered (docs/security.md): a reducer that
-also forges its account, the projection of its own contribution or of another sender's; closing
-that needs signed contribution hashes and a dispute step.
+misstates the member's own contribution fails (1).
+
+Forged accounts. Every entry but the reducer's own names the digest of the contribution and its
+sender's signature of it (signatures.py): a member checks each signature, so the account can only
+list what each sender really sent. Each projection must also be within Z times its stated norm
+(Hoeffding again: r is independent of an honest contribution, so |<r, x>| <= Z ||x|| but for
+3e-14). A reducer that misstates another sender's contribution to make a wrong answer agree
+fails that sender's check (1): the sender then shows the others its payload (accusations.py),
+which hashes to the digest it signed, and they measure it themselves. The reducer's own entry
+names a commitment to its own contribution, r is drawn from the answer and every entry's digest
+(`answer_digest`), and members audit sampled segments of it after the round (audits.py). What
+remains (docs/security.md): both find a forgery after the others applied the answer.
 """
 
 from __future__ import annotations
@@ -114,11 +123,14 @@ def segments(n: int, senders: int) -> list[tuple[int, int]]:
 
 
 def answer_digest(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any],
-                  payload: Any) -> bytes:
-    """The SHA-256 of an answer that its signs are drawn from (`signs_of`)."""
+                  payload: Any, contributions: Sequence[str] = ()) -> bytes:
+    """The SHA-256 of an answer that its signs are drawn from (`signs_of`): with the digests
+    its account names for the contributions (in the account's order), so that a reducer cannot
+    choose its own contribution after the signs (audits.py)."""
     digest = hashlib.sha256()
     digest.update(f"dedloc-answer\0{group_id}\0{reducer}\0{chunk}\0".encode())
     digest.update(repr(sorted(meta.items())).encode())
+    digest.update(("\0".join(contributions) + "\0").encode())
     digest.update(memoryview(payload).cast("B"))
     return digest.digest()
 
@@ -211,8 +223,8 @@ def parse_account(raw: Any, senders: int, parts: int) -> tuple[list[Entry], list
         if numbers is None or projected is None:
             raise WrongAverage(f"an account entry holds a non-finite or non-numeric value, or not "
                                f"{parts} projections")
-        if not ((_hex(digest, DIGEST_HEX) and _hex(signature, SIGNATURE_HEX))
-                or digest == signature == ""):
+        if not ((_hex(digest, DIGEST_HEX) or digest == "")
+                and (_hex(signature, SIGNATURE_HEX) or signature == "")):
             raise WrongAverage("an account entry's digest and signature are not hex text")
         entries.append(Entry(sender, numbers[0], tuple(projected), numbers[1], digest, signature))
     return entries, errors
@@ -315,8 +327,12 @@ def check_signatures(entries: Sequence[Entry], *, peers: Sequence[str], reducer:
     the digest it names (signatures.py: the reducer lists only what each sender sent it);
     MisstatedContribution if this member's own entry names another digest than what it sent."""
     for e in entries:
-        if e.sender == reducer or not 0 <= e.sender < len(peers):
-            continue  # (its own: nobody else signs it; an index out of range fails check_answer)
+        if e.sender == reducer:  # its own: a commitment (audits.py), which nobody else signs
+            if not e.digest:
+                raise WrongAverage("the reducer's own entry names no commitment to its contribution")
+            continue
+        if not 0 <= e.sender < len(peers):
+            continue  # (an index out of range fails check_answer)
         if not e.digest or not signed_by(peers[e.sender], bytes.fromhex(e.digest), e.signature):
             raise WrongAverage(f"the account's entry for member {e.sender} does not carry that "
                                "member's signature of the contribution it names")

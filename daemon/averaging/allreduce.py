@@ -26,6 +26,8 @@ import collections
 import concurrent.futures
 import math
 import os
+import random
+import secrets
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ from ..identity import Identity
 from ..net import PeerTransport, RequestContext, Stream
 from ..net.admission import FairSlots
 from .accusations import Accusations
+from .audits import OwnAudits
 from .bans import BanList
 from .butterfly import Round
 from .compression import CODECS, CompressionError, finite_range
@@ -97,7 +100,8 @@ class AllReduceService:
                  arrival_grace: float = 5.0, inline_elements: int = 1 << 16,
                  threads: int | None = None, policy: ScreeningPolicy | None = None,
                  bans: BanList | None = None, corruption: SenderCorruption | None = None,
-                 wrong_answers: str | None = None, identity: Identity | None = None) -> None:
+                 wrong_answers: str | None = None, identity: Identity | None = None,
+                 rng: random.Random | None = None) -> None:
         self.transport = transport
         # signs our contributions (signatures.py): the transport's own identity where it has one
         self.identity = identity or getattr(transport, "identity", None)
@@ -122,6 +126,9 @@ class AllReduceService:
         self._log = log.bind(peer_id=transport.peer_id)
         transport.add_stream_handler(METHOD, self._handle)
         self.accusations = Accusations(transport, self.bans, self.counters)
+        # (what to audit is drawn at random: the simulator passes a seeded generator)
+        self.audits = OwnAudits(transport, self.bans, self.counters,
+                                rng or random.Random(secrets.randbits(64)))
 
     # --- rounds ---------------------------------------------------------------------------------
     async def run(self, group: Group, my_index: int, vector: np.ndarray, weight: float, *,
@@ -152,7 +159,7 @@ class AllReduceService:
                        counters=self.counters, on_open=self._open, policy=self.policy, bans=self.bans,
                        corruption=self.corruption.next_round() if self.corruption else None,
                        wrong_answers=self.wrong_answers, identity=self.identity,
-                       accusations=self.accusations)
+                       accusations=self.accusations, audits=self.audits)
         try:
             report = await round_.execute()
         finally:
@@ -302,6 +309,7 @@ class AllReduceService:
         now, and stop the worker threads (call after the rounds)."""
         self._closed = True
         self.accusations.close()
+        self.audits.close()
         for waiters in list(self._arrivals.values()):
             for waiter in list(waiters):
                 self._release(waiter)

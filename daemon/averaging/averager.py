@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import importlib
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +95,8 @@ class Averager:
                             seconds=config.ban_seconds, counters=self.counters)
         self.allreduce = AllReduceService(transport, policy=self.policy, bans=self.bans,
                                           corruption=corruption.from_environment(),
-                                          wrong_answers=corruption.answers_from_environment())
+                                          wrong_answers=corruption.answers_from_environment(),
+                                          rng=None if nonce is None else random.Random(nonce(8)))
         self.matchmaker = Matchmaker(transport, dht, self._plan, bans=self.bans,
                                      **({} if nonce is None else {"nonce": nonce}))
 

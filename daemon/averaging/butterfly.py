@@ -46,14 +46,16 @@ from .accounts import (
     MisstatedContribution,
     WrongAverage,
     account_header,
+    answer_digest,
     codec_errors,
     measure,
     project,
     segments,
-    signs,
+    signs_of,
 )
 from .accusations import Accusations
 from .aggregation import l2_norm
+from .audits import OwnAudits, commitment
 from .bans import BanList
 from .claims import stall_allowance
 from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
@@ -77,7 +79,7 @@ class Round:
                  inline_elements: int, counters: Counter[str], on_open: Callable[[Round], None],
                  policy: ScreeningPolicy, bans: BanList, corruption: str | None = None,
                  wrong_answers: str | None = None, identity: Identity | None = None,
-                 accusations: Accusations | None = None) -> None:
+                 accusations: Accusations | None = None, audits: OwnAudits | None = None) -> None:
         self.transport = transport
         self.group = group
         self.index = index
@@ -121,6 +123,9 @@ class Round:
         # (sender, chunk) -> the digest of its contribution and its signature (signatures.py)
         self.signed: dict[tuple[int, int], tuple[str, str]] = {}
         self.accusations = accusations
+        self.audits = audits
+        # chunk -> our own contribution to it and its segments' digests, for audits (audits.py)
+        self.own_kept: dict[int, tuple[np.ndarray, tuple[bytes, ...]]] = {}
         self.over = asyncio.Event()  # the round has ended here
         # shared
         self.traffic = TransferLog()
@@ -138,6 +143,8 @@ class Round:
                                  identity=identity)
         if accusations is not None:
             accusations.remember(group, index, self.sender.applied, self.over)
+        if audits is not None and policy.check_answers and self.reducer is not None and self.sends:
+            audits.keep(group, self.own_kept)
 
     # --- the round ------------------------------------------------------------------------------
     async def execute(self) -> AllReduceReport:
@@ -165,6 +172,8 @@ class Round:
             self.closing = True
             await self.jobs.drain()
             self.over.set()
+            if self.audits is not None and self.sender.applied:
+                self.audits.audit(self.group, self.index, self.sender.applied)
             if self.sender.retries:
                 self.counters["streams_reopened_not_started"] += self.sender.retries
         report = self._report(timebase.monotonic() - started)
@@ -357,16 +366,25 @@ class Round:
         self.reply.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
         account: Any = None
         if self.policy.check_answers:  # what went into the answer, for the senders to check
-            r = signs(self.group.group_id, self.index, c, meta, payload, b - a)
             parts = segments(b - a, self.senders)
+            signed = [self.signed.pop((u.sender, c), ("", "")) for u in used]
+            for k, u in enumerate(used):
+                if u.sender == self.index:  # our own: committed to, kept for audits (audits.py)
+                    root, digests = commitment(self.group.group_id, self.index, c, u.values, parts)
+                    self.own_kept[c] = (np.array(u.values), digests)
+                    signed[k] = (root, "")
+            # (the signs come after every contribution is fixed, ours included)
+            r = signs_of(answer_digest(self.group.group_id, self.index, c, meta, payload,
+                                       [digest for digest, _ in signed]), b - a)
             errors = [0.0] * len(parts) if self.reply.name == "none" else codec_errors(
                 self.vector[a:b], average, parts)
             entries = [Entry(u.sender, u.weight, project(r, u.values, parts),
-                             l2_norm(u.values) if u.norm is None else u.norm,
-                             *self.signed.pop((u.sender, c), ("", ""))) for u in used]
-            if self.wrong_answers == "forge":
+                             l2_norm(u.values) if u.norm is None else u.norm, *signature)
+                       for u, signature in zip(used, signed, strict=True)]
+            if self.wrong_answers in ("forge", "forge_own"):
                 entries = forged_entries(entries, [u.scale for u in used], self.index,
-                                         measure(r, self.vector[a:b], parts)[0])
+                                         measure(r, self.vector[a:b], parts)[0],
+                                         own=self.wrong_answers == "forge_own")
             account = CLIPPED if self.policy.robust == "centered_clip" else account_header(
                 entries, errors)
         self.results[c] = (payload, meta, account)

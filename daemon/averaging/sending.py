@@ -249,7 +249,7 @@ class PartSender:
         a, b = self.plans[j].absolute(c)
         parts = segments(b - a, senders)
         entries, errors = parse_account(account, senders, len(parts))
-        digest = answer_digest(self.group.group_id, j, c, meta, payload)
+        digest = answer_digest(self.group.group_id, j, c, meta, payload, [e.digest for e in entries])
         r = signs_of(digest, b - a)
         projections, norm = measure(r, answer, parts)
         mine = sent = None

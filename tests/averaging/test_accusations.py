@@ -25,6 +25,7 @@ from dedloc.daemon.averaging.accounts import (
     signs_of,
 )
 from dedloc.daemon.averaging.accusations import Accusations, Applied, judge
+from dedloc.daemon.averaging.audits import commitment
 from dedloc.daemon.averaging.bans import BanList
 from dedloc.daemon.averaging.compression import get_codec
 from dedloc.daemon.averaging.group import Group, Member
@@ -52,15 +53,17 @@ def account(codec: str = "none") -> tuple[list[Entry], Applied, list[Any]]:
     """An honest reducer's entries for one chunk (senders 0-2 signed, its own unsigned), what a
     member applied of it, and what each sender sent."""
     parts = segments(N, 4)
-    answer = answer_digest(GROUP, REDUCER, 0, {}, b"the answer")
-    r = signs_of(answer, N)
-    entries, sent = [], []
+    signed, decoded, sent = [], [], []
     for i in range(4):
-        payload, meta, decoded = chunk(i, codec)
+        payload, meta, values = chunk(i, codec)
         digest = contribution_digest(GROUP, REDUCER, 0, meta, payload)
-        signed = ("", "") if i == REDUCER else (digest.hex(), sign(IDS[i], digest))
-        entries.append(Entry(i, 1.0, *measure(r, decoded, parts), *signed))
+        own = commitment(GROUP, REDUCER, 0, values, parts)[0]
+        signed.append((own, "") if i == REDUCER else (digest.hex(), sign(IDS[i], digest)))
+        decoded.append(values)
         sent.append((payload, meta, digest))
+    answer = answer_digest(GROUP, REDUCER, 0, {}, b"the answer", [d for d, _ in signed])
+    r = signs_of(answer, N)
+    entries = [Entry(i, 1.0, *measure(r, decoded[i], parts), *signed[i]) for i in range(4)]
     return entries, Applied(tuple(entries), answer, tuple(parts)), sent
 
 
@@ -93,9 +96,11 @@ def test_an_account_lists_only_what_each_sender_signed() -> None:
         [*entries[:1], dataclasses.replace(entries[1], signature=entries[2].signature), *entries[2:]],
         # a signed digest, with another digest named
         [*entries[:1], dataclasses.replace(entries[1], digest=entries[2].digest), *entries[2:]],
+        # the reducer's own, without its commitment (audits.py)
+        [*entries[:3], dataclasses.replace(entries[3], digest="")],
     ]
     for case in forged:
-        with pytest.raises(WrongAverage, match="signature"):
+        with pytest.raises(WrongAverage, match=r"signature|commitment"):
             check_signatures(case, peers=PEERS, reducer=REDUCER, me=0, my_digest=sent[0][2])
 
 

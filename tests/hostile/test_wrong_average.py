@@ -124,3 +124,49 @@ async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_red
     for report, result in zip(reports[:3], results[:3], strict=True):
         assert not report["failed_parts"], report
         np.testing.assert_allclose(result, honest, rtol=1e-5, atol=1e-5)
+
+
+async def test_a_reducer_that_misstates_its_own_contribution_fails_its_audits_and_is_banned(
+        daemon_factory: Any) -> None:
+    """The reducer answers zeros and states its own projections so that its account agrees:
+    no member can see it in the answer (nobody else has its own contribution), so all three
+    apply it. After the round each member audits a random segment of its own contribution
+    (audits.py): the account misstated it in every segment, so every audit fails and each member
+    bans it. The honest reducers pass theirs; the next round averages the honest three."""
+    daemons = await swarm(daemon_factory, "forge_own")
+    bad = (await daemons[3].call("node.info"))["peer_id"]
+    reports, results, vectors = await average(daemons, "own/0", 0, "none")
+    assert all(r["group_size"] == 4 for r in reports), reports
+    position, shares = reports[0]["members"].index(bad), reports[0]["shares"]
+    start = sum(shares[:position])
+    end = start + shares[position]
+    for index in range(3):
+        assert not reports[index]["failed_parts"], reports[index]
+        assert not results[index][start:end].any()  # applied: nothing in it contradicts the account
+
+    async def all_banned() -> bool:
+        for daemon in daemons[:3]:
+            status = await daemon.call("averaging.status")
+            if [b["peer_id"] for b in status["bans"]["active"]] != [bad]:
+                return False
+        return True
+
+    await wait_until(all_banned, timeout=60)
+
+    async def audits_done() -> bool:
+        counters = [(await d.call("node.info"))["counters"] for d in daemons[:3]]
+        return all(c.get("averaging.allreduce.audits_passed", 0) == 2 for c in counters)
+
+    await wait_until(audits_done, timeout=60)  # each honest member audited the two honest reducers
+    for daemon in daemons[:3]:
+        counters = (await daemon.call("node.info"))["counters"]
+        assert counters["averaging.allreduce.audits_failed"] == 1, counters
+        assert counters["averaging.offences_forged_account"] == 1, counters
+        assert counters.get("averaging.allreduce.audits_unanswered", 0) == 0, counters
+
+    reports, results, vectors = await average(daemons, "own/1", 1, "none")
+    assert [r["group_size"] for r in reports[:3]] == [3, 3, 3], reports
+    honest = np.average(np.stack(vectors[:3]).astype(np.float64), axis=0, weights=WEIGHTS[:3])
+    for report, result in zip(reports[:3], results[:3], strict=True):
+        assert not report["failed_parts"], report
+        np.testing.assert_allclose(result, honest, rtol=1e-5, atol=1e-5)

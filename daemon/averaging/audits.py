@@ -1,0 +1,222 @@
+"""Audits of a reducer's own contribution: the one entry of its account nobody else can check.
+
+A reducer's own contribution to its part reaches nobody, so its entry (projections, norm) was its
+word, and since the signs r come from the answer, a reducer could pick its answer first and then
+state whatever own projections make the answer agree (accounts.py). Two things close that:
+- **Commitment.** The reducer's own entry names a digest of its own contribution (`commitment`:
+  a SHA-256 of each segment's float32 bytes, and of those, the root), and the signs r are drawn
+  from the answer *and* every entry's digest (accounts.answer_digest). To state true projections
+  of another contribution than the one it committed to, the reducer must change the digest,
+  which changes r: it cannot aim its own entry at the signs.
+- **Audits** (method "avg.audit", unary). After a round, each member asks up to
+  `AUDITS_PER_ROUND` of the reducers whose answers it applied (at random) for one segment of
+  one chunk of their own contribution, both drawn at random:
+      header {"g": group_id, "c": chunk, "k": segment}
+  and the reducer answers header {"d": [each segment's digest, hex]} with the segment's float32
+  values as payload. The member checks that the digests give the committed root, that the
+  segment has its digest, that its projection is the one the entry states, and that its norm is
+  within the entry's. A reducer that fails is banned at once (`offences_forged_account`,
+  `audits_failed`); one that does not answer commits an offence (`offences_audit_unanswered`,
+  three within the ban window ban it).
+A reducer that states false own projections in a fraction f of its segments is caught by each
+auditor with probability f per round; one that states a norm under its contribution's escapes
+only where the audited segment's norm is within the stated one (at most sqrt(segments) times
+under). Each member bans on its own audits (it cannot show others a reducer's reply).
+
+Bounds: a reducer keeps its own contributions for the last `KEPT_ROUNDS` rounds it reduced in,
+at most `KEPT_SECONDS`; it answers one audit per member and round, only to members that sent in
+that round. Cost: per member and round, up to 4 segments (an eighth of a chunk each, 512 KiB for
+4 MiB chunks) and a hash of them; a reducer copies its own part once per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from .. import timebase
+from ..net import Message, PeerTransport, RequestContext, TransportError
+from .accounts import FLOAT32_UNIT, Entry, misstates, project, signs_of
+from .accusations import Applied
+from .aggregation import l2_norm
+from .bans import BanList
+from .group import Group
+from .wire import PeerFault
+
+log = structlog.get_logger(__name__)
+
+METHOD = "avg.audit"
+AUDITS_PER_ROUND = 4
+KEPT_ROUNDS = 3
+KEPT_SECONDS = 120.0
+CALL_TIMEOUT = 15.0
+
+
+def segment_digest(values: np.ndarray) -> bytes:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(values, np.float32)).cast("B")).digest()
+
+
+def root_of(group_id: str, reducer: int, chunk: int, digests: Sequence[bytes]) -> str:
+    """The commitment a reducer's own entry names: a SHA-256 of its segments' digests."""
+    root = hashlib.sha256(f"dedloc-own-contribution\0{group_id}\0{reducer}\0{chunk}\0".encode())
+    for digest in digests:
+        root.update(digest)
+    return root.hexdigest()
+
+
+def commitment(group_id: str, reducer: int, chunk: int, values: np.ndarray,
+               parts: Sequence[tuple[int, int]]) -> tuple[str, tuple[bytes, ...]]:
+    """(the root, each segment's digest) of a reducer's own contribution to a chunk."""
+    digests = tuple(segment_digest(values[a:b]) for a, b in parts)
+    return root_of(group_id, reducer, chunk, digests), digests
+
+
+def audit_failure(entry: Entry, applied: Applied, *, group_id: str, reducer: int, chunk: int,
+                  segment: int, digests: Sequence[bytes], values: np.ndarray) -> str | None:
+    """Why the reducer's reply to an audit of its own `entry` fails (None: it passes)."""
+    parts = applied.parts
+    if len(digests) != len(parts) or root_of(group_id, reducer, chunk, digests) != entry.digest:
+        return "its segments' digests do not give the commitment its account named"
+    a, b = parts[segment]
+    if values.size != b - a or segment_digest(values) != digests[segment]:
+        return f"segment {segment} is not the one it committed to"
+    if not np.isfinite(values).all():
+        return f"segment {segment} holds non-finite values"
+    n = parts[-1][1]
+    stated = Entry(entry.sender, entry.weight, (entry.projections[segment],), entry.norm)
+    projection = project(signs_of(applied.answer, n)[a:b], values, [(0, b - a)])
+    norm = l2_norm(values)
+    if misstates(stated, projection, entry.norm, n):
+        return f"its account misstated the projection of its own segment {segment}"
+    slack = n * 2.0**-53 * math.sqrt(n) * entry.norm * 4 + 1e-30
+    if norm > entry.norm * (1 + 4 * FLOAT32_UNIT) + slack:
+        return f"its own segment {segment} has a norm of {norm:.6g}, over the {entry.norm:.6g} its " \
+               "account stated for the whole chunk"
+    return None
+
+
+@dataclass
+class _Kept:
+    group: Group
+    own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]]  # chunk -> (values, segment digests)
+    since: float
+    asked: set[str] = field(default_factory=set)
+
+
+class OwnAudits:
+    """Serves audits of this peer's own contributions and makes this member's (module
+    docstring)."""
+
+    def __init__(self, transport: PeerTransport, bans: BanList, counters: collections.Counter[str],
+                 rng: random.Random) -> None:
+        self.transport = transport
+        self.bans = bans
+        self.counters = counters
+        self.rng = rng
+        self._kept: collections.OrderedDict[str, _Kept] = collections.OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._log = log.bind(peer_id=transport.peer_id)
+        transport.add_unary_handler(METHOD, self._serve)
+
+    # --- as a reducer ---------------------------------------------------------------------------
+    def keep(self, group: Group, own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]]) -> None:
+        """A round starts here in which we reduce and send: `own` fills with our own
+        contributions, chunk by chunk, as they are averaged."""
+        self._kept[group.group_id] = _Kept(group, own, timebase.monotonic())
+        while len(self._kept) > KEPT_ROUNDS:
+            self._kept.popitem(last=False)
+
+    async def _serve(self, ctx: RequestContext, message: Message) -> Message:
+        header = message.header
+        group_id, chunk, segment = header.get("g"), header.get("c"), header.get("k")
+        kept = self._kept.get(group_id) if isinstance(group_id, str) else None
+        if kept is not None and timebase.monotonic() - kept.since > KEPT_SECONDS:
+            del self._kept[group_id]
+            kept = None
+        if kept is None or not any(m.peer_id == ctx.peer_id and m.sends for m in kept.group.members):
+            self.counters["audits_refused"] += 1
+            raise PeerFault(f"no round {group_id} kept here in which {ctx.peer_id} sent")
+        if ctx.peer_id in kept.asked:
+            self.counters["audits_refused"] += 1
+            raise PeerFault("one audit per member and round")
+        own = kept.own.get(chunk) if _index(chunk) else None
+        if own is None or not _index(segment) or segment >= len(own[1]):
+            self.counters["audits_refused"] += 1
+            raise PeerFault(f"no own contribution to chunk {chunk}, segment {segment} here")
+        kept.asked.add(ctx.peer_id)
+        values, digests = own
+        bounds = _bounds(values.size, len(digests), segment)
+        self.counters["audits_served"] += 1
+        return Message({"d": [d.hex() for d in digests]},
+                       np.ascontiguousarray(values[bounds[0]:bounds[1]]).tobytes())
+
+    # --- as a member ----------------------------------------------------------------------------
+    def audit(self, group: Group, index: int, applied: dict[tuple[int, int], Applied]) -> None:
+        """Our round is over: audit up to AUDITS_PER_ROUND of the reducers whose answers we
+        applied, one random segment of one random chunk each (in the background)."""
+        chunks: dict[int, list[int]] = {}
+        for j, c in applied:
+            if j != index and group.members[j].sends:
+                chunks.setdefault(j, []).append(c)
+        reducers = sorted(chunks)
+        for j in self.rng.sample(reducers, min(AUDITS_PER_ROUND, len(reducers))):
+            c = self.rng.choice(sorted(chunks[j]))
+            entry = next((e for e in applied[(j, c)].entries if e.sender == j), None)
+            if entry is None:  # it left its own contribution out of that chunk
+                continue
+            k = self.rng.randrange(len(applied[(j, c)].parts))
+            task = asyncio.get_running_loop().create_task(
+                self._audit_one(group, j, c, k, entry, applied[(j, c)]), name=f"allreduce-audit-{j}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _audit_one(self, group: Group, j: int, c: int, k: int, entry: Entry,
+                         applied: Applied) -> None:
+        peer = group.members[j].peer_id
+        self.counters["audits_made"] += 1
+        try:
+            reply = await self.transport.call(peer, METHOD, Message({"g": group.group_id, "c": c, "k": k}),
+                                              timeout=CALL_TIMEOUT)
+            raw = reply.header.get("d")
+            a, b = applied.parts[k]
+            if not isinstance(raw, list) or len(raw) != len(applied.parts) \
+                    or not all(isinstance(d, str) and len(d) == 64 for d in raw) \
+                    or len(reply.payload) != 4 * (b - a):
+                raise PeerFault("an audit's reply is not {\"d\": segment digests} and the segment")
+            digests = [bytes.fromhex(d) for d in raw]
+            values = np.frombuffer(bytes(reply.payload), np.float32)
+        except (TransportError, TimeoutError, PeerFault, ValueError) as exc:
+            self.counters["audits_unanswered"] += 1
+            self.bans.offence(peer, "audit_unanswered", f"no answer to an audit of its own "
+                              f"contribution in round {group.group_id}: {str(exc)[:200]}")
+            return
+        why = await asyncio.to_thread(audit_failure, entry, applied, group_id=group.group_id,
+                                      reducer=j, chunk=c, segment=k, digests=digests, values=values)
+        if why is None:
+            self.counters["audits_passed"] += 1
+            return
+        self.counters["audits_failed"] += 1
+        self.bans.offence(peer, "forged_account", f"an audit of its own contribution to chunk {c} "
+                          f"of round {group.group_id}: {why}", conclusive=True)
+
+    def close(self) -> None:
+        """Stop the audits under way (the service is closing)."""
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def _bounds(n: int, count: int, segment: int) -> tuple[int, int]:
+    """Segment `segment` of `count` over n elements, as accounts.segments cuts them."""
+    return n * segment // count, n * (segment + 1) // count
+
+
+def _index(raw: object) -> bool:
+    return isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw < 1 << 31

@@ -1,0 +1,125 @@
+"""Audits of a reducer's own contribution (audits.py), pure and in milliseconds: an honest
+reducer's segment passes; one whose account misstates its own projection or norm, or that shows
+another segment than it committed to, fails; the commitment fixes the signs, so a reducer cannot
+pick its contribution after them; the reducer's service answers members of the round only, once
+per member and round."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dedloc.daemon.averaging.accounts import Entry, answer_digest, measure, segments, signs_of
+from dedloc.daemon.averaging.accusations import Applied
+from dedloc.daemon.averaging.audits import OwnAudits, audit_failure, commitment
+from dedloc.daemon.averaging.bans import BanList
+from dedloc.daemon.averaging.group import Group, Member
+from dedloc.daemon.averaging.wire import PeerFault
+from dedloc.daemon.identity import Identity
+from dedloc.daemon.net import Message, RequestContext
+
+N = 4000
+GROUP = "group-b"
+REDUCER = 2
+PEERS = [Identity.from_seed(bytes([i + 10]) * 32).peer_id for i in range(3)]
+
+
+def own_entry(values: np.ndarray) -> tuple[Entry, Applied, tuple[bytes, ...]]:
+    """The reducer's own entry for chunk 0 as an honest reducer states it, and what a member
+    applied (the answer's digest over the account's digests)."""
+    parts = segments(N, 3)
+    root, digests = commitment(GROUP, REDUCER, 0, values, parts)
+    answer = answer_digest(GROUP, REDUCER, 0, {}, b"answer", ["aa" * 32, "bb" * 32, root])
+    entry = Entry(REDUCER, 1.0, *measure(signs_of(answer, N), values, parts), root)
+    return entry, Applied((entry,), answer, tuple(parts)), digests
+
+
+def failure(entry: Entry, applied: Applied, digests: Any, segment: int, values: np.ndarray) -> Any:
+    return audit_failure(entry, applied, group_id=GROUP, reducer=REDUCER, chunk=0,
+                         segment=segment, digests=digests, values=values)
+
+
+def test_an_honest_reducer_passes_every_segment() -> None:
+    values = np.random.default_rng(0).standard_normal(N).astype(np.float32)
+    entry, applied, digests = own_entry(values)
+    for k, (a, b) in enumerate(applied.parts):
+        assert failure(entry, applied, digests, k, values[a:b]) is None
+
+
+def test_a_misstated_own_entry_or_another_segment_fails() -> None:
+    values = np.random.default_rng(1).standard_normal(N).astype(np.float32)
+    entry, applied, digests = own_entry(values)
+    a, b = applied.parts[1]
+    moved = dataclasses.replace(entry, projections=(entry.projections[0], entry.projections[1] + 1e-3,
+                                                    *entry.projections[2:]))
+    assert "projection" in failure(moved, applied, digests, 1, values[a:b])
+    # a norm stated under the contribution's (to escape the norm-clipped mean's scale)
+    small = dataclasses.replace(entry, norm=float(np.linalg.norm(values[a:b])) * 0.9)
+    assert "norm" in failure(small, applied, digests, 1, values[a:b])
+    other = values[a:b] + np.float32(1e-3)
+    assert "not the one" in failure(entry, applied, digests, 1, other)
+    forged_digests = list(digests)
+    forged_digests[1] = bytes(32)
+    assert "commitment" in failure(entry, applied, forged_digests, 1, values[a:b])
+    assert "commitment" in failure(entry, applied, digests[:-1], 1, values[a:b])
+
+
+def test_the_signs_follow_the_commitment() -> None:
+    """A reducer that changes its own contribution after seeing the signs changes its
+    commitment, and with it the signs: its entry cannot be aimed at them."""
+    values = np.random.default_rng(2).standard_normal(N).astype(np.float32)
+    parts = segments(N, 3)
+    first = commitment(GROUP, REDUCER, 0, values, parts)[0]
+    changed = values.copy()
+    changed[7] += 1.0
+    second = commitment(GROUP, REDUCER, 0, changed, parts)[0]
+    assert first != second
+    assert not np.array_equal(signs_of(answer_digest(GROUP, REDUCER, 0, {}, b"y", [first]), N),
+                              signs_of(answer_digest(GROUP, REDUCER, 0, {}, b"y", [second]), N))
+
+
+class _Transport:
+    peer_id = PEERS[REDUCER]
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Any] = {}
+
+    def add_unary_handler(self, method: str, handler: Any) -> None:
+        self.handlers[method] = handler
+
+
+async def test_the_reducer_answers_members_once_per_round() -> None:
+    counters: collections.Counter[str] = collections.Counter()
+    transport = _Transport()
+    audits = OwnAudits(transport, BanList(counters=counters), counters,  # type: ignore[arg-type]
+                       random.Random(0))
+    members = tuple(Member(p, "trainer", 1.0, 1e6, 1e6) for p in PEERS)
+    members = (*members, Member(Identity.from_seed(bytes(32)).peer_id, "aux", 0.0, 1e6, 1e6))
+    group = Group(GROUP, "key", members, 3 * N, ((0, N), (N, 2 * N), (2 * N, 3 * N), (3 * N, 3 * N)),
+                  N, "none", time.time() + 30, "mean")
+    values = np.random.default_rng(3).standard_normal(N).astype(np.float32)
+    parts = segments(N, 3)
+    digests = commitment(GROUP, REDUCER, 0, values, parts)[1]
+    audits.keep(group, {0: (values, digests)})
+    serve = transport.handlers["avg.audit"]
+    reply = await serve(RequestContext(PEERS[0]), Message({"g": GROUP, "c": 0, "k": 1}))
+    assert reply.header["d"] == [d.hex() for d in digests]
+    a, b = parts[1]
+    assert bytes(reply.payload) == values[a:b].tobytes()
+    for peer, header in [(PEERS[0], {"g": GROUP, "c": 0, "k": 2}),  # once per round
+                         (PEERS[1], {"g": GROUP, "c": 1, "k": 0}),  # no such chunk
+                         (PEERS[1], {"g": GROUP, "c": 0, "k": len(parts)}),  # no such segment
+                         (PEERS[1], {"g": GROUP, "c": 0, "k": True}),
+                         (PEERS[1], {"g": "another", "c": 0, "k": 0}),
+                         (members[3].peer_id, {"g": GROUP, "c": 0, "k": 0}),  # sent nothing
+                         (Identity.from_seed(bytes([99]) * 32).peer_id, {"g": GROUP, "c": 0, "k": 0})]:
+        with pytest.raises(PeerFault):
+            await serve(RequestContext(peer), Message(header))
+    assert counters["audits_served"] == 1 and counters["audits_refused"] == 7
+    assert (await serve(RequestContext(PEERS[1]), Message({"g": GROUP, "c": 0, "k": 0}))).payload
