@@ -5,7 +5,7 @@ A reducer answers chunk c of its part with one payload, the same bytes to every 
 contribution it averaged into that chunk, i's weight w_i, the projections p_ik = <r_k, x_ik> of
 the contribution x_i (as the reducer decoded it) onto a sign vector r, one per segment k of the
 chunk (`segments`: up to SEGMENTS, each checked apart), and the contribution's L2 norm.
-r is derived from a SHA-256 of the answer itself (group, reducer, chunk, meta, payload): it is
+r is derived from a BLAKE3 digest of the answer itself (group, reducer, chunk, meta, payload): it is
 fixed only once the answer is, so a reducer cannot shape its answer around it.
 
 A member that receives the answer checks, before it writes anything into its vector:
@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from blake3 import blake3
 
 from .aggregation import Aggregation, clip_scales, l2_norm
 from .signatures import DIGEST_HEX, SIGNATURE_HEX, signed_by
@@ -108,7 +109,7 @@ class Entry:
     weight: float
     projections: tuple[float, ...]  # one per segment of the chunk (`segments`)
     norm: float
-    digest: str = ""  # hex SHA-256 of the contribution as sent (signatures.py); "" for the reducer's
+    digest: str = ""  # hex digest of the contribution as sent (signatures.py); "" for the reducer's
     signature: str = ""  # the sender's hex signature of it; "" for the reducer's own
 
 
@@ -124,10 +125,10 @@ def segments(n: int, senders: int) -> list[tuple[int, int]]:
 
 def answer_digest(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any],
                   payload: Any, contributions: Sequence[str] = ()) -> bytes:
-    """The SHA-256 of an answer that its signs are drawn from (`signs_of`): with the digests
-    its account names for the contributions (in the account's order), so that a reducer cannot
-    choose its own contribution after the signs (audits.py)."""
-    digest = hashlib.sha256()
+    """The digest (BLAKE3) of an answer that its signs are drawn from (`signs_of`): with the
+    digests its account names for the contributions (in the account's order), so that a reducer
+    cannot choose its own contribution after the signs (audits.py)."""
+    digest = blake3(max_threads=1)
     digest.update(f"dedloc-answer\0{group_id}\0{reducer}\0{chunk}\0".encode())
     digest.update(repr(sorted(meta.items())).encode())
     digest.update(("\0".join(contributions) + "\0").encode())
@@ -138,7 +139,7 @@ def answer_digest(group_id: str, reducer: int, chunk: int, meta: Mapping[str, An
 def signs(group_id: str, reducer: int, chunk: int, meta: Mapping[str, Any], payload: Any,
           n: int) -> np.ndarray:
     """The +-1 vector (float32, n long) that an answer is checked against: SHAKE-128 of a
-    SHA-256 of the answer, one bit per element. Any platform and numpy version agree."""
+    BLAKE3 digest of the answer, one bit per element. Any platform and numpy version agree."""
     return signs_of(answer_digest(group_id, reducer, chunk, meta, payload), n)
 
 
@@ -321,11 +322,12 @@ def check_answer(entries: Sequence[Entry], errors: Sequence[float], *, weights: 
                                f"than {allowed:.3g}")
 
 
-def check_signatures(entries: Sequence[Entry], *, peers: Sequence[str], reducer: int, me: int,
-                     my_digest: bytes | None) -> None:
+def check_signatures(entries: Sequence[Entry], *, peers: Sequence[str], group_id: str,
+                     reducer: int, chunk: int, me: int, my_digest: bytes | None) -> None:
     """WrongAverage unless every entry but the reducer's own carries its sender's signature of
-    the digest it names (signatures.py: the reducer lists only what each sender sent it);
-    MisstatedContribution if this member's own entry names another digest than what it sent."""
+    the digest it names for this chunk (signatures.py: the reducer lists only what each sender
+    sent it there); MisstatedContribution if this member's own entry names another digest than
+    what it sent."""
     for e in entries:
         if e.sender == reducer:  # its own: a commitment (audits.py), which nobody else signs
             if not e.digest:
@@ -333,7 +335,8 @@ def check_signatures(entries: Sequence[Entry], *, peers: Sequence[str], reducer:
             continue
         if not 0 <= e.sender < len(peers):
             continue  # (an index out of range fails check_answer)
-        if not e.digest or not signed_by(peers[e.sender], bytes.fromhex(e.digest), e.signature):
+        if not e.digest or not signed_by(peers[e.sender], group_id, reducer, chunk,
+                                         bytes.fromhex(e.digest), e.signature):
             raise WrongAverage(f"the account's entry for member {e.sender} does not carry that "
                                "member's signature of the contribution it names")
         if e.sender == me and my_digest is not None and e.digest != my_digest.hex():

@@ -48,7 +48,9 @@ from .wire import ChunkPlan, PeerFault
 log = structlog.get_logger(__name__)
 
 METHOD = "avg.accuse"
-ROUNDS_KEPT = 64  # rounds whose applied answers can still be judged
+# rounds whose applied answers can still be judged (an accusation comes within seconds; each
+# round's entries are ~300 bytes per sender and chunk)
+ROUNDS_KEPT = 8
 CALL_TIMEOUT = 10.0
 
 Verdict = Literal["forged", "false", "unfounded"]

@@ -4,7 +4,7 @@ A reducer's own contribution to its part reaches nobody, so its entry (projectio
 word, and since the signs r come from the answer, a reducer could pick its answer first and then
 state whatever own projections make the answer agree (accounts.py). Two things close that:
 - **Commitment.** The reducer's own entry names a digest of its own contribution (`commitment`:
-  a SHA-256 of each segment's float32 bytes, and of those, the root), and the signs r are drawn
+  a BLAKE3 digest of each segment's float32 bytes, and of those, the root), and the signs r are drawn
   from the answer *and* every entry's digest (accounts.answer_digest). To state true projections
   of another contribution than the one it committed to, the reducer must change the digest,
   which changes r: it cannot aim its own entry at the signs.
@@ -23,17 +23,17 @@ auditor with probability f per round; one that states a norm under its contribut
 only where the audited segment's norm is within the stated one (at most sqrt(segments) times
 under). Each member bans on its own audits (it cannot show others a reducer's reply).
 
-Bounds: a reducer keeps its own contributions for the last `KEPT_ROUNDS` rounds it reduced in,
-at most `KEPT_SECONDS`; it answers one audit per member and round, only to members that sent in
-that round. Cost: per member and round, up to 4 segments (an eighth of a chunk each, 512 KiB for
-4 MiB chunks) and a hash of them; a reducer copies its own part once per round.
+Bounds: a reducer keeps its own contributions for the last `KEPT_ROUNDS` rounds it reduced in
+(older ones only within `KEPT_BYTES`), at most `KEPT_SECONDS`; it answers one audit per member
+and round, only to members that sent in that round. Cost: per member and round, up to 4
+segments (an eighth of a chunk each, 512 KiB for 4 MiB chunks) and a hash of them; a reducer
+copies its own part once per round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import math
 import random
 from collections.abc import Sequence
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
+from blake3 import blake3
 
 from .. import timebase
 from ..net import Message, PeerTransport, RequestContext, TransportError
@@ -55,18 +56,21 @@ log = structlog.get_logger(__name__)
 
 METHOD = "avg.audit"
 AUDITS_PER_ROUND = 4
-KEPT_ROUNDS = 3
+KEPT_ROUNDS = 2
+KEPT_BYTES = 256 << 20  # ... and of older rounds no more than this (the newest is always kept)
 KEPT_SECONDS = 120.0
 CALL_TIMEOUT = 15.0
 
 
 def segment_digest(values: np.ndarray) -> bytes:
-    return hashlib.sha256(memoryview(np.ascontiguousarray(values, np.float32)).cast("B")).digest()
+    data = memoryview(np.ascontiguousarray(values, np.float32)).cast("B")
+    return blake3(data, max_threads=1).digest()
 
 
 def root_of(group_id: str, reducer: int, chunk: int, digests: Sequence[bytes]) -> str:
-    """The commitment a reducer's own entry names: a SHA-256 of its segments' digests."""
-    root = hashlib.sha256(f"dedloc-own-contribution\0{group_id}\0{reducer}\0{chunk}\0".encode())
+    """The commitment a reducer's own entry names: a digest of its segments' digests."""
+    root = blake3(f"dedloc-own-contribution\0{group_id}\0{reducer}\0{chunk}\0".encode(),
+                  max_threads=1)
     for digest in digests:
         root.update(digest)
     return root.hexdigest()
@@ -131,7 +135,9 @@ class OwnAudits:
         """A round starts here in which we reduce and send: `own` fills with our own
         contributions, chunk by chunk, as they are averaged."""
         self._kept[group.group_id] = _Kept(group, own, timebase.monotonic())
-        while len(self._kept) > KEPT_ROUNDS:
+        while len(self._kept) > KEPT_ROUNDS or (len(self._kept) > 1 and sum(
+                values.nbytes for kept in self._kept.values() for values, _ in kept.own.values())
+                > KEPT_BYTES):
             self._kept.popitem(last=False)
 
     async def _serve(self, ctx: RequestContext, message: Message) -> Message:

@@ -291,7 +291,8 @@ class Round:
         assert self.own is not None and self.reducer is not None
         if self.policy.check_answers:  # the account names it; members check the signature
             digest = contribution_digest(self.group.group_id, self.index, c, meta, payload)
-            if not signed_by(self.group.members[i].peer_id, digest, signature):
+            if not signed_by(self.group.members[i].peer_id, self.group.group_id, self.index, c,
+                             digest, signature):
                 raise ProtocolViolation(f"chunk {c} does not carry the sender's signature of it "
                                         "(a sender of an older dedloc?)")
             self.signed[(i, c)] = (digest.hex(), signature)

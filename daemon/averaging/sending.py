@@ -192,7 +192,7 @@ class PartSender:
         if not self.check or self.identity is None:
             return payload, meta, None, None
         digest = contribution_digest(self.group.group_id, j, c, meta, payload)
-        return payload, meta, digest, sign(self.identity, digest)
+        return payload, meta, digest, sign(self.identity, self.group.group_id, j, c, digest)
 
     async def _push(self, stream: Stream, plan: ChunkPlan, peer: str, j: int) -> None:
         upcoming = self._encode(plan, j, 0)
@@ -258,7 +258,8 @@ class PartSender:
             values = self.vector[a:b] if sent is None else self.codec.decode(sent[0], sent[1], b - a)
             mine = measure(r, values, parts)
         try:
-            check_signatures(entries, peers=[m.peer_id for m in members], reducer=j, me=self.index,
+            check_signatures(entries, peers=[m.peer_id for m in members], group_id=self.group.group_id,
+                             reducer=j, chunk=c, me=self.index,
                              my_digest=None if sent is None else sent[2])
             check_answer(entries, errors, weights=[m.weight for m in members] if self.weights is None
                          else list(self.weights),

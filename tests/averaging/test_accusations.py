@@ -58,7 +58,8 @@ def account(codec: str = "none") -> tuple[list[Entry], Applied, list[Any]]:
         payload, meta, values = chunk(i, codec)
         digest = contribution_digest(GROUP, REDUCER, 0, meta, payload)
         own = commitment(GROUP, REDUCER, 0, values, parts)[0]
-        signed.append((own, "") if i == REDUCER else (digest.hex(), sign(IDS[i], digest)))
+        signed.append((own, "") if i == REDUCER
+                      else (digest.hex(), sign(IDS[i], GROUP, REDUCER, 0, digest)))
         decoded.append(values)
         sent.append((payload, meta, digest))
     answer = answer_digest(GROUP, REDUCER, 0, {}, b"the answer", [d for d, _ in signed])
@@ -70,14 +71,17 @@ def account(codec: str = "none") -> tuple[list[Entry], Applied, list[Any]]:
 def test_a_signature_names_its_signer_and_its_chunk() -> None:
     payload, meta, _ = chunk(0)
     digest = contribution_digest(GROUP, REDUCER, 0, meta, payload)
-    signature = sign(IDS[0], digest)
-    assert signed_by(PEERS[0], digest, signature)
-    assert not signed_by(PEERS[1], digest, signature)
-    assert not signed_by(PEERS[0], contribution_digest(GROUP, REDUCER, 1, meta, payload), signature)
-    assert not signed_by(PEERS[0], contribution_digest(GROUP, 2, 0, meta, payload), signature)
+    signature = sign(IDS[0], GROUP, REDUCER, 0, digest)
+    assert signed_by(PEERS[0], GROUP, REDUCER, 0, digest, signature)
+    assert not signed_by(PEERS[1], GROUP, REDUCER, 0, digest, signature)
+    # the slot is signed too: the same digest named for another chunk, reducer or round fails
+    for group, reducer, index in ((GROUP, REDUCER, 1), (GROUP, 2, 0), ("another", REDUCER, 0)):
+        assert not signed_by(PEERS[0], group, reducer, index, digest, signature)
+    assert not signed_by(PEERS[0], GROUP, REDUCER, 0,
+                         contribution_digest(GROUP, REDUCER, 0, meta, payload + b"x"), signature)
     for bad in (None, 5, "zz" * 64, signature[:-2], signature.upper()[:-2] + "00"):
-        assert not signed_by(PEERS[0], digest, bad)
-    assert not signed_by("not-a-peer-id", digest, signature)
+        assert not signed_by(PEERS[0], GROUP, REDUCER, 0, digest, bad)
+    assert not signed_by("not-a-peer-id", GROUP, REDUCER, 0, digest, signature)
 
 
 def test_the_digest_is_of_the_meta_as_json_carries_it() -> None:
@@ -88,7 +92,8 @@ def test_the_digest_is_of_the_meta_as_json_carries_it() -> None:
 
 def test_an_account_lists_only_what_each_sender_signed() -> None:
     entries, _, sent = account()
-    check_signatures(entries, peers=PEERS, reducer=REDUCER, me=0, my_digest=sent[0][2])
+    check_signatures(entries, peers=PEERS, group_id=GROUP, reducer=REDUCER, chunk=0, me=0,
+                     my_digest=sent[0][2])
     forged = [
         # a sender that sent nothing, listed without its signature
         [*entries[:1], dataclasses.replace(entries[1], digest="", signature=""), *entries[2:]],
@@ -101,18 +106,31 @@ def test_an_account_lists_only_what_each_sender_signed() -> None:
     ]
     for case in forged:
         with pytest.raises(WrongAverage, match=r"signature|commitment"):
-            check_signatures(case, peers=PEERS, reducer=REDUCER, me=0, my_digest=sent[0][2])
+            check_signatures(case, peers=PEERS, group_id=GROUP, reducer=REDUCER, chunk=0, me=0,
+                             my_digest=sent[0][2])
 
 
-def test_a_member_sees_its_own_contribution_swapped() -> None:
-    """The reducer lists a chunk the member did sign, of another round slot: the signature
-    holds, the digest is not the one the member sent now."""
+def test_a_signature_of_another_chunk_is_no_signature_here() -> None:
+    """The reducer lists the member's signed chunk of another slot (another chunk index of its
+    part): every member finds the signature does not hold here, so the reducer cannot make the
+    member accuse it of a chunk the member did not send there (and be judged a false accuser)."""
     entries, _, sent = account()
-    other = contribution_digest(GROUP, REDUCER, 0, {}, b"an older chunk of mine")
-    swapped = dataclasses.replace(entries[0], digest=other.hex(), signature=sign(IDS[0], other))
+    other = contribution_digest(GROUP, REDUCER, 1, {}, b"my chunk 1")
+    moved = dataclasses.replace(entries[0], digest=other.hex(),
+                                signature=sign(IDS[0], GROUP, REDUCER, 1, other))
+    for me in (0, 1):
+        with pytest.raises(WrongAverage, match="signature") as caught:
+            check_signatures([moved, *entries[1:]], peers=PEERS, group_id=GROUP, reducer=REDUCER,
+                             chunk=0, me=me, my_digest=sent[me][2])
+        assert not isinstance(caught.value, MisstatedContribution)
+    # a second chunk the member did sign for this very slot (no honest member does): its own
+    # check sees another digest than it sent
+    twice = contribution_digest(GROUP, REDUCER, 0, {}, b"a second chunk 0")
+    swapped = dataclasses.replace(entries[0], digest=twice.hex(),
+                                  signature=sign(IDS[0], GROUP, REDUCER, 0, twice))
     with pytest.raises(MisstatedContribution):
-        check_signatures([swapped, *entries[1:]], peers=PEERS, reducer=REDUCER, me=0,
-                         my_digest=sent[0][2])
+        check_signatures([swapped, *entries[1:]], peers=PEERS, group_id=GROUP, reducer=REDUCER,
+                         chunk=0, me=0, my_digest=sent[0][2])
 
 
 @pytest.mark.parametrize("codec", ["none", "uint8", "topk"])

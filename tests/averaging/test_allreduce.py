@@ -397,7 +397,8 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
 
     def signed(j: int, header: dict[str, Any], payload: bytes) -> Message:
         digest = contribution_digest(group.group_id, j, header["c"], {}, payload)
-        return Message({**header, SIGNATURE_KEY: sign(transport.identity, digest)}, payload)
+        signature = sign(transport.identity, group.group_id, j, header["c"], digest)
+        return Message({**header, SIGNATURE_KEY: signature}, payload)
 
     async def one(j: int) -> None:
         a = group.part_bounds[j][0]
