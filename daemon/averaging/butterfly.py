@@ -366,7 +366,9 @@ class Round:
         a, b = self.own.absolute(c)
         self.reply.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
         account: Any = None
-        if self.policy.check_answers:  # what went into the answer, for the senders to check
+        if self.policy.check_answers and self.policy.robust == "centered_clip":
+            account = CLIPPED  # (not linear: no account can check it)
+        elif self.policy.check_answers:  # what went into the answer, for the senders to check
             parts = segments(b - a, self.senders)
             signed = [self.signed.pop((u.sender, c), ("", "")) for u in used]
             for k, u in enumerate(used):
@@ -386,8 +388,7 @@ class Round:
                 entries = forged_entries(entries, [u.scale for u in used], self.index,
                                          measure(r, self.vector[a:b], parts)[0],
                                          own=self.wrong_answers == "forge_own")
-            account = CLIPPED if self.policy.robust == "centered_clip" else account_header(
-                entries, errors)
+            account = account_header(entries, errors)
         self.results[c] = (payload, meta, account)
         return rejected, sum(1 for u in used if u.scale < 1.0)
 
