@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 from blake3 import blake3
 
 from .aggregation import Aggregation, clip_scales, l2_norm
@@ -78,7 +79,13 @@ from .wire import PeerFault
 
 Z = 8.0  # Hoeffding: P(false alarm per segment) <= 2 exp(-Z^2 / 2) < 3e-14
 SEGMENTS = 8  # the most segments of a chunk checked apart (`segments`)
-HEADER_FLOATS = 1400  # ... and the most projections an account holds (frames: 64 KiB headers)
+# An answer's header (frames: at most 64 KiB) holds the account: per entry a fixed part (index,
+# weight, norm, a digest and a signature in hex: up to ENTRY_BYTES as JSON) and a projection per
+# segment (up to PROJECTION_BYTES each); groups hold at most MAX_ACCOUNT_SENDERS senders.
+HEADER_BUDGET = 56_000
+ENTRY_BYTES = 260
+PROJECTION_BYTES = 26
+MAX_ACCOUNT_SENDERS = HEADER_BUDGET // (ENTRY_BYTES + PROJECTION_BYTES)
 FLOAT32_UNIT = 2.0**-24
 FLOAT64_UNIT = 2.0**-53
 ACCOUNT_KEY = "v"
@@ -92,15 +99,26 @@ class WrongAverage(PeerFault):
 
 
 class MisstatedContribution(WrongAverage):
-    """The account misstates this member's own contribution: what it sent (`payload`, `meta`,
-    once the sender adds them) proves it to the other members (accusations.py)."""
+    """The account misstates this member's own contribution (its projections or norm; the digest
+    is the one it sent): what it sent (`payload`, `meta`), with the account, the answer's digest
+    and the reducer's signature of both, once the sender adds them, proves it to the other
+    members (accusations.py)."""
 
     def __init__(self, message: str, chunk: int = -1, payload: Any = None,
-                 meta: Mapping[str, Any] | None = None) -> None:
+                 meta: Mapping[str, Any] | None = None, account: Any = None,
+                 answer: bytes | None = None, signature: Any = None) -> None:
         super().__init__(message)
         self.chunk = chunk
         self.payload = payload
         self.meta = meta or {}
+        self.account = account
+        self.answer = answer
+        self.signature = signature
+
+
+class OlderAccount(PeerFault):
+    """The reducer's account is of an older dedloc's format: not an offence (the part stays
+    local), a run's peers should run one version."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +136,7 @@ def segments(n: int, senders: int) -> list[tuple[int, int]]:
     with its own projection and codec error: SEGMENTS, fewer for a short chunk or for so many
     senders that their projections would crowd the answer's header. Reducer and member agree on
     it from what both know."""
-    count = max(1, min(SEGMENTS, n, HEADER_FLOATS // max(senders, 1)))
+    count = max(1, min(SEGMENTS, n, (HEADER_BUDGET // max(senders, 1) - ENTRY_BYTES) // PROJECTION_BYTES))
     bounds = [n * k // count for k in range(count + 1)]
     return list(itertools.pairwise(bounds))
 
@@ -130,8 +148,8 @@ def answer_digest(group_id: str, reducer: int, chunk: int, meta: Mapping[str, An
     cannot choose its own contribution after the signs (audits.py)."""
     digest = blake3(max_threads=1)
     digest.update(f"dedloc-answer\0{group_id}\0{reducer}\0{chunk}\0".encode())
-    digest.update(repr(sorted(meta.items())).encode())
-    digest.update(("\0".join(contributions) + "\0").encode())
+    digest.update(orjson.dumps(dict(meta), option=orjson.OPT_SORT_KEYS))  # (as JSON carries it)
+    digest.update(("\0" + "\0".join(contributions) + "\0").encode())
     digest.update(memoryview(payload).cast("B"))
     return digest.digest()
 
@@ -213,9 +231,12 @@ def parse_account(raw: Any, senders: int, parts: int) -> tuple[list[Entry], list
         raise WrongAverage(f"the answer's account is not a list of at most {senders} entries")
     entries = []
     for item in raw:
+        if isinstance(item, list) and len(item) == 4:
+            raise OlderAccount("the reducer's account has no digests and signatures: it runs an "
+                               "older dedloc (a run's peers should run one version)")
         if not isinstance(item, list) or len(item) != 6:
             raise WrongAverage("an account entry is not [sender, weight, projections, norm, digest, "
-                               "signature] (a reducer of an older dedloc?)")
+                               "signature]")
         sender, weight, projections, norm, digest, signature = item
         if isinstance(sender, bool) or not isinstance(sender, int):
             raise WrongAverage("an account entry's sender is not a member index")
@@ -322,12 +343,13 @@ def check_answer(entries: Sequence[Entry], errors: Sequence[float], *, weights: 
                                f"than {allowed:.3g}")
 
 
-def check_signatures(entries: Sequence[Entry], *, peers: Sequence[str], group_id: str,
+def check_signatures(entries: Sequence[Entry], *, peers: Sequence[str], round_: str,
                      reducer: int, chunk: int, me: int, my_digest: bytes | None) -> None:
     """WrongAverage unless every entry but the reducer's own carries its sender's signature of
-    the digest it names for this chunk (signatures.py: the reducer lists only what each sender
-    sent it there); MisstatedContribution if this member's own entry names another digest than
-    what it sent."""
+    the digest it names for this chunk of round `round_` (signatures.round_name: the reducer
+    lists only what each sender sent it there), and this member's own entry names the digest of
+    what it sent (another one, signed by it for this slot, can only be a chunk of an earlier
+    round under a reused id: nothing this member could prove)."""
     for e in entries:
         if e.sender == reducer:  # its own: a commitment (audits.py), which nobody else signs
             if not e.digest:
@@ -335,10 +357,10 @@ def check_signatures(entries: Sequence[Entry], *, peers: Sequence[str], group_id
             continue
         if not 0 <= e.sender < len(peers):
             continue  # (an index out of range fails check_answer)
-        if not e.digest or not signed_by(peers[e.sender], group_id, reducer, chunk,
+        if not e.digest or not signed_by(peers[e.sender], round_, reducer, chunk,
                                          bytes.fromhex(e.digest), e.signature):
             raise WrongAverage(f"the account's entry for member {e.sender} does not carry that "
                                "member's signature of the contribution it names")
         if e.sender == me and my_digest is not None and e.digest != my_digest.hex():
-            raise MisstatedContribution("the account names another contribution of this member "
-                                        "than the one it sent")
+            raise WrongAverage("the account names another contribution of this member than the "
+                               "one it sent")

@@ -27,7 +27,6 @@ import concurrent.futures
 import math
 import os
 import random
-import secrets
 from typing import Any
 
 import numpy as np
@@ -128,7 +127,7 @@ class AllReduceService:
         self.accusations = Accusations(transport, self.bans, self.counters)
         # (what to audit is drawn at random: the simulator passes a seeded generator)
         self.audits = OwnAudits(transport, self.bans, self.counters,
-                                rng or random.Random(secrets.randbits(64)))
+                                rng or random.SystemRandom())
 
     # --- rounds ---------------------------------------------------------------------------------
     async def run(self, group: Group, my_index: int, vector: np.ndarray, weight: float, *,

@@ -46,7 +46,6 @@ from blake3 import blake3
 from .. import timebase
 from ..net import Message, PeerTransport, RequestContext, TransportError
 from .accounts import FLOAT32_UNIT, Entry, misstates, project, signs_of
-from .accusations import Applied
 from .aggregation import l2_norm
 from .bans import BanList
 from .group import Group
@@ -56,9 +55,9 @@ log = structlog.get_logger(__name__)
 
 METHOD = "avg.audit"
 AUDITS_PER_ROUND = 4
-KEPT_ROUNDS = 2
+KEPT_ROUNDS = 4
 KEPT_BYTES = 256 << 20  # ... and of older rounds no more than this (the newest is always kept)
-KEPT_SECONDS = 120.0
+KEPT_SECONDS = 120.0  # after the round ended here
 CALL_TIMEOUT = 15.0
 
 
@@ -95,23 +94,35 @@ def audit_failure(entry: Entry, applied: Applied, *, group_id: str, reducer: int
     if not np.isfinite(values).all():
         return f"segment {segment} holds non-finite values"
     n = parts[-1][1]
-    stated = Entry(entry.sender, entry.weight, (entry.projections[segment],), entry.norm)
-    projection = project(signs_of(applied.answer, n)[a:b], values, [(0, b - a)])
     norm = l2_norm(values)
-    if misstates(stated, projection, entry.norm, n):
+    # (the slack from what was measured, not stated: a stated norm of 1e30 widens nothing)
+    stated = Entry(entry.sender, entry.weight, (entry.projections[segment],), norm)
+    projection = project(signs_of(applied.answer, n)[a:b], values, [(0, b - a)])
+    if misstates(stated, projection, norm, n):
         return f"its account misstated the projection of its own segment {segment}"
-    slack = n * 2.0**-53 * math.sqrt(n) * entry.norm * 4 + 1e-30
+    slack = n * 2.0**-53 * math.sqrt(n) * norm * 4 + 1e-30
     if norm > entry.norm * (1 + 4 * FLOAT32_UNIT) + slack:
         return f"its own segment {segment} has a norm of {norm:.6g}, over the {entry.norm:.6g} its " \
                "account stated for the whole chunk"
     return None
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What a member applied of a reducer's answer to one chunk: the account's entries and the
+    answer's digest (its signs, accounts.signs_of), over the chunk's segments."""
+
+    entries: tuple[Entry, ...]
+    answer: bytes
+    parts: tuple[tuple[int, int], ...]
+
+
 @dataclass
 class _Kept:
     group: Group
     own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]]  # chunk -> (values, segment digests)
-    since: float
+    over: asyncio.Event  # the round has ended here
+    ended: float | None = None  # when (monotonic) it was first seen ended
     asked: set[str] = field(default_factory=set)
 
 
@@ -131,10 +142,12 @@ class OwnAudits:
         transport.add_unary_handler(METHOD, self._serve)
 
     # --- as a reducer ---------------------------------------------------------------------------
-    def keep(self, group: Group, own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]]) -> None:
+    def keep(self, group: Group, own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]],
+             over: asyncio.Event) -> None:
         """A round starts here in which we reduce and send: `own` fills with our own
-        contributions, chunk by chunk, as they are averaged."""
-        self._kept[group.group_id] = _Kept(group, own, timebase.monotonic())
+        contributions, chunk by chunk, as they are averaged; `over` is set when it ends (kept
+        KEPT_SECONDS from then)."""
+        self._kept[group.group_id] = _Kept(group, own, over)
         while len(self._kept) > KEPT_ROUNDS or (len(self._kept) > 1 and sum(
                 values.nbytes for kept in self._kept.values() for values, _ in kept.own.values())
                 > KEPT_BYTES):
@@ -144,9 +157,12 @@ class OwnAudits:
         header = message.header
         group_id, chunk, segment = header.get("g"), header.get("c"), header.get("k")
         kept = self._kept.get(group_id) if isinstance(group_id, str) else None
-        if kept is not None and timebase.monotonic() - kept.since > KEPT_SECONDS:
-            del self._kept[group_id]
-            kept = None
+        if kept is not None and kept.over.is_set():
+            now = timebase.monotonic()
+            kept.ended = now if kept.ended is None else kept.ended
+            if now - kept.ended > KEPT_SECONDS:
+                del self._kept[group_id]
+                kept = None
         if kept is None or not any(m.peer_id == ctx.peer_id and m.sends for m in kept.group.members):
             self.counters["audits_refused"] += 1
             raise PeerFault(f"no round {group_id} kept here in which {ctx.peer_id} sent")

@@ -66,7 +66,14 @@ from .reducer import PartReducer
 from .report import AllReduceReport, TransferLog, build_report
 from .screening import OffenceKind, ScreeningPolicy, offence_kind
 from .sending import FAULTS, PartSender, describe, leaf, receive_buffer
-from .signatures import SIGNATURE_KEY, contribution_digest, signed_by
+from .signatures import (
+    ANSWER_SIGNATURE_KEY,
+    SIGNATURE_KEY,
+    contribution_digest,
+    round_name,
+    sign_answer,
+    signed_by,
+)
 from .wire import ChunkPlan, PeerFault, ProtocolViolation, StreamOpen, chunk_header, parse_chunk
 
 log = structlog.get_logger(__name__)
@@ -108,7 +115,8 @@ class Round:
         self.reducer = PartReducer(own, senders, policy=policy, own=index if self.sends else None,
                                    aggregation=group.aggregation) if own else None
         count = own.count if own else 0
-        self.results: list[tuple[Buffer, Meta, Any] | None] = [None] * count
+        # per chunk: the answer's payload, meta, account and our signature of them
+        self.results: list[tuple[Buffer, Meta, Any, str | None] | None] = [None] * count
         self.unaveraged: dict[int, str] = {}
         self.done = [asyncio.Event() for _ in range(count)]
         self.remaining = count
@@ -124,6 +132,8 @@ class Round:
         self.signed: dict[tuple[int, int], tuple[str, str]] = {}
         self.accusations = accusations
         self.audits = audits
+        self.identity = identity
+        self.round_name = round_name(group)  # what signatures name this round by
         # chunk -> our own contribution to it and its segments' digests, for audits (audits.py)
         self.own_kept: dict[int, tuple[np.ndarray, tuple[bytes, ...]]] = {}
         self.over = asyncio.Event()  # the round has ended here
@@ -140,11 +150,11 @@ class Round:
                                  accept_clipped=policy.robust == "centered_clip",
                                  aggregation=group.aggregation,
                                  on_wrong_average=self._wrong_average, weights=self.weights,
-                                 identity=identity)
+                                 identity=identity, round_name=self.round_name)
         if accusations is not None:
-            accusations.remember(group, index, self.sender.applied, self.over)
+            accusations.remember(group, index)
         if audits is not None and policy.check_answers and self.reducer is not None and self.sends:
-            audits.keep(group, self.own_kept)
+            audits.keep(group, self.own_kept, self.over)
 
     # --- the round ------------------------------------------------------------------------------
     async def execute(self) -> AllReduceReport:
@@ -291,7 +301,7 @@ class Round:
         assert self.own is not None and self.reducer is not None
         if self.policy.check_answers:  # the account names it; members check the signature
             digest = contribution_digest(self.group.group_id, self.index, c, meta, payload)
-            if not signed_by(self.group.members[i].peer_id, self.group.group_id, self.index, c,
+            if not signed_by(self.group.members[i].peer_id, self.round_name, self.index, c,
                              digest, signature):
                 raise ProtocolViolation(f"chunk {c} does not carry the sender's signature of it "
                                         "(a sender of an older dedloc?)")
@@ -366,6 +376,7 @@ class Round:
         a, b = self.own.absolute(c)
         self.reply.decode(payload, meta, b - a, out=self.vector[a:b])  # the same values as everyone's
         account: Any = None
+        signature: str | None = None
         if self.policy.check_answers and self.policy.robust == "centered_clip":
             account = CLIPPED  # (not linear: no account can check it)
         elif self.policy.check_answers:  # what went into the answer, for the senders to check
@@ -377,8 +388,9 @@ class Round:
                     self.own_kept[c] = (np.array(u.values), digests)
                     signed[k] = (root, "")
             # (the signs come after every contribution is fixed, ours included)
-            r = signs_of(answer_digest(self.group.group_id, self.index, c, meta, payload,
-                                       [digest for digest, _ in signed]), b - a)
+            answer = answer_digest(self.group.group_id, self.index, c, meta, payload,
+                                   [digest for digest, _ in signed])
+            r = signs_of(answer, b - a)
             errors = [0.0] * len(parts) if self.reply.name == "none" else codec_errors(
                 self.vector[a:b], average, parts)
             entries = [Entry(u.sender, u.weight, project(r, u.values, parts),
@@ -389,7 +401,9 @@ class Round:
                                          measure(r, self.vector[a:b], parts)[0],
                                          own=self.wrong_answers == "forge_own")
             account = account_header(entries, errors)
-        self.results[c] = (payload, meta, account)
+            if self.identity is not None:
+                signature = sign_answer(self.identity, self.round_name, self.index, c, answer, account)
+        self.results[c] = (payload, meta, account, signature)
         return rejected, sum(1 for u in used if u.scale < 1.0)
 
     async def _answer(self, stream: Stream, peer: str) -> None:
@@ -401,10 +415,12 @@ class Round:
                 header: dict[str, Any] = {"c": c, "skip": self.unaveraged.get(c, "not averaged")}
                 payload: Buffer = b""
             else:
-                payload, meta, account = result
+                payload, meta, account, signature = result
                 header = chunk_header(c, meta)
                 if account is not None:
                     header[ACCOUNT_KEY] = account
+                if signature is not None:
+                    header[ANSWER_SIGNATURE_KEY] = signature
             await stream.send(Message(header, payload), timeout=self._left())
             self.traffic.sent(peer, len(payload))
         await stream.close()

@@ -45,6 +45,7 @@ window. Other direct rounds close at their window as before.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import random
@@ -68,6 +69,7 @@ from ..net import (
     RequestContext,
     TransportError,
 )
+from .accounts import MAX_ACCOUNT_SENDERS
 from .aggregation import Aggregation
 from .bans import BanList
 from .claims import share_refusal
@@ -76,7 +78,10 @@ from .group import Group, Member
 
 log = structlog.get_logger(__name__)
 
-MAX_GROUP_MEMBERS = 1024  # the most members a group sent by a leader may list
+# the most members a group may list: as many as an answer's account (accounts.py) can name in
+# the header a frame carries (a leader set larger gathers no more)
+MAX_GROUP_MEMBERS = MAX_ACCOUNT_SENDERS
+SEEN_GROUPS = 8192  # group ids remembered, to refuse one used again
 JOIN = "avg.join"
 GROUP = "avg.group"
 REDIRECT = "avg.redirect"
@@ -180,11 +185,20 @@ class Matchmaker:
         self._coming: set[str] = set()  # keys we will gather under soon (see `coming`)
         self._coming_under: dict[str, int] = {}  # ... and key prefixes (see `coming_under`)
         self.refused_groups = 0  # groups from leaders that did not match what we asked for
+        # group ids taken (ours and leaders'): a group under an id seen before is refused, so no
+        # round's signatures can be shown again in another (signatures.py)
+        self._seen_groups: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._redirecting: set[asyncio.Task[None]] = set()  # redirects sent beside a round
         transport.add_unary_handler(JOIN, self._on_join)
         transport.add_unary_handler(GROUP, self._on_group)
         transport.add_unary_handler(REDIRECT, self._on_redirect)
         transport.add_unary_handler(COMING, self._on_coming)
+
+    def _seen(self, group_id: str) -> None:
+        self._seen_groups[group_id] = None
+        self._seen_groups.move_to_end(group_id)
+        while len(self._seen_groups) > SEEN_GROUPS:
+            self._seen_groups.popitem(last=False)
 
     @contextlib.contextmanager
     def coming(self, keys: Iterable[str]) -> Iterator[None]:
@@ -458,7 +472,7 @@ class Matchmaker:
         def missing() -> set[str]:
             return others - gathering.refused - set(gathering.joiners)
 
-        while missing() and len(gathering.joiners) + 1 < request.max_group_size:
+        while missing() and len(gathering.joiners) + 1 < min(request.max_group_size, MAX_GROUP_MEMBERS):
             if timebase.now() >= gathering.give_up:
                 if not (request.staged and request.peers
                         and await self._still_coming(gathering, missing())):
@@ -500,7 +514,8 @@ class Matchmaker:
                 return False
             return reply.header.get("coming") is True
 
-        answers = await asyncio.gather(*(ask(p) for p in sorted(missing)[:request.max_group_size]))
+        limit = min(request.max_group_size, MAX_GROUP_MEMBERS)
+        answers = await asyncio.gather(*(ask(p) for p in sorted(missing)[:limit]))
         if not any(answers):
             return False
         gathering.give_up = min(gathering.latest, timebase.now() + max(0.5, request.window / 2))
@@ -534,6 +549,7 @@ class Matchmaker:
         group = Group(digest, request.key, ordered, request.size, bounds, request.chunk_elements,
                       request.compression, request.deadline, request.aggregation)
         group.check()
+        self._seen(group.group_id)
         return group
 
     def _alone(self, request: RoundRequest) -> Group:
@@ -590,7 +606,7 @@ class Matchmaker:
                                    "compression or aggregation")
         if gathering.closed:
             raise MatchmakingError("the group is already formed")
-        if len(gathering.joiners) + 1 >= gathering.request.max_group_size:
+        if len(gathering.joiners) + 1 >= min(gathering.request.max_group_size, MAX_GROUP_MEMBERS):
             raise MatchmakingError("the group is full")
         gathering.joiners[member.peer_id] = member
         gathering.joined.set()
@@ -607,6 +623,9 @@ class Matchmaker:
         if self.peer_id not in {m.peer_id for m in group.members}:
             raise MatchmakingError("the group does not include this peer")
         refusal = group_refusal(group, gathering.request, timebase.now())
+        if refusal is None and group.group_id in self._seen_groups:
+            refusal = f"its id {group.group_id[:16]} names a round seen before"
+        self._seen(group.group_id)
         if refusal is not None:  # we wait out the leader and go on without it
             self.refused_groups += 1
             log.warning("matchmaking_group_refused", leader=ctx.peer_id[:12], key=group.key,

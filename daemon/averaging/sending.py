@@ -39,14 +39,14 @@ from .accounts import (
     segments,
     signs_of,
 )
-from .accusations import Applied
 from .aggregation import Aggregation
+from .audits import Applied
 from .compression import Buffer, Codec, CompressionError, Meta
 from .corruption import SenderCorruption
 from .group import Group
 from .jobs import ChunkJobs
 from .report import TransferLog
-from .signatures import SIGNATURE_KEY, contribution_digest, sign
+from .signatures import ANSWER_SIGNATURE_KEY, SIGNATURE_KEY, answer_signed_by, contribution_digest, sign
 from .wire import (
     METHOD,
     NOT_STARTED_PATIENCE,
@@ -101,6 +101,7 @@ class PartSender:
     on_wrong_average: Callable[[int, str, WrongAverage], None] | None = None
     weights: Sequence[float] | None = None  # each member's weight in the round (its claim if None)
     identity: Identity | None = None  # signs each chunk we send (signatures.py) where we check
+    round_name: str = ""  # what signatures name the round by (signatures.round_name)
     # the reducers we send to, which averaged chunks came back, why others did not
     targets: list[int] = field(init=False)
     got: dict[int, list[bool]] = field(init=False)
@@ -192,7 +193,7 @@ class PartSender:
         if not self.check or self.identity is None:
             return payload, meta, None, None
         digest = contribution_digest(self.group.group_id, j, c, meta, payload)
-        return payload, meta, digest, sign(self.identity, self.group.group_id, j, c, digest)
+        return payload, meta, digest, sign(self.identity, self.round_name, j, c, digest)
 
     async def _push(self, stream: Stream, plan: ChunkPlan, peer: str, j: int) -> None:
         upcoming = self._encode(plan, j, 0)
@@ -223,19 +224,20 @@ class PartSender:
             self.traffic.received(peer, len(message.payload))
             a, b = plan.absolute(c)
             await self.jobs.run(b - a, self._take_average, j, c, message.payload, meta,
-                                message.header.get(ACCOUNT_KEY))
+                                message.header.get(ACCOUNT_KEY), message.header.get(ANSWER_SIGNATURE_KEY))
 
-    def _take_average(self, j: int, c: int, payload: Buffer, meta: Meta, account: Any) -> None:
+    def _take_average(self, j: int, c: int, payload: Buffer, meta: Meta, account: Any,
+                      signature: Any) -> None:
         a, b = self.plans[j].absolute(c)
         if not self.check or (account == CLIPPED and self.accept_clipped):
             self.reply.decode(payload, meta, b - a, out=self.vector[a:b])
         else:
             answer = self.reply.decode(payload, meta, b - a, out=np.empty(b - a, np.float32))
-            self._check(j, c, payload, meta, account, answer)
+            self._check(j, c, payload, meta, account, signature, answer)
             np.copyto(self.vector[a:b], answer)
         self.got[j][c] = True
 
-    def _check(self, j: int, c: int, payload: Buffer, meta: Meta, account: Any,
+    def _check(self, j: int, c: int, payload: Buffer, meta: Meta, account: Any, signature: Any,
                answer: np.ndarray) -> None:
         """WrongAverage unless reducer j's answer to chunk c agrees with its account (accounts.py);
         nothing of it has been written into the vector yet."""
@@ -250,6 +252,8 @@ class PartSender:
         parts = segments(b - a, senders)
         entries, errors = parse_account(account, senders, len(parts))
         digest = answer_digest(self.group.group_id, j, c, meta, payload, [e.digest for e in entries])
+        if not answer_signed_by(members[j].peer_id, self.round_name, j, c, digest, account, signature):
+            raise WrongAverage("the answer and its account are not signed by their reducer")
         r = signs_of(digest, b - a)
         projections, norm = measure(r, answer, parts)
         mine = sent = None
@@ -258,7 +262,7 @@ class PartSender:
             values = self.vector[a:b] if sent is None else self.codec.decode(sent[0], sent[1], b - a)
             mine = measure(r, values, parts)
         try:
-            check_signatures(entries, peers=[m.peer_id for m in members], group_id=self.group.group_id,
+            check_signatures(entries, peers=[m.peer_id for m in members], round_=self.round_name,
                              reducer=j, chunk=c, me=self.index,
                              my_digest=None if sent is None else sent[2])
             check_answer(entries, errors, weights=[m.weight for m in members] if self.weights is None
@@ -272,6 +276,6 @@ class PartSender:
                 raise
             # our proof for the other members: the chunk as it went out (a copy: the vector's
             # slice may change once the round is over)
-            raise MisstatedContribution(str(exc), c, bytes(memoryview(sent[0]).cast("B")),
-                                        sent[1]) from None
+            raise MisstatedContribution(str(exc), c, bytes(memoryview(sent[0]).cast("B")), sent[1],
+                                        account, digest, signature) from None
         self.applied[(j, c)] = Applied(tuple(entries), digest, tuple(parts))

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from dedloc.daemon.averaging.accounts import (
+    ACCOUNT_KEY,
     Entry,
+    OlderAccount,
     WrongAverage,
     account_header,
     check_answer,
@@ -163,7 +165,6 @@ def test_an_account_that_misstates_my_contribution_fails() -> None:
     (lambda a: [[0, a[0][1], [float("nan"), *a[0][2][1:]], *a[0][3:]], *a[1:]], "non-finite"),
     (lambda a: [[0, a[0][1], a[0][2][1:], *a[0][3:]], *a[1:]], "projections"),
     (lambda a: [[*a[0][:4], "ab", "cd"], *a[1:]], "hex text"),
-    (lambda a: [a[0][:4], *a[1:]], "older dedloc"),
     (lambda a: [[True, *a[0][1:]], *a[1:]], "member index"),
     (lambda a: [[0, 1.0]], "sender, weight"),
     (lambda a: {"0": 1}, "not a list"),
@@ -175,6 +176,17 @@ def test_malformed_or_impossible_accounts_fail(change: Any, match: str) -> None:
     with pytest.raises(WrongAverage, match=match):
         check(payload, meta, {"e": account["e"], "s": change(account["s"])}, "none", me=0,
               mine=rows[0])
+
+
+def test_an_older_dedlocs_account_is_a_fault_not_an_offence() -> None:
+    """A reducer of an older version (entries without digest and signature) is not banned: its
+    part stays local, as for a reducer that failed."""
+    rows = contributions("none")
+    payload, meta, account = reduce(rows, WEIGHTS, "none")
+    older = {"e": account["e"], "s": [entry[:4] for entry in account["s"]]}
+    with pytest.raises(OlderAccount) as caught:
+        check(payload, meta, older, "none", me=0, mine=rows[0])
+    assert not isinstance(caught.value, WrongAverage)
 
 
 @pytest.mark.parametrize("account", [[], {"s": []}, {"s": [], "e": [0.0, -1.0]},
@@ -214,15 +226,30 @@ def test_the_false_alarm_bound_is_what_the_docs_say() -> None:
     assert SEGMENTS * 2 * math.exp(-Z**2 / 2) < 3e-13
 
 
-def test_segments_cover_the_chunk_and_keep_the_header_small() -> None:
-    from dedloc.daemon.averaging.accounts import HEADER_FLOATS, SEGMENTS
-    for n, senders in ((20_000, 4), (5, 4), (1, 1), (1 << 20, 64), (1 << 20, 1024)):
+def test_segments_cover_the_chunk_and_the_largest_account_fits_a_frame() -> None:
+    """An answer's header, its account at its longest (every number at its longest JSON, the
+    digests and signatures in hex) for as many senders as a group may hold, fits the 64 KiB a
+    frame's header may have: a group past it would have failed every answer."""
+    from dedloc.daemon.averaging.accounts import MAX_ACCOUNT_SENDERS, SEGMENTS
+    from dedloc.daemon.averaging.matchmaking import MAX_GROUP_MEMBERS
+    from dedloc.daemon.averaging.signatures import ANSWER_SIGNATURE_KEY
+    from dedloc.daemon.averaging.wire import chunk_header
+    from dedloc.daemon.net.frames import encode_header
+    assert MAX_GROUP_MEMBERS <= MAX_ACCOUNT_SENDERS
+    longest = -1.2345678901234567e-300
+    for n, senders in ((20_000, 4), (5, 4), (1, 1), (1 << 20, 64), (1 << 20, 150),
+                       (1 << 20, MAX_ACCOUNT_SENDERS)):
         parts = segments(n, senders)
         assert parts[0][0] == 0 and parts[-1][1] == n
         assert all(a < b == c for (a, b), (c, _) in itertools.pairwise(parts))
         assert 1 <= len(parts) <= SEGMENTS
-        assert len(parts) == 1 or len(parts) * senders <= HEADER_FLOATS
-    assert len(segments(20_000, 4)) == SEGMENTS
+        entries = [Entry(senders - 1, longest, (longest,) * len(parts), longest, "f" * 64, "f" * 128)
+                   for _ in range(senders)]
+        header = {**chunk_header(99_999, {"lo": longest, "hi": longest, "scale": longest}),
+                  ACCOUNT_KEY: account_header(entries, [longest] * len(parts)),
+                  ANSWER_SIGNATURE_KEY: "f" * 128}
+        encode_header(header)  # ValueError past the frame's limit
+    assert len(segments(20_000, 4)) == len(segments(1 << 20, 64)) == SEGMENTS
 
 
 # --- the norm-clipped mean (aggregation.py) ----------------------------------------------------------

@@ -1,11 +1,11 @@
-"""Signed contributions and accusations (signatures.py, accounts.check_signatures,
-accusations.py), pure and in milliseconds: an account can only list what each sender signed; a
-sender whose entry is misstated proves it with the chunk it signed, and nobody else can prove
-anything with it; the service's handler bounds what a stranger's accusation costs."""
+"""Signed contributions and answers, and accusations (signatures.py, accounts.check_signatures,
+accusations.py), pure and in milliseconds: an account can only list what each sender signed for
+that slot; a sender whose entry is misstated proves it with the reducer's signed account and the
+chunk it signed, whatever the reducer told the others; anything else it could show is judged a
+false accusation; the handler bounds what a stranger's accusation costs."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import time
@@ -16,20 +16,27 @@ import pytest
 
 from dedloc.daemon.averaging.accounts import (
     Entry,
-    MisstatedContribution,
     WrongAverage,
+    account_header,
     answer_digest,
     check_signatures,
     measure,
     segments,
     signs_of,
 )
-from dedloc.daemon.averaging.accusations import Accusations, Applied, judge
+from dedloc.daemon.averaging.accusations import Accusations, judge
 from dedloc.daemon.averaging.audits import commitment
 from dedloc.daemon.averaging.bans import BanList
 from dedloc.daemon.averaging.compression import get_codec
 from dedloc.daemon.averaging.group import Group, Member
-from dedloc.daemon.averaging.signatures import contribution_digest, sign, signed_by
+from dedloc.daemon.averaging.signatures import (
+    answer_signed_by,
+    contribution_digest,
+    round_name,
+    sign,
+    sign_answer,
+    signed_by,
+)
 from dedloc.daemon.averaging.wire import PeerFault
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import Message, RequestContext
@@ -41,6 +48,16 @@ REDUCER = 3
 GROUP = "group-a"
 
 
+def _group(**changes: Any) -> Group:
+    members = tuple(Member(peer, "trainer", 1.0, 1e6, 1e6) for peer in PEERS)
+    bounds = tuple((2 * k * N, 2 * (k + 1) * N) for k in range(4))  # two chunks each
+    group = Group(GROUP, "key", members, 8 * N, bounds, N, "none", time.time() + 30, "mean")
+    return dataclasses.replace(group, **changes)
+
+
+NAME = round_name(_group())
+
+
 def chunk(seed: int, codec: str = "none") -> tuple[Any, dict[str, Any], np.ndarray]:
     """A sender's chunk as it goes out, and as the reducer decodes it."""
     values = np.random.default_rng(seed).standard_normal(N).astype(np.float32)
@@ -49,9 +66,9 @@ def chunk(seed: int, codec: str = "none") -> tuple[Any, dict[str, Any], np.ndarr
     return payload, meta, get_codec(codec).decode(payload, meta, N)
 
 
-def account(codec: str = "none") -> tuple[list[Entry], Applied, list[Any]]:
-    """An honest reducer's entries for one chunk (senders 0-2 signed, its own unsigned), what a
-    member applied of it, and what each sender sent."""
+def account(codec: str = "none") -> tuple[list[Entry], bytes, list[Any]]:
+    """An honest reducer's entries for chunk 0 of its part (senders 0-2 signed, its own a
+    commitment), the answer's digest, and what each sender sent."""
     parts = segments(N, 4)
     signed, decoded, sent = [], [], []
     for i in range(4):
@@ -59,41 +76,63 @@ def account(codec: str = "none") -> tuple[list[Entry], Applied, list[Any]]:
         digest = contribution_digest(GROUP, REDUCER, 0, meta, payload)
         own = commitment(GROUP, REDUCER, 0, values, parts)[0]
         signed.append((own, "") if i == REDUCER
-                      else (digest.hex(), sign(IDS[i], GROUP, REDUCER, 0, digest)))
+                      else (digest.hex(), sign(IDS[i], NAME, REDUCER, 0, digest)))
         decoded.append(values)
         sent.append((payload, meta, digest))
     answer = answer_digest(GROUP, REDUCER, 0, {}, b"the answer", [d for d, _ in signed])
     r = signs_of(answer, N)
     entries = [Entry(i, 1.0, *measure(r, decoded[i], parts), *signed[i]) for i in range(4)]
-    return entries, Applied(tuple(entries), answer, tuple(parts)), sent
+    return entries, answer, sent
 
 
-def test_a_signature_names_its_signer_and_its_chunk() -> None:
+def signed_account(entries: list[Entry], answer: bytes, by: Identity = IDS[REDUCER],
+                   name: str = NAME) -> tuple[dict[str, Any], str]:
+    header = account_header(entries, [0.0] * len(segments(N, 4)))
+    return header, sign_answer(by, name, REDUCER, 0, answer, header)
+
+
+def test_a_signature_names_its_signer_and_its_slot() -> None:
     payload, meta, _ = chunk(0)
     digest = contribution_digest(GROUP, REDUCER, 0, meta, payload)
-    signature = sign(IDS[0], GROUP, REDUCER, 0, digest)
-    assert signed_by(PEERS[0], GROUP, REDUCER, 0, digest, signature)
-    assert not signed_by(PEERS[1], GROUP, REDUCER, 0, digest, signature)
+    signature = sign(IDS[0], NAME, REDUCER, 0, digest)
+    assert signed_by(PEERS[0], NAME, REDUCER, 0, digest, signature)
+    assert not signed_by(PEERS[1], NAME, REDUCER, 0, digest, signature)
     # the slot is signed too: the same digest named for another chunk, reducer or round fails
-    for group, reducer, index in ((GROUP, REDUCER, 1), (GROUP, 2, 0), ("another", REDUCER, 0)):
-        assert not signed_by(PEERS[0], group, reducer, index, digest, signature)
-    assert not signed_by(PEERS[0], GROUP, REDUCER, 0,
+    for name, reducer, index in ((NAME, REDUCER, 1), (NAME, 2, 0), ("another", REDUCER, 0)):
+        assert not signed_by(PEERS[0], name, reducer, index, digest, signature)
+    assert not signed_by(PEERS[0], NAME, REDUCER, 0,
                          contribution_digest(GROUP, REDUCER, 0, meta, payload + b"x"), signature)
     for bad in (None, 5, "zz" * 64, signature[:-2], signature.upper()[:-2] + "00"):
-        assert not signed_by(PEERS[0], GROUP, REDUCER, 0, digest, bad)
-    assert not signed_by("not-a-peer-id", GROUP, REDUCER, 0, digest, signature)
+        assert not signed_by(PEERS[0], NAME, REDUCER, 0, digest, bad)
+    assert not signed_by("not-a-peer-id", NAME, REDUCER, 0, digest, signature)
 
 
-def test_the_digest_is_of_the_meta_as_json_carries_it() -> None:
+def test_a_round_is_named_by_its_id_members_and_parts_only() -> None:
+    """What members must agree on for the round to work at all: a leader that sends members
+    groups differing elsewhere (a deadline) cannot make honest signatures fail."""
+    assert round_name(_group(deadline=time.time() + 99)) == NAME
+    other = _group(members=tuple(reversed(_group().members)))
+    for changed in (_group(group_id="group-b"), other,
+                    _group(part_bounds=((0, N), (N, 4 * N), (4 * N, 6 * N), (6 * N, 8 * N)))):
+        assert round_name(changed) != NAME
+
+
+def test_the_digests_are_of_the_meta_as_json_carries_it() -> None:
     """Both ends hash the same bytes: a NaN in a meta goes as null, a tuple as a list."""
-    assert contribution_digest(GROUP, 0, 0, {"lo": float("nan"), "s": (1, 2)}, b"x") == \
-        contribution_digest(GROUP, 0, 0, {"s": [1, 2], "lo": None}, b"x")
+    sent, received = {"lo": float("nan"), "s": (1, 2)}, {"s": [1, 2], "lo": None}
+    assert contribution_digest(GROUP, 0, 0, sent, b"x") == contribution_digest(GROUP, 0, 0, received, b"x")
+    assert answer_digest(GROUP, 0, 0, sent, b"x") == answer_digest(GROUP, 0, 0, received, b"x")
 
 
-def test_an_account_lists_only_what_each_sender_signed() -> None:
+def test_an_account_lists_only_what_each_sender_signed_for_that_slot() -> None:
     entries, _, sent = account()
-    check_signatures(entries, peers=PEERS, group_id=GROUP, reducer=REDUCER, chunk=0, me=0,
-                     my_digest=sent[0][2])
+
+    def check(case: list[Entry], me: int = 0) -> None:
+        check_signatures(case, peers=PEERS, round_=NAME, reducer=REDUCER, chunk=0, me=me,
+                         my_digest=sent[me][2])
+
+    check(entries)
+    other = contribution_digest(GROUP, REDUCER, 1, {}, b"member 0's chunk 1")
     forged = [
         # a sender that sent nothing, listed without its signature
         [*entries[:1], dataclasses.replace(entries[1], digest="", signature=""), *entries[2:]],
@@ -101,60 +140,100 @@ def test_an_account_lists_only_what_each_sender_signed() -> None:
         [*entries[:1], dataclasses.replace(entries[1], signature=entries[2].signature), *entries[2:]],
         # a signed digest, with another digest named
         [*entries[:1], dataclasses.replace(entries[1], digest=entries[2].digest), *entries[2:]],
+        # the member's signed chunk of another slot (its chunk 1): no signature here
+        [dataclasses.replace(entries[0], digest=other.hex(),
+                             signature=sign(IDS[0], NAME, REDUCER, 1, other)), *entries[1:]],
         # the reducer's own, without its commitment (audits.py)
         [*entries[:3], dataclasses.replace(entries[3], digest="")],
     ]
     for case in forged:
-        with pytest.raises(WrongAverage, match=r"signature|commitment"):
-            check_signatures(case, peers=PEERS, group_id=GROUP, reducer=REDUCER, chunk=0, me=0,
-                             my_digest=sent[0][2])
-
-
-def test_a_signature_of_another_chunk_is_no_signature_here() -> None:
-    """The reducer lists the member's signed chunk of another slot (another chunk index of its
-    part): every member finds the signature does not hold here, so the reducer cannot make the
-    member accuse it of a chunk the member did not send there (and be judged a false accuser)."""
-    entries, _, sent = account()
-    other = contribution_digest(GROUP, REDUCER, 1, {}, b"my chunk 1")
-    moved = dataclasses.replace(entries[0], digest=other.hex(),
-                                signature=sign(IDS[0], GROUP, REDUCER, 1, other))
-    for me in (0, 1):
-        with pytest.raises(WrongAverage, match="signature") as caught:
-            check_signatures([moved, *entries[1:]], peers=PEERS, group_id=GROUP, reducer=REDUCER,
-                             chunk=0, me=me, my_digest=sent[me][2])
-        assert not isinstance(caught.value, MisstatedContribution)
-    # a second chunk the member did sign for this very slot (no honest member does): its own
-    # check sees another digest than it sent
-    twice = contribution_digest(GROUP, REDUCER, 0, {}, b"a second chunk 0")
-    swapped = dataclasses.replace(entries[0], digest=twice.hex(),
-                                  signature=sign(IDS[0], GROUP, REDUCER, 0, twice))
-    with pytest.raises(MisstatedContribution):
-        check_signatures([swapped, *entries[1:]], peers=PEERS, group_id=GROUP, reducer=REDUCER,
-                         chunk=0, me=0, my_digest=sent[0][2])
+        for me in (0, 1):
+            with pytest.raises(WrongAverage, match=r"signature|commitment"):
+                check(case, me)
+    # a chunk the member signed for this slot but did not send now (a round id used again):
+    # refused, but nothing it could prove (no accusation: accusations.py)
+    again = contribution_digest(GROUP, REDUCER, 0, {}, b"an earlier round's chunk 0")
+    replayed = dataclasses.replace(entries[0], digest=again.hex(),
+                                   signature=sign(IDS[0], NAME, REDUCER, 0, again))
+    with pytest.raises(WrongAverage, match="another contribution") as caught:
+        check([replayed, *entries[1:]])
+    assert type(caught.value) is WrongAverage
 
 
 @pytest.mark.parametrize("codec", ["none", "uint8", "topk"])
 def test_a_misstated_entry_is_proven_by_its_sender_and_only_so(codec: str) -> None:
-    entries, applied, sent = account(codec)
+    entries, answer, sent = account(codec)
     payload, meta, _ = sent[1]
 
-    def verdict(applied: Applied, payload: Any = payload, meta: Any = meta) -> str:
-        return judge(applied, accuser=1, group_id=GROUP, reducer=REDUCER, chunk=0, meta=meta,
-                     payload=payload, codec=get_codec(codec))[0]
+    def verdict(case: list[Entry], payload: Any = payload, meta: Any = meta,
+                by: Identity = IDS[REDUCER], answer: bytes = answer) -> str:
+        header, signature = signed_account(case, answer, by, round_name(_group(compression=codec)))
+        return judge(_group(compression=codec), accuser=1, reducer=REDUCER, chunk=0, meta=meta,
+                     payload=payload, account=header, answer=answer, signature=signature,
+                     codec=get_codec(codec))[0]
 
-    assert verdict(applied) == "unfounded"  # the account states it truly
     lying = [dataclasses.replace(e, projections=tuple(p + 1.0 for p in e.projections))
              if e.sender == 1 else e for e in entries]
-    assert verdict(dataclasses.replace(applied, entries=tuple(lying))) == "forged"
+    assert verdict(lying) == "forged"
     norm = [dataclasses.replace(e, norm=e.norm * 0.5) if e.sender == 1 else e for e in entries]
-    assert verdict(dataclasses.replace(applied, entries=tuple(norm))) == "forged"
-    # the accuser shows another chunk than the one it signed: its accusation is false
+    assert verdict(norm) == "forged"
+    # what no honest member shows: the account stating its chunk truly, an account its reducer
+    # did not sign, another chunk than the one the account names, an account not listing it
+    assert verdict(entries) == "false"
+    assert verdict(lying, by=IDS[1]) == "false"
     other, other_meta, _ = chunk(9, codec)
-    assert verdict(applied, other, other_meta) == "false"
-    assert verdict(dataclasses.replace(applied, entries=tuple(lying)), other, other_meta) == "false"
-    # an account that does not list the accuser proves nothing
-    assert verdict(dataclasses.replace(applied, entries=tuple(e for e in entries if e.sender != 1))) \
-        == "unfounded"
+    assert verdict(lying, other, other_meta) == "false"
+    assert verdict([e for e in lying if e.sender != 1]) == "false"
+    # the signature covers the answer's digest: another one does not open it
+    header, signature = signed_account(lying, answer)
+    assert not answer_signed_by(PEERS[REDUCER], NAME, REDUCER, 0, bytes(32), header, signature)
+
+
+async def test_the_handler_judges_once_per_reducer_and_bounds_what_a_stranger_costs() -> None:
+    """Member 0 was in the round; member 1 accuses reducer 3 with its signed, forged account:
+    the reducer is banned. The same accusation again, malformed ones, one from outside the
+    round, one for a round this member was not in, one against this member itself, for a chunk
+    the part does not have or with a payload larger than the chunk can be are refused, and
+    so is anything from a peer banned here."""
+    counters: collections.Counter[str] = collections.Counter()
+    bans = BanList(counters=counters)
+    transport = _Transport()
+    accusations = Accusations(transport, bans, counters)  # type: ignore[arg-type]
+    entries, answer, sent = account()
+    lying = [dataclasses.replace(e, projections=tuple(-p for p in e.projections))
+             if e.sender == 1 else e for e in entries]
+    header, signature = signed_account(lying, answer)
+    accusations.remember(_group(), 0)
+    handle = transport.handlers["avg.accuse"]
+    payload, meta, _ = sent[1]
+
+    def accusation(**changes: Any) -> Message:
+        return Message({"g": GROUP, "r": REDUCER, "c": 0, "m": meta, "v": header,
+                        "h": answer.hex(), "a": signature, **changes}, payload)
+
+    reply = await handle(RequestContext(PEERS[1]), accusation())
+    assert reply.header["verdict"] == "forged"
+    assert bans.banned(PEERS[REDUCER]) is not None and counters["forged_accounts"] == 1
+    stranger = Identity.from_seed(bytes([77]) * 32).peer_id
+    for peer, message in [(PEERS[1], accusation()),  # heard already
+                          (PEERS[2], accusation(r="3")), (PEERS[2], accusation(c=-1)),
+                          (PEERS[2], accusation(h="zz")), (PEERS[2], accusation(h="z" * 64)),
+                          (PEERS[2], accusation(g="another-round")),
+                          (stranger, accusation()),  # not a member
+                          (PEERS[2], accusation(r=0)),  # against this member itself
+                          (PEERS[2], accusation(c=2)),  # no such chunk
+                          (PEERS[2], Message(accusation().header, bytes(4 * N + 1)))]:
+        with pytest.raises(PeerFault):
+            await handle(RequestContext(peer), message)
+    assert counters["forged_accounts"] == 1
+    assert counters["accusations_refused"] + counters["accusations_malformed"] == 10
+    # a false accusation bans its accuser, which is then heard no more
+    honest_header, honest_signature = signed_account(entries, answer)
+    reply = await handle(RequestContext(PEERS[2]), Message(
+        {**accusation().header, "v": honest_header, "a": honest_signature}, sent[2][0]))
+    assert reply.header["verdict"] == "false" and bans.banned(PEERS[2]) is not None
+    with pytest.raises(PeerFault, match="banned"):
+        await handle(RequestContext(PEERS[2]), accusation(r=1))
 
 
 class _Transport:
@@ -165,49 +244,3 @@ class _Transport:
 
     def add_unary_handler(self, method: str, handler: Any) -> None:
         self.handlers[method] = handler
-
-
-def _group() -> Group:
-    members = tuple(Member(peer, "trainer", 1.0, 1e6, 1e6) for peer in PEERS)
-    bounds = tuple((2 * k * N, 2 * (k + 1) * N) for k in range(4))  # two chunks each
-    return Group(GROUP, "key", members, 8 * N, bounds, N, "none", time.time() + 30, "mean")
-
-
-async def test_the_handler_judges_once_per_chunk_and_bounds_what_a_stranger_costs() -> None:
-    """Member 0 applied reducer 3's chunk 0; member 1 accuses. A forged entry bans the reducer;
-    the same accusation again, a malformed one, one from outside the round, one for a round
-    this member was not in, or a payload larger than the chunk can be are refused."""
-    counters: collections.Counter[str] = collections.Counter()
-    bans = BanList(counters=counters)
-    transport = _Transport()
-    accusations = Accusations(transport, bans, counters)  # type: ignore[arg-type]
-    entries, applied, sent = account()
-    lying = tuple(dataclasses.replace(e, projections=tuple(-p for p in e.projections))
-                  if e.sender == 1 else e for e in entries)
-    over = asyncio.Event()
-    over.set()
-    accusations.remember(_group(), 0, {(REDUCER, 0): dataclasses.replace(applied, entries=lying)},
-                         over)
-    handle = transport.handlers["avg.accuse"]
-    payload, meta, _ = sent[1]
-
-    def accusation(**header: Any) -> Message:
-        return Message({"g": GROUP, "r": REDUCER, "c": 0, "m": meta, **header}, payload)
-
-    answer = await handle(RequestContext(PEERS[1]), accusation())
-    assert answer.header["verdict"] == "forged"
-    assert bans.banned(PEERS[REDUCER]) is not None and counters["forged_accounts"] == 1
-    for peer, message in [(PEERS[1], accusation()),  # heard already
-                          (PEERS[1], accusation(r="3")), (PEERS[1], accusation(c=-1)),
-                          (PEERS[2], accusation(g="another-round")),
-                          (IDS[0].generate().peer_id, accusation()),  # not a member
-                          (PEERS[2], accusation(r=0)),  # against this member itself
-                          (PEERS[2], accusation(c=2)),  # no such chunk
-                          (PEERS[2], Message(accusation().header, bytes(4 * N + 1)))]:
-        with pytest.raises(PeerFault):
-            await handle(RequestContext(peer), message)
-    assert counters["forged_accounts"] == 1
-    assert counters["accusations_refused"] + counters["accusations_malformed"] == 8
-    # an accusation for an answer this member did not apply proves nothing here
-    unheard = await handle(RequestContext(PEERS[2]), accusation(c=1))
-    assert unheard.header["verdict"] == "unfounded"

@@ -25,7 +25,7 @@ from dedloc.daemon.averaging.compression import get_codec, reply_codec
 from dedloc.daemon.averaging.error_feedback import unconveyed
 from dedloc.daemon.averaging.group import Group, Member, Role
 from dedloc.daemon.averaging.screening import ScreeningPolicy
-from dedloc.daemon.averaging.signatures import SIGNATURE_KEY, contribution_digest, sign
+from dedloc.daemon.averaging.signatures import SIGNATURE_KEY, contribution_digest, round_name, sign
 from dedloc.daemon.averaging.wire import METHOD, StreamOpen
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import (
@@ -397,7 +397,7 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
 
     def signed(j: int, header: dict[str, Any], payload: bytes) -> Message:
         digest = contribution_digest(group.group_id, j, header["c"], {}, payload)
-        signature = sign(transport.identity, group.group_id, j, header["c"], digest)
+        signature = sign(transport.identity, round_name(group), j, header["c"], digest)
         return Message({**header, SIGNATURE_KEY: signature}, payload)
 
     async def one(j: int) -> None:

@@ -6,6 +6,7 @@ per member and round."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import random
@@ -16,8 +17,7 @@ import numpy as np
 import pytest
 
 from dedloc.daemon.averaging.accounts import Entry, answer_digest, measure, segments, signs_of
-from dedloc.daemon.averaging.accusations import Applied
-from dedloc.daemon.averaging.audits import OwnAudits, audit_failure, commitment
+from dedloc.daemon.averaging.audits import Applied, OwnAudits, audit_failure, commitment
 from dedloc.daemon.averaging.bans import BanList
 from dedloc.daemon.averaging.group import Group, Member
 from dedloc.daemon.averaging.wire import PeerFault
@@ -62,6 +62,9 @@ def test_a_misstated_own_entry_or_another_segment_fails() -> None:
     # a norm stated under the contribution's (to escape the norm-clipped mean's scale)
     small = dataclasses.replace(entry, norm=float(np.linalg.norm(values[a:b])) * 0.9)
     assert "norm" in failure(small, applied, digests, 1, values[a:b])
+    # a norm stated far over the contribution's widens nothing: false projections still fail
+    inflated = dataclasses.replace(moved, norm=1e30)
+    assert "projection" in failure(inflated, applied, digests, 1, values[a:b])
     other = values[a:b] + np.float32(1e-3)
     assert "not the one" in failure(entry, applied, digests, 1, other)
     forged_digests = list(digests)
@@ -106,7 +109,8 @@ async def test_the_reducer_answers_members_once_per_round() -> None:
     values = np.random.default_rng(3).standard_normal(N).astype(np.float32)
     parts = segments(N, 3)
     digests = commitment(GROUP, REDUCER, 0, values, parts)[1]
-    audits.keep(group, {0: (values, digests)})
+    over = asyncio.Event()
+    audits.keep(group, {0: (values, digests)}, over)
     serve = transport.handlers["avg.audit"]
     reply = await serve(RequestContext(PEERS[0]), Message({"g": GROUP, "c": 0, "k": 1}))
     assert reply.header["d"] == [d.hex() for d in digests]
