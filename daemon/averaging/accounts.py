@@ -307,9 +307,12 @@ def check_answer(entries: Sequence[Entry], errors: Sequence[float], *, weights: 
     sizes = [b - a for a, b in parts]
     seen: set[int] = set()
     for e in entries:
-        if not 0 <= e.sender < len(weights) or not sends[e.sender] or e.sender in seen:
+        # (in ascending order, one way only: a reducer cannot reorder its entries for other
+        # signs, which come from their digests in this order)
+        if not 0 <= e.sender < len(weights) or not sends[e.sender] or e.sender in seen \
+                or (seen and e.sender < max(seen)):
             raise WrongAverage(f"the account lists member {e.sender}, which is no sender of the "
-                               "group or is listed twice")
+                               "group, or is listed twice or out of order")
         seen.add(e.sender)
         if e.weight != weights[e.sender]:
             raise WrongAverage(f"the account gives member {e.sender} weight {e.weight:g}, the "

@@ -157,6 +157,7 @@ def test_an_account_that_misstates_my_contribution_fails() -> None:
 @pytest.mark.parametrize(("change", "match"), [
     (lambda a: [*a, a[0]], "at most"),  # more entries than senders
     (lambda a: [a[0], a[0], a[2]], "twice"),
+    (lambda a: [a[1], a[0], *a[2:]], "out of order"),  # (the order feeds the signs)
     (lambda a: [[9, *a[0][1:]], *a[1:]], "no sender"),
     (lambda a: [[0, 100.0, *a[0][2:]], *a[1:]], "weight"),
     (lambda a: [[0, a[0][1], a[0][2], 1e-9, *a[0][4:]], *a[1:]], "norm allows"),
