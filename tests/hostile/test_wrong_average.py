@@ -37,6 +37,37 @@ async def average(daemons: list[DaemonProcess], key: str, seed: int, compression
     return reports, results, vectors
 
 
+def bad_part(reports: list[Any], bad: str) -> tuple[int, int]:
+    """The element range the bad reducer reduced in the round."""
+    position, shares = reports[0]["members"].index(bad), reports[0]["shares"]
+    start = sum(shares[:position])
+    return start, start + shares[position]
+
+
+async def banned_by_the_honest_three(daemons: list[DaemonProcess], bad: str) -> None:
+    async def all_banned() -> bool:
+        for daemon in daemons[:3]:
+            status = await daemon.call("averaging.status")
+            if [b["peer_id"] for b in status["bans"]["active"]] != [bad]:
+                return False
+        return True
+
+    await wait_until(all_banned, timeout=60)
+
+
+async def the_honest_three_average_without_it(daemons: list[DaemonProcess], bad: str, key: str,
+                                              compression: str = "none", atol: float = 1e-5) -> None:
+    """Banned: the next round leaves it out and gives the honest three's exact weighted mean."""
+    reports, results, vectors = await average(daemons, key, 1, compression)
+    assert [r["group_size"] for r in reports[:3]] == [3, 3, 3], reports
+    assert all(bad not in r["members"] for r in reports[:3])
+    honest = np.average(np.stack(vectors[:3]).astype(np.float64), axis=0, weights=WEIGHTS[:3])
+    for report, result in zip(reports[:3], results[:3], strict=True):
+        assert not report["failed_parts"], report
+        np.testing.assert_allclose(result, honest, rtol=1e-5, atol=atol)
+        np.testing.assert_array_equal(result, results[0])
+
+
 @pytest.mark.parametrize(("mode", "compression"), [("zeros", "none"), ("scale=10", "uint8")])
 async def test_wrong_average_is_not_applied_and_its_reducer_is_banned(
         daemon_factory: Any, mode: str, compression: str) -> None:
@@ -48,9 +79,7 @@ async def test_wrong_average_is_not_applied_and_its_reducer_is_banned(
     tolerance = 1e-5 if compression == "none" else 2 * get_codec(compression).error_bound(vectors[3])
     assert all(r["group_size"] == 4 for r in reports), reports
     everyone = np.average(np.stack(vectors).astype(np.float64), axis=0, weights=WEIGHTS)
-    position, shares = reports[0]["members"].index(bad), reports[0]["shares"]
-    start = sum(shares[:position])
-    end = start + shares[position]
+    start, end = bad_part(reports, bad)
     assert end > start
     for index in range(3):
         report, result = reports[index], results[index]
@@ -66,15 +95,7 @@ async def test_wrong_average_is_not_applied_and_its_reducer_is_banned(
         assert counters["offences_wrong_average"] == 1 and counters["bans"] == 1, counters
         assert (await daemon.call("node.info"))["counters"]["averaging.offences_wrong_average"] == 1
 
-    # banned: the honest three average without it, to their exact weighted mean
-    reports, results, vectors = await average(daemons, "wrong/1", 1, compression)
-    assert [r["group_size"] for r in reports[:3]] == [3, 3, 3], reports
-    assert all(bad not in r["members"] for r in reports[:3])
-    honest = np.average(np.stack(vectors[:3]).astype(np.float64), axis=0, weights=WEIGHTS[:3])
-    for report, result in zip(reports[:3], results[:3], strict=True):
-        assert not report["failed_parts"], report
-        np.testing.assert_allclose(result, honest, rtol=1e-5, atol=tolerance)
-        np.testing.assert_array_equal(result, results[0])
+    await the_honest_three_average_without_it(daemons, bad, "wrong/1", compression, tolerance)
 
 
 async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_reducer_banned(
@@ -88,9 +109,7 @@ async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_red
     bad = (await daemons[3].call("node.info"))["peer_id"]
     reports, results, vectors = await average(daemons, "forged/0", 0, "none")
     assert all(r["group_size"] == 4 for r in reports), reports
-    position, shares = reports[0]["members"].index(bad), reports[0]["shares"]
-    start = sum(shares[:position])
-    end = start + shares[position]
+    start, end = bad_part(reports, bad)
     victim = WEIGHTS.index(3.0)
     for index in range(3):
         if index == victim:  # its own entry misstated: refused, its own values kept
@@ -99,15 +118,7 @@ async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_red
         else:  # nothing in the answer contradicts what they can check themselves: applied
             assert not reports[index]["failed_parts"], reports[index]
             assert not results[index][start:end].any()
-
-    async def all_banned() -> bool:
-        for daemon in daemons[:3]:
-            status = await daemon.call("averaging.status")
-            if [b["peer_id"] for b in status["bans"]["active"]] != [bad]:
-                return False
-        return True
-
-    await wait_until(all_banned, timeout=60)
+    await banned_by_the_honest_three(daemons, bad)
     for index, daemon in enumerate(daemons[:3]):
         counters = (await daemon.call("node.info"))["counters"]
         if index == victim:
@@ -118,12 +129,7 @@ async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_red
             assert counters["averaging.allreduce.forged_accounts"] == 1, counters
         assert counters.get("averaging.allreduce.accusations_false", 0) == 0, counters
 
-    reports, results, vectors = await average(daemons, "forged/1", 1, "none")
-    assert [r["group_size"] for r in reports[:3]] == [3, 3, 3], reports
-    honest = np.average(np.stack(vectors[:3]).astype(np.float64), axis=0, weights=WEIGHTS[:3])
-    for report, result in zip(reports[:3], results[:3], strict=True):
-        assert not report["failed_parts"], report
-        np.testing.assert_allclose(result, honest, rtol=1e-5, atol=1e-5)
+    await the_honest_three_average_without_it(daemons, bad, "forged/1")
 
 
 async def test_a_reducer_that_misstates_its_own_contribution_fails_its_audits_and_is_banned(
@@ -135,23 +141,13 @@ async def test_a_reducer_that_misstates_its_own_contribution_fails_its_audits_an
     bans it. The honest reducers pass theirs; the next round averages the honest three."""
     daemons = await swarm(daemon_factory, "forge_own")
     bad = (await daemons[3].call("node.info"))["peer_id"]
-    reports, results, vectors = await average(daemons, "own/0", 0, "none")
+    reports, results, _ = await average(daemons, "own/0", 0, "none")
     assert all(r["group_size"] == 4 for r in reports), reports
-    position, shares = reports[0]["members"].index(bad), reports[0]["shares"]
-    start = sum(shares[:position])
-    end = start + shares[position]
+    start, end = bad_part(reports, bad)
     for index in range(3):
         assert not reports[index]["failed_parts"], reports[index]
         assert not results[index][start:end].any()  # applied: nothing in it contradicts the account
-
-    async def all_banned() -> bool:
-        for daemon in daemons[:3]:
-            status = await daemon.call("averaging.status")
-            if [b["peer_id"] for b in status["bans"]["active"]] != [bad]:
-                return False
-        return True
-
-    await wait_until(all_banned, timeout=60)
+    await banned_by_the_honest_three(daemons, bad)
 
     async def audits_done() -> bool:
         counters = [(await d.call("node.info"))["counters"] for d in daemons[:3]]
@@ -164,9 +160,4 @@ async def test_a_reducer_that_misstates_its_own_contribution_fails_its_audits_an
         assert counters["averaging.offences_forged_account"] == 1, counters
         assert counters.get("averaging.allreduce.audits_unanswered", 0) == 0, counters
 
-    reports, results, vectors = await average(daemons, "own/1", 1, "none")
-    assert [r["group_size"] for r in reports[:3]] == [3, 3, 3], reports
-    honest = np.average(np.stack(vectors[:3]).astype(np.float64), axis=0, weights=WEIGHTS[:3])
-    for report, result in zip(reports[:3], results[:3], strict=True):
-        assert not report["failed_parts"], report
-        np.testing.assert_allclose(result, honest, rtol=1e-5, atol=1e-5)
+    await the_honest_three_average_without_it(daemons, bad, "own/1")
