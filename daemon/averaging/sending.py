@@ -110,7 +110,7 @@ class PartSender:
     # what we sent and its digest, until its answer is checked (lossy codecs: the reducer
     # averaged the decoded; a misstated answer: it is our proof, accusations.py)
     sent: dict[tuple[int, int], tuple[Buffer, Meta, bytes | None]] = field(default_factory=dict)
-    # what we applied of each (reducer, chunk), for judging others' accusations (accusations.py)
+    # what we applied of each (reducer, chunk), for auditing reducers after the round (audits.py)
     applied: dict[tuple[int, int], Applied] = field(default_factory=dict)
     retries: int = 0  # streams opened again after a RoundNotStarted refusal
 
