@@ -164,7 +164,7 @@ NET_COUNTERS = ("connections_accepted", "connections_refused", "connections_refu
 ALLREDUCE_COUNTERS = ("streams_evicted_waiting", "streams_refused_all_waiting",
                       "streams_refused_peer_waiting", "streams_refused", "streams_reopened_not_started",
                       "accusations_sent", "forged_accounts", "accusations_false",
-                      "accusations_unfounded", "audits_made", "audits_passed", "audits_failed",
+                      "accusations_unproven", "audits_made", "audits_passed", "audits_failed",
                       "audits_unanswered")
 DEFAULT_ATTACKS = ("control,sender_nan,sender_scale,wrong_answers,forged_account,forged_own,"
                    "bandwidth,weight,handshake_flood,waiting_flood")

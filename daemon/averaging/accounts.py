@@ -273,13 +273,16 @@ def norm_bound(entries: Sequence[Entry], n: int, codec_error: float) -> float:
     return (mean + rounding + codec_error) * (1 + 8 * FLOAT32_UNIT + 2 * n * FLOAT64_UNIT) + 1e-30
 
 
-def misstates(entry: Entry, projections: Sequence[float], norm: float, n: int) -> bool:
+def misstates(entry: Entry, projections: Sequence[float], norm: float, n: int,
+              margin: float = 1.0) -> bool:
     """Whether `entry` states other projections or another norm than `measure` gives for the
-    n-element contribution it names (beyond float32 and float64 rounding: sums may run in
-    another order on another machine)."""
-    slack = n * FLOAT64_UNIT * math.sqrt(n) * norm * 4 + 1e-30
+    n-element contribution it names (beyond `margin` times float32 and float64 rounding: sums
+    may run in another order on another machine). A judge of another member's accusation uses
+    half the margin the accuser used (accusations.py): a reducer cannot state an entry just at
+    the edge, where the accuser's sums and the judge's could fall on two sides of it."""
+    slack = margin * (n * FLOAT64_UNIT * math.sqrt(n) * norm * 4 + 1e-30)
     return any(abs(stated - p) > slack for stated, p in zip(entry.projections, projections, strict=True)) \
-        or abs(entry.norm - norm) > 4 * FLOAT32_UNIT * norm + slack
+        or abs(entry.norm - norm) > margin * 4 * FLOAT32_UNIT * norm + slack
 
 
 def effective(entries: Sequence[Entry], aggregation: Aggregation) -> list[Entry]:

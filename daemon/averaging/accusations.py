@@ -17,11 +17,14 @@ alone, whatever account it got itself:
   accuser's chunk and states other projections or another norm than that chunk has: the
   reducer forged its account. It is banned at once (`offences_forged_account`,
   `forged_accounts`);
-- anything else (an account the reducer did not sign, an entry for another chunk or none, an
-  entry that states the chunk truly): no honest member accuses so, the accuser is banned at once
-  (`offences_false_accusation`, `accusations_false`). An honest member accuses only once its own
-  check found its entry, with the digest of what it sent, misstated in an answer whose
-  signature it checked.
+- an account whose signature does not hold for this round as this member knows it: nothing is
+  proven (`accusations_unproven`): the accuser may have forged it, or a hostile leader may have
+  sent this member another group than the accuser's;
+- anything else (an entry for another chunk or none, an entry that states the chunk truly, to
+  within half the rounding margin the accuser's own check allows): no honest member accuses so,
+  the accuser is banned at once (`offences_false_accusation`, `accusations_false`). An honest
+  member accuses only once its own check found its entry, with the digest of what it sent,
+  misstated in an answer whose signature it checked.
 The answer was applied already where the accusation comes (it comes after it): a forged account
 costs the round that part, and the reducer every later round with these members.
 
@@ -63,18 +66,21 @@ METHOD = "avg.accuse"
 ROUNDS_KEPT = 64  # rounds whose accusations are still judged here (a group each: small)
 CALL_TIMEOUT = 10.0
 
-Verdict = Literal["forged", "false"]
+Verdict = Literal["forged", "false", "unproven"]
 
 
 def judge(group: Group, *, accuser: int, reducer: int, chunk: int, meta: Mapping[str, Any],
           payload: Any, account: Any, answer: bytes, signature: Any, codec: Codec
           ) -> tuple[Verdict, str]:
     """Whether the evidence proves that reducer `reducer` misstated member `accuser`'s chunk
-    (module docstring): "forged", else "false" (the accuser showed what no honest member does)."""
+    (module docstring): "forged"; "false" where the accuser showed what no honest member does;
+    "unproven" where the reducer's signature does not hold here (a forgery of the accuser's, or
+    a group that a hostile leader sent this member otherwise than the accuser: nobody is
+    blamed)."""
     name = round_name(group)
     if not answer_signed_by(group.members[reducer].peer_id, name, reducer, chunk, answer, account,
                             signature):
-        return "false", "the account it shows is not signed by its reducer"
+        return "unproven", "the account it shows is not signed by its reducer for this round"
     a, b = group.part_bounds[reducer]
     first, last = ChunkPlan(a, b, group.chunk_elements).relative(chunk)
     n = last - first
@@ -94,7 +100,7 @@ def judge(group: Group, *, accuser: int, reducer: int, chunk: int, meta: Mapping
     except CompressionError as exc:  # the reducer decoded it: one that does not decode is not it
         return "false", f"its chunk does not decode: {exc}"
     projections, norm = measure(signs_of(answer, n), values, parts)
-    if misstates(entry, projections, norm, n):
+    if misstates(entry, projections, norm, n, margin=0.5):
         return "forged", (f"the reducer's signed account misstates member {accuser}'s contribution "
                           f"to chunk {chunk}, which that member proved with the chunk it signed")
     return "false", "the account it shows states its chunk truly"
@@ -198,6 +204,8 @@ class Accusations:
         if verdict == "forged":
             self.counters["forged_accounts"] += 1
             self.bans.offence(group.members[reducer].peer_id, "forged_account", why, conclusive=True)
+        elif verdict == "unproven":
+            self.counters["accusations_unproven"] += 1
         else:
             self.counters["accusations_false"] += 1
             self.bans.offence(group.members[accuser].peer_id, "false_accusation", why, conclusive=True)

@@ -51,10 +51,11 @@ def contribution_digest(group_id: str, reducer: int, chunk: int, meta: Mapping[s
 
 
 def round_name(group: Any) -> str:
-    """What signatures name a round by: its id, its members in order and its parts (a Group).
-    Whatever else a leader writes in a group may differ between members without breaking the
-    round, so it stays out: a hostile leader cannot make honest members' signatures fail."""
-    body = orjson.dumps([group.group_id, [m.peer_id for m in group.members],
+    """What signatures name a round by: its id, its members in order (and which of them send:
+    that sets how an account is cut into segments) and its parts (a Group). Whatever else a
+    leader writes in a group may differ between members without breaking the round, so it stays
+    out: a hostile leader cannot make honest members' signatures fail."""
+    body = orjson.dumps([group.group_id, [[m.peer_id, m.sends] for m in group.members],
                          [list(b) for b in group.part_bounds], group.size, group.chunk_elements,
                          group.compression])
     return blake3(body, max_threads=1).hexdigest()
