@@ -23,9 +23,10 @@ auditor with probability f per round; one that states a norm under its contribut
 only where the audited segment's norm is within the stated one (at most sqrt(segments) times
 under). Each member bans on its own audits (it cannot show others a reducer's reply).
 
-Bounds: a reducer keeps its own contributions for the last `KEPT_ROUNDS` rounds it reduced in
-(older ones only within `KEPT_BYTES`), at most `KEPT_SECONDS`; it answers one audit per member
-and round, only to members that sent in that round. Cost: per member and round, up to 4
+Bounds: a reducer keeps its own contributions until `KEPT_SECONDS` past the round's deadline
+(members audit within half of that), for at most `KEPT_ROUNDS` rounds, and beyond `KEPT_BYTES`
+only while their audits may still come; it answers one audit per member and round, only to
+members that sent in that round. Cost: per member and round, up to 4
 segments (an eighth of a chunk each, 512 KiB for 4 MiB chunks) and a hash of them; a reducer
 copies its own part once per round.
 """
@@ -55,9 +56,10 @@ log = structlog.get_logger(__name__)
 
 METHOD = "avg.audit"
 AUDITS_PER_ROUND = 4
-KEPT_ROUNDS = 4
-KEPT_BYTES = 256 << 20  # ... and of older rounds no more than this (the newest is always kept)
-KEPT_SECONDS = 120.0  # after the round ended here
+KEPT_ROUNDS = 8
+# ... and no more than this of rounds whose audits are over (the newest is always kept)
+KEPT_BYTES = 256 << 20
+KEPT_SECONDS = 120.0  # after the round's deadline (members audit within half of it)
 CALL_TIMEOUT = 15.0
 
 
@@ -121,9 +123,11 @@ class Applied:
 class _Kept:
     group: Group
     own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]]  # chunk -> (values, segment digests)
-    over: asyncio.Event  # the round has ended here
-    ended: float | None = None  # when (monotonic) it was first seen ended
     asked: set[str] = field(default_factory=set)
+
+    def expired(self, now: float, share: float = 1.0) -> bool:
+        """Past the round's deadline by `share` of KEPT_SECONDS (every member knows when)."""
+        return now > self.group.deadline + share * KEPT_SECONDS
 
 
 class OwnAudits:
@@ -142,27 +146,26 @@ class OwnAudits:
         transport.add_unary_handler(METHOD, self._serve)
 
     # --- as a reducer ---------------------------------------------------------------------------
-    def keep(self, group: Group, own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]],
-             over: asyncio.Event) -> None:
+    def keep(self, group: Group, own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]]) -> None:
         """A round starts here in which we reduce and send: `own` fills with our own
-        contributions, chunk by chunk, as they are averaged; `over` is set when it ends (kept
-        KEPT_SECONDS from then)."""
-        self._kept[group.group_id] = _Kept(group, own, over)
-        while len(self._kept) > KEPT_ROUNDS or (len(self._kept) > 1 and sum(
-                values.nbytes for kept in self._kept.values() for values, _ in kept.own.values())
-                > KEPT_BYTES):
+        contributions, chunk by chunk, as they are averaged. Kept until KEPT_SECONDS past its
+        deadline; members audit only within half of that, so no honest reducer refuses them
+        for having let go (but past KEPT_ROUNDS rounds, a count no run reaches in that time)."""
+        self._kept[group.group_id] = _Kept(group, own)
+        now = timebase.now()
+        while len(self._kept) > KEPT_ROUNDS or (
+                len(self._kept) > 1 and next(iter(self._kept.values())).expired(now, 0.5)
+                and sum(values.nbytes for kept in self._kept.values()
+                        for values, _ in kept.own.values()) > KEPT_BYTES):
             self._kept.popitem(last=False)
 
     async def _serve(self, ctx: RequestContext, message: Message) -> Message:
         header = message.header
         group_id, chunk, segment = header.get("g"), header.get("c"), header.get("k")
         kept = self._kept.get(group_id) if isinstance(group_id, str) else None
-        if kept is not None and kept.over.is_set():
-            now = timebase.monotonic()
-            kept.ended = now if kept.ended is None else kept.ended
-            if now - kept.ended > KEPT_SECONDS:
-                del self._kept[group_id]
-                kept = None
+        if kept is not None and kept.expired(timebase.now()):
+            del self._kept[group_id]
+            kept = None
         if kept is None or not any(m.peer_id == ctx.peer_id and m.sends for m in kept.group.members):
             self.counters["audits_refused"] += 1
             raise PeerFault(f"no round {group_id} kept here in which {ctx.peer_id} sent")
@@ -183,7 +186,10 @@ class OwnAudits:
     # --- as a member ----------------------------------------------------------------------------
     def audit(self, group: Group, index: int, applied: dict[tuple[int, int], Applied]) -> None:
         """Our round is over: audit up to AUDITS_PER_ROUND of the reducers whose answers we
-        applied, one random segment of one random chunk each (in the background)."""
+        applied, one random segment of one random chunk each (in the background); none once
+        half of KEPT_SECONDS past the round's deadline (reducers keep their own for all of it)."""
+        if timebase.now() > group.deadline + KEPT_SECONDS / 2:
+            return
         chunks: dict[int, list[int]] = {}
         for j, c in applied:
             if j != index and group.members[j].sends:

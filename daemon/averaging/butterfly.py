@@ -154,7 +154,7 @@ class Round:
         if accusations is not None:
             accusations.remember(group, index)
         if audits is not None and policy.check_answers and self.reducer is not None and self.sends:
-            audits.keep(group, self.own_kept, self.over)
+            audits.keep(group, self.own_kept)
 
     # --- the round ------------------------------------------------------------------------------
     async def execute(self) -> AllReduceReport:
@@ -300,7 +300,11 @@ class Round:
                    out: np.ndarray | None, signature: Any) -> None:
         assert self.own is not None and self.reducer is not None
         if self.policy.check_answers:  # the account names it; members check the signature
-            digest = contribution_digest(self.group.group_id, self.index, c, meta, payload)
+            try:
+                digest = contribution_digest(self.group.group_id, self.index, c, meta, payload)
+            except (TypeError, ValueError) as exc:  # a meta JSON cannot carry (nested too deep)
+                raise ProtocolViolation(f"chunk {c}: a codec meta that cannot be hashed: {exc}") \
+                    from None
             if not signed_by(self.group.members[i].peer_id, self.round_name, self.index, c,
                              digest, signature):
                 raise ProtocolViolation(f"chunk {c} does not carry the sender's signature of it "

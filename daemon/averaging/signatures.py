@@ -52,9 +52,10 @@ def contribution_digest(group_id: str, reducer: int, chunk: int, meta: Mapping[s
 
 def round_name(group: Any) -> str:
     """What signatures name a round by: its id, its members in order (and which of them send:
-    that sets how an account is cut into segments) and its parts (a Group). Whatever else a
-    leader writes in a group may differ between members without breaking the round, so it stays
-    out: a hostile leader cannot make honest members' signatures fail."""
+    that sets how an account is cut into segments) and its parts (a Group). Members of one group
+    agree on it. A hostile leader that sends members different groups under one id still breaks
+    the round: their signatures fail at each other, counted as protocol offences (open:
+    docs/security.md)."""
     body = orjson.dumps([group.group_id, [[m.peer_id, m.sends] for m in group.members],
                          [list(b) for b in group.part_bounds], group.size, group.chunk_elements,
                          group.compression])

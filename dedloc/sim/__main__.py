@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=10, help="epochs to run (default 10)")
     parser.add_argument("--max-group-size", type=int, default=None,
-                        help="averaging.max_group_size (default: one group for all)")
+                        help="averaging.max_group_size (default: one group for all, up to 195)")
     parser.add_argument("--average-state-every", type=int, default=None,
                         help="the manifest's average_state_every (default 0: never)")
     parser.add_argument("--joiners", type=int, default=None,

@@ -61,6 +61,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dedloc.daemon.averaging.accounts import MAX_ACCOUNT_SENDERS
 from dedloc.daemon.collab.policy import Timing
 
 from .loop import START
@@ -389,7 +390,7 @@ def _spec(swarm: Swarm, rng_speed: bool = True) -> PeerSpec:
 def _run_spec(peers: int, **overrides: Any) -> RunSpec:
     spec = RunSpec(size=overrides.pop("size", 512),
                    target_batch_size=int(peers * 100 * EPOCH_SECONDS),
-                   max_group_size=overrides.pop("max_group_size", 256), **overrides)
+                   max_group_size=overrides.pop("max_group_size", MAX_ACCOUNT_SENDERS), **overrides)
     return spec
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from net.netutil import wait_until
 
@@ -38,6 +40,7 @@ from dedloc.daemon.net import (
     TlsTransport,
     TransportError,
     TransportLimits,
+    frames,
 )
 
 LOOPBACK = PeerAddress.parse("/ip4/127.0.0.1/tcp/0")
@@ -415,7 +418,11 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
             header = {"c": 999}
         elif mode == "duplicate":
             header = {"c": 0}
-        await stream.send(signed(j, header, bad.tobytes()), timeout=5)
+        message = signed(j, header, bad.tobytes())
+        if mode == "deep_meta":  # a meta JSON carries but cannot write back (300 levels deep)
+            deep = {"x": json.loads("[" * 300 + "]" * 300)}
+            message = Message({**message.header, "m": deep}, message.payload)
+        await stream.send(message, timeout=5)
         try:
             while await stream.receive(timeout=10) is not None:
                 pass
@@ -425,10 +432,28 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
     await asyncio.gather(*(one(j) for j in range(3)))
 
 
+class _PermissiveJson:
+    """orjson, but writing what it cannot (a header nested past 255 levels) with json."""
+
+    JSONDecodeError = orjson.JSONDecodeError
+    loads = staticmethod(orjson.loads)
+
+    @staticmethod
+    def dumps(value: Any, *args: Any, **kwargs: Any) -> bytes:
+        try:
+            return orjson.dumps(value, *args, **kwargs)
+        except TypeError:
+            return json.dumps(value, separators=(",", ":")).encode()
+
+
 @pytest.mark.parametrize(("mode", "reason"), [("nan", "NaN"), ("short", "payload of 3988 bytes"),
                                               ("unknown", "unknown chunk index 999"),
-                                              ("duplicate", "duplicate chunk 0")])
-async def test_bad_chunk_excludes_its_sender(clusters: Any, mode: str, reason: str) -> None:
+                                              ("duplicate", "duplicate chunk 0"),
+                                              ("deep_meta", "cannot be hashed")])
+async def test_bad_chunk_excludes_its_sender(clusters: Any, mode: str, reason: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if mode == "deep_meta":  # the hostile peer writes its own frames: a header orjson cannot
+        monkeypatch.setattr(frames, "orjson", _PermissiveJson)  # write (it reads 300 levels)
     cluster = await clusters(4, services=[0, 1, 2])
     weights = [1.0, 2.0, 1.5, 4.0]
     group = make_group(cluster.ids, roles=["trainer", "trainer", "trainer", "client"], weights=weights)

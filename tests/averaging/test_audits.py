@@ -6,7 +6,6 @@ per member and round."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import random
@@ -109,8 +108,7 @@ async def test_the_reducer_answers_members_once_per_round() -> None:
     values = np.random.default_rng(3).standard_normal(N).astype(np.float32)
     parts = segments(N, 3)
     digests = commitment(GROUP, REDUCER, 0, values, parts)[1]
-    over = asyncio.Event()
-    audits.keep(group, {0: (values, digests)}, over)
+    audits.keep(group, {0: (values, digests)})
     serve = transport.handlers["avg.audit"]
     reply = await serve(RequestContext(PEERS[0]), Message({"g": GROUP, "c": 0, "k": 1}))
     assert reply.header["d"] == [d.hex() for d in digests]
