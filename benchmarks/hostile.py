@@ -35,6 +35,10 @@ misbehaves through a test-only switch of daemon/averaging/corruption.py (DEDLOC_
                  which nobody else sees. Honest outcome: every member applies the zeros, then
                  audits a segment of its own contribution (audits_failed) and bans it
                  (offences_forged_account); honest reducers pass (audits_passed).
+  equivocating   DEDLOC_TEST_WRONG_ANSWERS=equivocate: it answers zeros and sends each member an
+                 account in which that member's entry is true and another's forged. Honest
+                 outcome: every member applies the zeros; after the round their summaries of
+                 what it signed differ, and each bans it (equivocations, offences_equivocation).
   bandwidth      DEDLOC_TEST_CLAIMED_BANDWIDTH=1e12: it claims 1e12 B/s to be given most of the
                  vector to reduce. Honest outcome: it is NOT excluded (its transfers are honest):
                  honest leaders bound its claim (bandwidth_claims_bounded, _cut), it reduces at
@@ -152,6 +156,7 @@ ATTACKS: dict[str, Attack] = {a.name: a for a in (
     Attack("wrong_zeros", {"DEDLOC_TEST_WRONG_ANSWERS": "zeros"}),
     Attack("forged_account", {"DEDLOC_TEST_WRONG_ANSWERS": "forge"}),
     Attack("forged_own", {"DEDLOC_TEST_WRONG_ANSWERS": "forge_own"}),
+    Attack("equivocating", {"DEDLOC_TEST_WRONG_ANSWERS": "equivocate"}),
     Attack("bandwidth", {"DEDLOC_TEST_CLAIMED_BANDWIDTH": "1e12"}),
     Attack("weight", {"DEDLOC_TEST_CLAIMED_WEIGHT": "1e15"}),
     Attack("handshake_flood", {}, flood_sources=4),
@@ -164,10 +169,11 @@ NET_COUNTERS = ("connections_accepted", "connections_refused", "connections_refu
 ALLREDUCE_COUNTERS = ("streams_evicted_waiting", "streams_refused_all_waiting",
                       "streams_refused_peer_waiting", "streams_refused", "streams_reopened_not_started",
                       "accusations_sent", "forged_accounts", "accusations_false",
-                      "accusations_unproven", "audits_made", "audits_passed", "audits_failed",
+                      "accusations_unproven", "equivocations", "answer_summaries_unproven",
+                      "audits_made", "audits_passed", "audits_failed",
                       "audits_unanswered")
 DEFAULT_ATTACKS = ("control,sender_nan,sender_scale,wrong_answers,forged_account,forged_own,"
-                   "bandwidth,weight,handshake_flood,waiting_flood")
+                   "equivocating,bandwidth,weight,handshake_flood,waiting_flood")
 
 
 # --- pure parts -------------------------------------------------------------------------------------

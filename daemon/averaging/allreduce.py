@@ -37,6 +37,7 @@ from ..identity import Identity
 from ..net import PeerTransport, RequestContext, Stream
 from ..net.admission import FairSlots
 from .accusations import Accusations
+from .answers import AnswerSummaries
 from .audits import OwnAudits
 from .bans import BanList
 from .butterfly import Round
@@ -125,6 +126,7 @@ class AllReduceService:
         self._log = log.bind(peer_id=transport.peer_id)
         transport.add_stream_handler(METHOD, self._handle)
         self.accusations = Accusations(transport, self.bans, self.counters)
+        self.summaries = AnswerSummaries(transport, self.bans, self.counters)
         # (what to audit is drawn at random: the simulator passes a seeded generator)
         self.audits = OwnAudits(transport, self.bans, self.counters,
                                 rng or random.SystemRandom())
@@ -158,7 +160,8 @@ class AllReduceService:
                        counters=self.counters, on_open=self._open, policy=self.policy, bans=self.bans,
                        corruption=self.corruption.next_round() if self.corruption else None,
                        wrong_answers=self.wrong_answers, identity=self.identity,
-                       accusations=self.accusations, audits=self.audits)
+                       accusations=self.accusations, audits=self.audits,
+                       summaries=self.summaries)
         try:
             report = await round_.execute()
         finally:
@@ -308,6 +311,7 @@ class AllReduceService:
         now, and stop the worker threads (call after the rounds)."""
         self._closed = True
         self.accusations.close()
+        self.summaries.close()
         self.audits.close()
         for waiters in list(self._arrivals.values()):
             for waiter in list(waiters):

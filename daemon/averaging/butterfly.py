@@ -55,6 +55,7 @@ from .accounts import (
 )
 from .accusations import Accusations
 from .aggregation import l2_norm
+from .answers import AnswerSummaries
 from .audits import OwnAudits, commitment
 from .bans import BanList
 from .claims import stall_allowance
@@ -86,7 +87,8 @@ class Round:
                  inline_elements: int, counters: Counter[str], on_open: Callable[[Round], None],
                  policy: ScreeningPolicy, bans: BanList, corruption: str | None = None,
                  wrong_answers: str | None = None, identity: Identity | None = None,
-                 accusations: Accusations | None = None, audits: OwnAudits | None = None) -> None:
+                 accusations: Accusations | None = None, audits: OwnAudits | None = None,
+                 summaries: AnswerSummaries | None = None) -> None:
         self.transport = transport
         self.group = group
         self.index = index
@@ -132,11 +134,14 @@ class Round:
         self.signed: dict[tuple[int, int], tuple[str, str]] = {}
         self.accusations = accusations
         self.audits = audits
+        self.summaries = summaries
         self.identity = identity
         self.round_name = round_name(group)  # what signatures name this round by
         # chunk -> our own contribution to it and its segments' digests, for audits (audits.py)
         self.own_kept: dict[int, tuple[np.ndarray, tuple[bytes, ...]]] = {}
         self.over = asyncio.Event()  # the round has ended here
+        # tests only (corruption.py, `equivocate`): per chunk what each member's account is cut from
+        self.equivocal: dict[int, tuple[list[Entry], list[float], list[float], bytes, tuple[float, ...]]] = {}
         # shared
         self.traffic = TransferLog()
         self.jobs = ChunkJobs(pool, inline_elements)
@@ -153,6 +158,8 @@ class Round:
                                  identity=identity, round_name=self.round_name)
         if accusations is not None:
             accusations.remember(group, index)
+        if summaries is not None:
+            summaries.remember(group, index, self.sender.told)
         if audits is not None and policy.check_answers and self.reducer is not None and self.sends:
             audits.keep(group, self.own_kept)
 
@@ -184,6 +191,8 @@ class Round:
             self.over.set()
             if self.audits is not None and self.sender.applied:
                 self.audits.audit(self.group, self.index, self.sender.applied)
+            if self.summaries is not None and self.sender.told:
+                self.summaries.send(self.group, self.index, self.sender.told)
             if self.sender.retries:
                 self.counters["streams_reopened_not_started"] += self.sender.retries
         report = self._report(timebase.monotonic() - started)
@@ -407,6 +416,9 @@ class Round:
             account = account_header(entries, errors)
             if self.identity is not None:
                 signature = sign_answer(self.identity, self.round_name, self.index, c, answer, account)
+            if self.wrong_answers == "equivocate":  # tests only: an account per member (_answer)
+                self.equivocal[c] = (entries, [u.scale for u in used], errors, answer,
+                                     measure(r, self.vector[a:b], parts)[0])
         self.results[c] = (payload, meta, account, signature)
         return rejected, sum(1 for u in used if u.scale < 1.0)
 
@@ -420,6 +432,8 @@ class Round:
                 payload: Buffer = b""
             else:
                 payload, meta, account, signature = result
+                if c in self.equivocal:
+                    account, signature = self._equivocal(c, peer)
                 header = chunk_header(c, meta)
                 if account is not None:
                     header[ACCOUNT_KEY] = account
@@ -428,6 +442,15 @@ class Round:
             await stream.send(Message(header, payload), timeout=self._left())
             self.traffic.sent(peer, len(payload))
         await stream.close()
+
+    def _equivocal(self, c: int, peer: str) -> tuple[Any, str | None]:
+        """TEST ONLY (`equivocate`): chunk c's account as told to `peer`: its own entry true,
+        another sender's forged to agree with the (wrong) answer, signed."""
+        entries, scales, errors, answer, projections = self.equivocal[c]
+        account = account_header(forged_entries(entries, scales, self.index, projections,
+                                                spare=self.group.index_of(peer)), errors)
+        return account, None if self.identity is None else sign_answer(
+            self.identity, self.round_name, self.index, c, answer, account)
 
     def _stall_for(self, i: int) -> float:
         """How long sender i may go without delivering a chunk: the stall timeout, or more for a

@@ -15,7 +15,8 @@ NaN is the caller's error (averaging.average refuses it), so a bad sender is sim
 DEDLOC_TEST_WRONG_ANSWERS=zeros (or scale=F) makes this daemon a reducer that answers every
 chunk wrong while its account (accounts.py) stays honest; =forge answers zeros and forges its
 account to agree, misstating one other sender's contribution (the one of largest weight); with
-=forge_own it misstates its own contribution instead.
+=forge_own it misstates its own contribution instead; =equivocate sends each member an
+account in which that member's entry is true and another sender's is forged (answers.py).
 
 DEDLOC_TEST_CLAIMED_BANDWIDTH=F makes this daemon claim F bytes/s of upload and download in every
 round, whatever it measured (claims.py bounds what others believe of it).
@@ -93,26 +94,29 @@ class SenderCorruption:
 
 
 ANSWERS_SWITCH = "DEDLOC_TEST_WRONG_ANSWERS"
-ANSWER_MODES = ("zeros", "scale", "forge", "forge_own")
+ANSWER_MODES = ("zeros", "scale", "forge", "forge_own", "equivocate")
 
 
 def wrong_answer(mode: str, average: np.ndarray) -> None:
     """TEST ONLY: turn a reducer's average (in place) into a wrong one: `zeros` or `forge`, or
     `scale=F` (the average times F)."""
     name, _, argument = mode.partition("=")
-    if name in ("zeros", "forge", "forge_own"):
+    if name in ("zeros", "forge", "forge_own", "equivocate"):
         average[...] = 0.0
     else:
         np.multiply(average, np.float32(float(argument)), out=average)
 
 
 def forged_entries(entries: Sequence[Entry], scales: Sequence[float], reducer: int,
-                   answer_projections: Sequence[float], *, own: bool = False) -> list[Entry]:
-    """TEST ONLY (`forge`, `forge_own`): the account with one sender's projections (the
-    reducer's own, or the other sender's of largest weight) rewritten so that the weighted mean
-    of the entries (scaled as the rule scales them) is the answer's projection in every segment:
-    every check passes but that sender's own (or, for its own, an audit: audits.py)."""
-    others = [k for k, e in enumerate(entries) if (e.sender == reducer) == own]
+                   answer_projections: Sequence[float], *, own: bool = False,
+                   spare: int | None = None) -> list[Entry]:
+    """TEST ONLY (`forge`, `forge_own`, `equivocate`): the account with one sender's
+    projections (the reducer's own, or the other sender's of largest weight but `spare`)
+    rewritten so that the weighted mean of the entries (scaled as the rule scales them) is the
+    answer's projection in every segment: every check passes but that sender's own (or, for its
+    own, an audit: audits.py)."""
+    others = [k for k, e in enumerate(entries)
+              if (e.sender == reducer) == own and e.sender != spare]
     if not others:
         return list(entries)
     victim = max(others, key=lambda k: entries[k].weight)
@@ -140,7 +144,8 @@ def answers_from_environment(env: Mapping[str, str] = os.environ) -> str | None:
     name, _, argument = wanted.partition("=")
     if name not in ANSWER_MODES or (name == "scale") != bool(argument) \
             or (argument and not math.isfinite(float(argument))):
-        raise ValueError(f"unknown wrong answer {wanted!r} (known: zeros, scale=F, forge, forge_own)")
+        raise ValueError(f"unknown wrong answer {wanted!r} (known: zeros, scale=F, forge, "
+                         "forge_own, equivocate)")
     log.warning("test_wrong_answers_enabled", switch=ANSWERS_SWITCH, mode=wanted)
     return wanted
 

@@ -46,7 +46,14 @@ from .corruption import SenderCorruption
 from .group import Group
 from .jobs import ChunkJobs
 from .report import TransferLog
-from .signatures import ANSWER_SIGNATURE_KEY, SIGNATURE_KEY, answer_signed_by, contribution_digest, sign
+from .signatures import (
+    ANSWER_SIGNATURE_KEY,
+    SIGNATURE_KEY,
+    account_digest,
+    answer_digests_signed_by,
+    contribution_digest,
+    sign,
+)
 from .wire import (
     METHOD,
     NOT_STARTED_PATIENCE,
@@ -112,6 +119,8 @@ class PartSender:
     sent: dict[tuple[int, int], tuple[Buffer, Meta, bytes | None]] = field(default_factory=dict)
     # what we applied of each (reducer, chunk), for auditing reducers after the round (audits.py)
     applied: dict[tuple[int, int], Applied] = field(default_factory=dict)
+    # ... and what its reducer signed, for comparing with the other members (answers.py)
+    told: dict[tuple[int, int], tuple[bytes, bytes, str]] = field(default_factory=dict)
     retries: int = 0  # streams opened again after a RoundNotStarted refusal
 
     def __post_init__(self) -> None:
@@ -252,7 +261,9 @@ class PartSender:
         parts = segments(b - a, senders)
         entries, errors = parse_account(account, senders, len(parts))
         digest = answer_digest(self.group.group_id, j, c, meta, payload, [e.digest for e in entries])
-        if not answer_signed_by(members[j].peer_id, self.round_name, j, c, digest, account, signature):
+        told = account_digest(account)
+        if not answer_digests_signed_by(members[j].peer_id, self.round_name, j, c, digest, told,
+                                        signature):
             raise WrongAverage("the answer and its account are not signed by their reducer")
         r = signs_of(digest, b - a)
         projections, norm = measure(r, answer, parts)
@@ -279,3 +290,4 @@ class PartSender:
             raise MisstatedContribution(str(exc), c, bytes(memoryview(sent[0]).cast("B")), sent[1],
                                         account, digest, signature) from None
         self.applied[(j, c)] = Applied(tuple(entries), digest, tuple(parts))
+        self.told[(j, c)] = (digest, told, signature)

@@ -90,8 +90,15 @@ def sign_answer(identity: Identity, round_: str, reducer: int, chunk: int, answe
 
 def answer_signed_by(peer_id: str, round_: str, reducer: int, chunk: int, answer: bytes,
                      account: Any, signature: Any) -> bool:
-    return _verify(peer_id, _signed_bytes("answer", round_, reducer, chunk, answer,
-                                          account_digest(account)), signature)
+    return answer_digests_signed_by(peer_id, round_, reducer, chunk, answer,
+                                    account_digest(account), signature)
+
+
+def answer_digests_signed_by(peer_id: str, round_: str, reducer: int, chunk: int, answer: bytes,
+                             account: bytes, signature: Any) -> bool:
+    """`answer_signed_by` from the account's digest (what members compare: answers.py)."""
+    return _verify(peer_id, _signed_bytes("answer", round_, reducer, chunk, answer, account),
+                   signature)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -161,3 +161,29 @@ async def test_a_reducer_that_misstates_its_own_contribution_fails_its_audits_an
         assert counters.get("averaging.allreduce.audits_unanswered", 0) == 0, counters
 
     await the_honest_three_average_without_it(daemons, bad, "own/1")
+
+
+async def test_a_reducer_that_tells_each_member_another_account_is_proven_by_comparing_them(
+        daemon_factory: Any) -> None:
+    """The reducer answers zeros and sends each member an account in which that member's own
+    entry is true and another sender's is forged to agree (the same answer, the same signs):
+    every member's check passes and all three apply it, and its own entry passes the audits.
+    After the round the members tell each other what the reducer signed (answers.py): two
+    signed accounts for one chunk prove it, and each member bans it."""
+    daemons = await swarm(daemon_factory, "equivocate")
+    bad = (await daemons[3].call("node.info"))["peer_id"]
+    reports, results, _ = await average(daemons, "equivocal/0", 0, "none")
+    assert all(r["group_size"] == 4 for r in reports), reports
+    start, end = bad_part(reports, bad)
+    for index in range(3):
+        assert not reports[index]["failed_parts"], reports[index]
+        assert not results[index][start:end].any()  # applied: each check saw a true own entry
+    await banned_by_the_honest_three(daemons, bad)
+    for daemon in daemons[:3]:
+        counters = (await daemon.call("node.info"))["counters"]
+        # (proven by each of the two other honest members' summaries)
+        assert counters["averaging.offences_equivocation"] >= 1, counters
+        assert counters["averaging.allreduce.equivocations"] >= 1, counters
+        assert counters.get("averaging.allreduce.accusations_sent", 0) == 0, counters
+        assert counters.get("averaging.allreduce.audits_failed", 0) == 0, counters
+    await the_honest_three_average_without_it(daemons, bad, "equivocal/1")

@@ -1,0 +1,168 @@
+"""Signed answers compared between members: a reducer that tells members different things.
+
+Every member checks the answers it gets against their accounts, but only its own entry in each;
+a reducer can send each member an account in which that member's entry is true and another's is
+forged (the same answer, the same signs: accounts.py), and nobody's check fails. But a reducer
+signs each answer with its account (signatures.py). So after a round each member tells every
+other sender of it, method "avg.answers" (unary), what it was told:
+    header {"g": group_id}, payload: JSON [[reducer, chunk, answer digest, account digest,
+    the reducer's signature], ...] (hex; one per answer it applied).
+A member that applied an answer to the same chunk finds the two digests equal; two valid
+signatures of the reducer over different ones for one chunk of one round prove it told members
+different things: it is banned at once (`offences_equivocation`, `equivocations`). A summary
+whose signature does not hold proves nothing (`answer_summaries_unproven`; a hostile leader may
+also have sent the two members different groups).
+
+It comes after the answers were applied, like accusations: it costs the round that part, and
+the reducer every later round with the members that compared. What it does not cover: a sender
+the reducer skipped (or sent a broken answer) never holds the account the others applied, so it
+cannot check its own entry in it (docs/security.md).
+
+Bounds: one summary per member and round, for one of the last `ROUNDS_KEPT` rounds this member
+was in, from one of its senders not banned here, at most `MAX_ITEMS` items; signatures are
+checked only where digests differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import structlog
+
+from ..net import Message, PeerTransport, RequestContext, TransportError
+from .bans import BanList
+from .group import Group
+from .signatures import SIGNATURE_HEX, answer_digests_signed_by, round_name
+from .wire import PeerFault
+
+log = structlog.get_logger(__name__)
+
+METHOD = "avg.answers"
+ROUNDS_KEPT = 64
+MAX_ITEMS = 1 << 16  # answers in one summary (a round's chunks of every part)
+MAX_BYTES = 24 << 20
+CALL_TIMEOUT = 10.0
+
+# (reducer, chunk) -> (the answer's digest, its account's digest, the reducer's signature)
+Told = dict[tuple[int, int], tuple[bytes, bytes, str]]
+
+
+@dataclass
+class _Round:
+    group: Group
+    index: int
+    told: Told  # what this member applied (filling as the round goes)
+    heard: set[int] = field(default_factory=set)  # members whose summary came
+
+
+class AnswerSummaries:
+    """Sends this member's summary after each round and compares the ones it gets."""
+
+    def __init__(self, transport: PeerTransport, bans: BanList,
+                 counters: collections.Counter[str]) -> None:
+        self.transport = transport
+        self.bans = bans
+        self.counters = counters
+        self._rounds: collections.OrderedDict[str, _Round] = collections.OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._log = log.bind(peer_id=transport.peer_id)
+        transport.add_unary_handler(METHOD, self._handle)
+
+    def remember(self, group: Group, index: int, told: Told) -> None:
+        """A round starts here: `told` fills with what we apply."""
+        self._rounds[group.group_id] = _Round(group, index, told)
+        while len(self._rounds) > ROUNDS_KEPT:
+            self._rounds.popitem(last=False)
+
+    def send(self, group: Group, index: int, told: Told) -> None:
+        """Our round is over: tell every other sender what we were told (in the background)."""
+        if not told:
+            return
+        items = [[j, c, answer.hex(), account.hex(), signature]
+                 for (j, c), (answer, account, signature) in sorted(told.items())]
+        message = Message({"g": group.group_id}, orjson.dumps(items))
+        for m, member in enumerate(group.members):
+            if m != index and member.sends:
+                task = asyncio.get_running_loop().create_task(
+                    self._send(member.peer_id, message), name=f"allreduce-answers-{m}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, peer: str, message: Message) -> None:
+        try:
+            await self.transport.call(peer, METHOD, message, timeout=CALL_TIMEOUT)
+        except (TransportError, TimeoutError) as exc:
+            self._log.debug("allreduce_answers_not_delivered", to=peer, reason=str(exc)[:200])
+
+    async def _handle(self, ctx: RequestContext, message: Message) -> Message:
+        group_id = message.header.get("g")
+        kept = self._rounds.get(group_id) if isinstance(group_id, str) else None
+        members = kept.group.members if kept is not None else ()
+        sender = next((i for i, m in enumerate(members) if m.peer_id == ctx.peer_id), None)
+        if kept is None or sender is None or not members[sender].sends or sender in kept.heard \
+                or self.bans.banned(ctx.peer_id) is not None or len(message.payload) > MAX_BYTES:
+            self.counters["answer_summaries_refused"] += 1
+            raise PeerFault(f"no summary of round {group_id} is taken from {ctx.peer_id} here")
+        kept.heard.add(sender)
+        try:
+            items = orjson.loads(bytes(message.payload))
+        except orjson.JSONDecodeError:
+            items = None
+        if not isinstance(items, list) or len(items) > MAX_ITEMS:
+            self.counters["answer_summaries_malformed"] += 1
+            raise PeerFault("a summary is a JSON list of [reducer, chunk, answer, account, "
+                            "signature]")
+        proven = await asyncio.to_thread(self._compare, kept, items)
+        for j in proven:
+            self.counters["equivocations"] += 1
+            self.bans.offence(members[j].peer_id, "equivocation",
+                              f"it signed two different answers or accounts for one chunk of round "
+                              f"{group_id} (one to this member, one to {ctx.peer_id})",
+                              conclusive=True)
+        return Message({"equivocations": len(proven)})
+
+    def _compare(self, kept: _Round, items: list[Any]) -> list[int]:
+        """The reducers proven to have told the summary's sender otherwise than us."""
+        name: str | None = None
+        proven: set[int] = set()
+        for item in items:
+            parsed = _item(item)
+            if parsed is None:
+                self.counters["answer_summaries_malformed"] += 1
+                continue
+            j, c, answer, account, signature = parsed
+            mine = kept.told.get((j, c))
+            if mine is None or (mine[0], mine[1]) == (answer, account) or j in proven \
+                    or j >= len(kept.group.members):
+                continue
+            name = name or round_name(kept.group)
+            if answer_digests_signed_by(kept.group.members[j].peer_id, name, j, c, answer,
+                                        account, signature):
+                proven.add(j)
+            else:
+                self.counters["answer_summaries_unproven"] += 1
+        return sorted(proven)
+
+    def close(self) -> None:
+        """Stop the summaries under way (the service is closing)."""
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def _item(raw: Any) -> tuple[int, int, bytes, bytes, str] | None:
+    if not isinstance(raw, list) or len(raw) != 5:
+        return None
+    j, c, answer, account, signature = raw
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31 for x in (j, c)):
+        return None
+    if not all(isinstance(x, str) and len(x) == 64 for x in (answer, account)) \
+            or not isinstance(signature, str) or len(signature) != SIGNATURE_HEX:
+        return None
+    try:
+        return j, c, bytes.fromhex(answer), bytes.fromhex(account), signature
+    except ValueError:
+        return None
