@@ -11,7 +11,10 @@ from typing import Literal
 
 from ..errors import ConfigError
 from ..settings import documented
-from .accounts import MAX_ACCOUNT_SENDERS
+
+# The most members a group may hold: what an answer's account can name in the header a frame
+# carries (accounts.MAX_ACCOUNT_SENDERS, which a test keeps equal to this).
+MAX_GROUP_SIZE = 195
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class AveragingSettings:
             raise ConfigError("averaging.clip_iterations", "must be at least 1")
         if self.ban_after < 0:
             raise ConfigError("averaging.ban_after", "must be 0 (never ban) or more")
-        if not 1 <= self.max_group_size <= MAX_ACCOUNT_SENDERS:
+        if not 1 <= self.max_group_size <= MAX_GROUP_SIZE:
             raise ConfigError("averaging.max_group_size",
-                              f"must be 1 to {MAX_ACCOUNT_SENDERS} (what an answer's account can "
+                              f"must be 1 to {MAX_GROUP_SIZE} (what an answer's account can "
                               "name in a frame; larger runs average in grid rounds)")

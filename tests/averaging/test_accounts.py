@@ -233,10 +233,11 @@ def test_segments_cover_the_chunk_and_the_largest_account_fits_a_frame() -> None
     frame's header may have: a group past it would have failed every answer."""
     from dedloc.daemon.averaging.accounts import MAX_ACCOUNT_SENDERS, SEGMENTS
     from dedloc.daemon.averaging.matchmaking import MAX_GROUP_MEMBERS
+    from dedloc.daemon.averaging.settings import MAX_GROUP_SIZE
     from dedloc.daemon.averaging.signatures import ANSWER_SIGNATURE_KEY
     from dedloc.daemon.averaging.wire import chunk_header
     from dedloc.daemon.net.frames import encode_header
-    assert MAX_GROUP_MEMBERS <= MAX_ACCOUNT_SENDERS
+    assert MAX_GROUP_MEMBERS <= MAX_ACCOUNT_SENDERS == MAX_GROUP_SIZE
     longest = -1.2345678901234567e-300
     for n, senders in ((20_000, 4), (5, 4), (1, 1), (1 << 20, 64), (1 << 20, 150),
                        (1 << 20, MAX_ACCOUNT_SENDERS)):
