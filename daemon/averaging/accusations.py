@@ -57,6 +57,7 @@ from .accounts import (
 from .bans import BanList
 from .compression import Codec, CompressionError, get_codec
 from .group import Group
+from .round_calls import RoundCalls
 from .signatures import answer_signed_by, contribution_digest, round_name
 from .wire import ChunkPlan, PeerFault
 
@@ -113,24 +114,16 @@ class _Round:
     heard: set[tuple[int, int]] = field(default_factory=set)  # (accuser, reducer)
 
 
-class Accusations:
+class Accusations(RoundCalls[_Round]):
     """Sends this member's accusations and judges the ones it gets (module docstring)."""
 
     def __init__(self, transport: PeerTransport, bans: BanList,
                  counters: collections.Counter[str]) -> None:
-        self.transport = transport
-        self.bans = bans
-        self.counters = counters
-        self._rounds: collections.OrderedDict[str, _Round] = collections.OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._log = log.bind(peer_id=transport.peer_id)
-        transport.add_unary_handler(METHOD, self._handle)
+        super().__init__(transport, bans, counters, METHOD, self._handle, ROUNDS_KEPT)
 
     def remember(self, group: Group, index: int) -> None:
         """A round starts here: accusations of its reducers may come."""
-        self._rounds[group.group_id] = _Round(group, index)
-        while len(self._rounds) > ROUNDS_KEPT:
-            self._rounds.popitem(last=False)
+        self._keep(group.group_id, _Round(group, index))
 
     def accuse(self, group: Group, index: int, reducer: int, proof: MisstatedContribution) -> None:
         """Show every other sender of the round that `reducer` misstated our chunk (in the
@@ -142,10 +135,7 @@ class Accusations:
         message = Message(header, bytes(memoryview(proof.payload).cast("B")))
         for m, member in enumerate(group.members):
             if m not in (index, reducer) and member.sends:
-                task = asyncio.get_running_loop().create_task(
-                    self._send(member.peer_id, message), name=f"allreduce-accuse-{m}")
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._send(member.peer_id, message), f"allreduce-accuse-{m}")
 
     async def _send(self, peer: str, message: Message) -> None:
         self.counters["accusations_sent"] += 1
@@ -209,11 +199,6 @@ class Accusations:
         else:
             self.counters["accusations_false"] += 1
             self.bans.offence(group.members[accuser].peer_id, "false_accusation", why, conclusive=True)
-
-    def close(self) -> None:
-        """Stop the accusations under way (the service is closing)."""
-        for task in list(self._tasks):
-            task.cancel()
 
 
 def _index(raw: Any) -> bool:

@@ -36,6 +36,7 @@ import structlog
 from ..net import Message, PeerTransport, RequestContext, TransportError
 from .bans import BanList
 from .group import Group
+from .round_calls import RoundCalls
 from .signatures import SIGNATURE_HEX, answer_digests_signed_by, round_name
 from .wire import PeerFault
 
@@ -59,24 +60,16 @@ class _Round:
     heard: set[int] = field(default_factory=set)  # members whose summary came
 
 
-class AnswerSummaries:
+class AnswerSummaries(RoundCalls[_Round]):
     """Sends this member's summary after each round and compares the ones it gets."""
 
     def __init__(self, transport: PeerTransport, bans: BanList,
                  counters: collections.Counter[str]) -> None:
-        self.transport = transport
-        self.bans = bans
-        self.counters = counters
-        self._rounds: collections.OrderedDict[str, _Round] = collections.OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._log = log.bind(peer_id=transport.peer_id)
-        transport.add_unary_handler(METHOD, self._handle)
+        super().__init__(transport, bans, counters, METHOD, self._handle, ROUNDS_KEPT)
 
     def remember(self, group: Group, index: int, told: Told) -> None:
         """A round starts here: `told` fills with what we apply."""
-        self._rounds[group.group_id] = _Round(group, index, told)
-        while len(self._rounds) > ROUNDS_KEPT:
-            self._rounds.popitem(last=False)
+        self._keep(group.group_id, _Round(group, index, told))
 
     def send(self, group: Group, index: int, told: Told) -> None:
         """Our round is over: tell every other sender what we were told (in the background)."""
@@ -87,10 +80,7 @@ class AnswerSummaries:
         message = Message({"g": group.group_id}, orjson.dumps(items))
         for m, member in enumerate(group.members):
             if m != index and member.sends:
-                task = asyncio.get_running_loop().create_task(
-                    self._send(member.peer_id, message), name=f"allreduce-answers-{m}")
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._send(member.peer_id, message), f"allreduce-answers-{m}")
 
     async def _send(self, peer: str, message: Message) -> None:
         try:
@@ -146,11 +136,6 @@ class AnswerSummaries:
             else:
                 self.counters["answer_summaries_unproven"] += 1
         return sorted(proven)
-
-    def close(self) -> None:
-        """Stop the summaries under way (the service is closing)."""
-        for task in list(self._tasks):
-            task.cancel()
 
 
 def _item(raw: Any) -> tuple[int, int, bytes, bytes, str] | None:

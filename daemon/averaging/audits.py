@@ -50,6 +50,7 @@ from .accounts import FLOAT32_UNIT, Entry, misstates, project, signs_of
 from .aggregation import l2_norm
 from .bans import BanList
 from .group import Group
+from .round_calls import RoundCalls
 from .wire import PeerFault
 
 log = structlog.get_logger(__name__)
@@ -130,20 +131,14 @@ class _Kept:
         return now > self.group.deadline + share * KEPT_SECONDS
 
 
-class OwnAudits:
+class OwnAudits(RoundCalls[_Kept]):
     """Serves audits of this peer's own contributions and makes this member's (module
     docstring)."""
 
     def __init__(self, transport: PeerTransport, bans: BanList, counters: collections.Counter[str],
                  rng: random.Random) -> None:
-        self.transport = transport
-        self.bans = bans
-        self.counters = counters
+        super().__init__(transport, bans, counters, METHOD, self._serve, KEPT_ROUNDS)
         self.rng = rng
-        self._kept: collections.OrderedDict[str, _Kept] = collections.OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._log = log.bind(peer_id=transport.peer_id)
-        transport.add_unary_handler(METHOD, self._serve)
 
     # --- as a reducer ---------------------------------------------------------------------------
     def keep(self, group: Group, own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]]) -> None:
@@ -151,20 +146,19 @@ class OwnAudits:
         contributions, chunk by chunk, as they are averaged. Kept until KEPT_SECONDS past its
         deadline; members audit only within half of that, so no honest reducer refuses them
         for having let go (but past KEPT_ROUNDS rounds, a count no run reaches in that time)."""
-        self._kept[group.group_id] = _Kept(group, own)
+        self._keep(group.group_id, _Kept(group, own))
         now = timebase.now()
-        while len(self._kept) > KEPT_ROUNDS or (
-                len(self._kept) > 1 and next(iter(self._kept.values())).expired(now, 0.5)
-                and sum(values.nbytes for kept in self._kept.values()
-                        for values, _ in kept.own.values()) > KEPT_BYTES):
-            self._kept.popitem(last=False)
+        while len(self._rounds) > 1 and next(iter(self._rounds.values())).expired(now, 0.5) \
+                and sum(values.nbytes for kept in self._rounds.values()
+                        for values, _ in kept.own.values()) > KEPT_BYTES:
+            self._rounds.popitem(last=False)
 
     async def _serve(self, ctx: RequestContext, message: Message) -> Message:
         header = message.header
         group_id, chunk, segment = header.get("g"), header.get("c"), header.get("k")
-        kept = self._kept.get(group_id) if isinstance(group_id, str) else None
+        kept = self._rounds.get(group_id) if isinstance(group_id, str) else None
         if kept is not None and kept.expired(timebase.now()):
-            del self._kept[group_id]
+            del self._rounds[group_id]
             kept = None
         if kept is None or not any(m.peer_id == ctx.peer_id and m.sends for m in kept.group.members):
             self.counters["audits_refused"] += 1
@@ -201,10 +195,8 @@ class OwnAudits:
             if entry is None:  # it left its own contribution out of that chunk
                 continue
             k = self.rng.randrange(len(applied[(j, c)].parts))
-            task = asyncio.get_running_loop().create_task(
-                self._audit_one(group, j, c, k, entry, applied[(j, c)]), name=f"allreduce-audit-{j}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._audit_one(group, j, c, k, entry, applied[(j, c)]),
+                        f"allreduce-audit-{j}")
 
     async def _audit_one(self, group: Group, j: int, c: int, k: int, entry: Entry,
                          applied: Applied) -> None:
@@ -234,11 +226,6 @@ class OwnAudits:
         self.counters["audits_failed"] += 1
         self.bans.offence(peer, "forged_account", f"an audit of its own contribution to chunk {c} "
                           f"of round {group.group_id}: {why}", conclusive=True)
-
-    def close(self) -> None:
-        """Stop the audits under way (the service is closing)."""
-        for task in list(self._tasks):
-            task.cancel()
 
 
 def _bounds(n: int, count: int, segment: int) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from averaging.fake_transport import HandlerTransport
 
 from dedloc.daemon.averaging.accounts import (
     Entry,
@@ -208,7 +209,7 @@ async def test_the_handler_judges_once_per_reducer_and_bounds_what_a_stranger_co
     so is anything from a peer banned here."""
     counters: collections.Counter[str] = collections.Counter()
     bans = BanList(counters=counters)
-    transport = _Transport()
+    transport = HandlerTransport(PEERS[0])
     accusations = Accusations(transport, bans, counters)  # type: ignore[arg-type]
     entries, answer, sent = account()
     lying = [dataclasses.replace(e, projections=tuple(-p for p in e.projections))
@@ -247,11 +248,3 @@ async def test_the_handler_judges_once_per_reducer_and_bounds_what_a_stranger_co
         await handle(RequestContext(PEERS[2]), accusation(r=1))
 
 
-class _Transport:
-    peer_id = PEERS[0]
-
-    def __init__(self) -> None:
-        self.handlers: dict[str, Any] = {}
-
-    def add_unary_handler(self, method: str, handler: Any) -> None:
-        self.handlers[method] = handler

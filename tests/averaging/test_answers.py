@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import pytest
+from averaging.fake_transport import HandlerTransport
 
 from dedloc.daemon.averaging.answers import AnswerSummaries
 from dedloc.daemon.averaging.bans import BanList
@@ -40,20 +41,12 @@ def summary(*items: tuple[int, tuple[bytes, bytes, str]]) -> Message:
     return Message({"g": GROUP.group_id}, orjson.dumps(body))
 
 
-class _Transport:
-    peer_id = PEERS[0]
-
-    def __init__(self) -> None:
-        self.handlers: dict[str, Any] = {}
-
-    def add_unary_handler(self, method: str, handler: Any) -> None:
-        self.handlers[method] = handler
 
 
 def service() -> tuple[Any, collections.Counter[str], BanList, dict[Any, Any]]:
     counters: collections.Counter[str] = collections.Counter()
     bans = BanList(counters=counters)
-    transport = _Transport()
+    transport = HandlerTransport(PEERS[0])
     summaries = AnswerSummaries(transport, bans, counters)  # type: ignore[arg-type]
     mine: dict[Any, Any] = {}
     summaries.remember(GROUP, 0, mine)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from averaging.fake_transport import HandlerTransport
 
 from dedloc.daemon.averaging.accounts import Entry, answer_digest, measure, segments, signs_of
 from dedloc.daemon.averaging.audits import Applied, OwnAudits, audit_failure, commitment
@@ -86,19 +87,11 @@ def test_the_signs_follow_the_commitment() -> None:
                               signs_of(answer_digest(GROUP, REDUCER, 0, {}, b"y", [second]), N))
 
 
-class _Transport:
-    peer_id = PEERS[REDUCER]
-
-    def __init__(self) -> None:
-        self.handlers: dict[str, Any] = {}
-
-    def add_unary_handler(self, method: str, handler: Any) -> None:
-        self.handlers[method] = handler
 
 
 async def test_the_reducer_answers_members_once_per_round() -> None:
     counters: collections.Counter[str] = collections.Counter()
-    transport = _Transport()
+    transport = HandlerTransport(PEERS[REDUCER])
     audits = OwnAudits(transport, BanList(counters=counters), counters,  # type: ignore[arg-type]
                        random.Random(0))
     members = tuple(Member(p, "trainer", 1.0, 1e6, 1e6) for p in PEERS)

@@ -44,6 +44,19 @@ def bad_part(reports: list[Any], bad: str) -> tuple[int, int]:
     return start, start + shares[position]
 
 
+async def applied_by_the_honest_three(daemons: list[DaemonProcess], key: str) -> str:
+    """One round in which nothing the honest three can check contradicts the bad reducer's
+    zeros: all three apply them. The bad reducer's peer id."""
+    bad = (await daemons[3].call("node.info"))["peer_id"]
+    reports, results, _ = await average(daemons, key, 0, "none")
+    assert all(r["group_size"] == 4 for r in reports), reports
+    start, end = bad_part(reports, bad)
+    for index in range(3):
+        assert not reports[index]["failed_parts"], reports[index]
+        assert not results[index][start:end].any()
+    return bad
+
+
 async def banned_by_the_honest_three(daemons: list[DaemonProcess], bad: str) -> None:
     async def all_banned() -> bool:
         for daemon in daemons[:3]:
@@ -140,13 +153,7 @@ async def test_a_reducer_that_misstates_its_own_contribution_fails_its_audits_an
     (audits.py): the account misstated it in every segment, so every audit fails and each member
     bans it. The honest reducers pass theirs; the next round averages the honest three."""
     daemons = await swarm(daemon_factory, "forge_own")
-    bad = (await daemons[3].call("node.info"))["peer_id"]
-    reports, results, _ = await average(daemons, "own/0", 0, "none")
-    assert all(r["group_size"] == 4 for r in reports), reports
-    start, end = bad_part(reports, bad)
-    for index in range(3):
-        assert not reports[index]["failed_parts"], reports[index]
-        assert not results[index][start:end].any()  # applied: nothing in it contradicts the account
+    bad = await applied_by_the_honest_three(daemons, "own/0")
     await banned_by_the_honest_three(daemons, bad)
 
     async def audits_done() -> bool:
@@ -171,13 +178,7 @@ async def test_a_reducer_that_tells_each_member_another_account_is_proven_by_com
     After the round the members tell each other what the reducer signed (answers.py): two
     signed accounts for one chunk prove it, and each member bans it."""
     daemons = await swarm(daemon_factory, "equivocate")
-    bad = (await daemons[3].call("node.info"))["peer_id"]
-    reports, results, _ = await average(daemons, "equivocal/0", 0, "none")
-    assert all(r["group_size"] == 4 for r in reports), reports
-    start, end = bad_part(reports, bad)
-    for index in range(3):
-        assert not reports[index]["failed_parts"], reports[index]
-        assert not results[index][start:end].any()  # applied: each check saw a true own entry
+    bad = await applied_by_the_honest_three(daemons, "equivocal/0")  # each saw a true own entry
     await banned_by_the_honest_three(daemons, bad)
     for daemon in daemons[:3]:
         counters = (await daemon.call("node.info"))["counters"]

@@ -1,0 +1,15 @@
+"""A transport that only records the unary handlers a service registers, for calling them
+directly in tests (accusations, audits, answer summaries)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HandlerTransport:
+    def __init__(self, peer_id: str) -> None:
+        self.peer_id = peer_id
+        self.handlers: dict[str, Any] = {}
+
+    def add_unary_handler(self, method: str, handler: Any) -> None:
+        self.handlers[method] = handler
