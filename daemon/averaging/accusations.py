@@ -94,7 +94,11 @@ def judge(group: Group, *, accuser: int, reducer: int, chunk: int, meta: Mapping
     entry = next((e for e in entries if e.sender == accuser), None)
     if entry is None:
         return "false", "the account it shows does not list it"
-    if contribution_digest(group.group_id, reducer, chunk, meta, payload).hex() != entry.digest:
+    try:
+        digest = contribution_digest(group.group_id, reducer, chunk, meta, payload).hex()
+    except (TypeError, ValueError):  # a meta JSON cannot write: not what any reducer took
+        return "false", "it shows a chunk whose meta cannot be hashed"
+    if digest != entry.digest:
         return "false", "it shows another chunk than the one the account names"
     try:
         values = codec.decode(payload, dict(meta), n)
