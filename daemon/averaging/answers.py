@@ -19,8 +19,9 @@ the reducer skipped (or sent a broken answer) never holds the account the others
 cannot check its own entry in it (docs/security.md).
 
 Bounds: one summary per member and round, for one of the last `ROUNDS_KEPT` rounds this member
-was in, from one of its senders not banned here, at most `MAX_ITEMS` items; signatures are
-checked only where digests differ.
+was in, from one of its senders not banned here, at most one item per chunk of the round (and
+ITEM_BYTES each, checked before the JSON is read); signatures are checked only where digests
+differ.
 """
 
 from __future__ import annotations
@@ -38,14 +39,13 @@ from .bans import BanList
 from .group import Group
 from .round_calls import RoundCalls
 from .signatures import SIGNATURE_HEX, answer_digests_signed_by, round_name
-from .wire import PeerFault
+from .wire import ChunkPlan, PeerFault
 
 log = structlog.get_logger(__name__)
 
 METHOD = "avg.answers"
 ROUNDS_KEPT = 64
-MAX_ITEMS = 1 << 16  # answers in one summary (a round's chunks of every part)
-MAX_BYTES = 24 << 20
+ITEM_BYTES = 320  # the most one item of a summary takes as JSON
 CALL_TIMEOUT = 10.0
 
 # (reducer, chunk) -> (the answer's digest, its account's digest, the reducer's signature)
@@ -94,7 +94,8 @@ class AnswerSummaries(RoundCalls[_Round]):
         members = kept.group.members if kept is not None else ()
         sender = next((i for i, m in enumerate(members) if m.peer_id == ctx.peer_id), None)
         if kept is None or sender is None or not members[sender].sends or sender in kept.heard \
-                or self.bans.banned(ctx.peer_id) is not None or len(message.payload) > MAX_BYTES:
+                or self.bans.banned(ctx.peer_id) is not None \
+                or len(message.payload) > ITEM_BYTES * _chunks(kept.group) + 2:
             self.counters["answer_summaries_refused"] += 1
             raise PeerFault(f"no summary of round {group_id} is taken from {ctx.peer_id} here")
         kept.heard.add(sender)
@@ -102,7 +103,7 @@ class AnswerSummaries(RoundCalls[_Round]):
             items = orjson.loads(bytes(message.payload))
         except orjson.JSONDecodeError:
             items = None
-        if not isinstance(items, list) or len(items) > MAX_ITEMS:
+        if not isinstance(items, list) or len(items) > _chunks(kept.group):
             self.counters["answer_summaries_malformed"] += 1
             raise PeerFault("a summary is a JSON list of [reducer, chunk, answer, account, "
                             "signature]")
@@ -136,6 +137,11 @@ class AnswerSummaries(RoundCalls[_Round]):
             else:
                 self.counters["answer_summaries_unproven"] += 1
         return sorted(proven)
+
+
+def _chunks(group: Group) -> int:
+    """Answers a member can apply in a round: every chunk of every part."""
+    return sum(ChunkPlan(a, b, group.chunk_elements).count for a, b in group.part_bounds if b > a)
 
 
 def _item(raw: Any) -> tuple[int, int, bytes, bytes, str] | None:

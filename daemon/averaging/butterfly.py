@@ -139,7 +139,6 @@ class Round:
         self.round_name = round_name(group)  # what signatures name this round by
         # chunk -> our own contribution to it and its segments' digests, for audits (audits.py)
         self.own_kept: dict[int, tuple[np.ndarray, tuple[bytes, ...]]] = {}
-        self.over = asyncio.Event()  # the round has ended here
         # tests only (corruption.py, `equivocate`): per chunk what each member's account is cut from
         self.equivocal: dict[int, tuple[list[Entry], list[float], list[float], bytes, tuple[float, ...]]] = {}
         # shared
@@ -188,7 +187,6 @@ class Round:
         finally:
             self.closing = True
             await self.jobs.drain()
-            self.over.set()
             if self.audits is not None and self.sender.applied:
                 self.audits.audit(self.group, self.index, self.sender.applied)
             if self.summaries is not None and self.sender.told:

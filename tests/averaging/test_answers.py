@@ -89,6 +89,12 @@ async def test_the_handler_takes_one_summary_per_member_and_round_from_members()
             await handle(RequestContext(peer), message)
     assert counters["answer_summaries_refused"] == 5
     assert counters["answer_summaries_malformed"] == 1
+    # no more items than the round has chunks (8), nor bytes beyond what they take
+    handle, counters, _, mine = service()
+    for peer, body in [(PEERS[1], orjson.dumps([[REDUCER, 0, "", "", ""]] * 9)),
+                       (PEERS[2], b" " * (320 * 8 + 3))]:
+        with pytest.raises(PeerFault):
+            await handle(RequestContext(peer), Message({"g": GROUP.group_id}, body))
     # malformed items are skipped and counted, the rest compared
     handle, counters, _, mine = service()
     reply = await handle(RequestContext(PEERS[1]), Message(
