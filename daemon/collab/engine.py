@@ -131,6 +131,9 @@ class RunEngine(RoundTaking, CatchingUp):
         self._aux_group: tuple[Head | None, tuple[str, ...]] = (None, ())  # aux: head it made
         self._promise: tuple[Head | None, int] = (None, 0)  # Local.promised, at that head
         self._farewell_sent = False
+        # a finished trainer's report is taken over by its final state's donor (final_state.py):
+        # no farewell when it leaves finished (Run._main says farewell should that fail)
+        self.hands_over_when_finished = False
         self._epoch_loss = (0.0, 0)
         self._log = log.bind(run=name, role=role)
 
@@ -149,6 +152,11 @@ class RunEngine(RoundTaking, CatchingUp):
         return self.phase.value in IN_ROUND
 
     @property
+    def holds_state(self) -> bool:
+        """A trainer's engine that is not leaving serves its state (state_sync.py)."""
+        return self.trainer is not None and not self.stopping
+
+    @property
     def lingering(self) -> bool:
         return self.phase.value == "lingering"
 
@@ -158,6 +166,7 @@ class RunEngine(RoundTaking, CatchingUp):
 
     async def run(self) -> str:
         last: tuple[str, str] | None = None
+        finished = False
         try:
             while not self._stop.is_set():
                 view, read = await self._look()
@@ -173,6 +182,7 @@ class RunEngine(RoundTaking, CatchingUp):
                 if read and isinstance(action, Train):  # look again when the action says
                     self._schedule_look(action.seconds)
                 if isinstance(action, Leave):
+                    finished = action.reason == "finished"
                     return action.reason
                 if isinstance(action, Train):
                     await self._train(action)
@@ -185,7 +195,8 @@ class RunEngine(RoundTaking, CatchingUp):
             return "stopped"
         finally:
             self.phase.set("idle")
-            await self.farewell()
+            if not (finished and self.hands_over_when_finished):
+                await self.farewell()
 
     async def farewell(self) -> None:
         """Tell the run this peer is gone (once; rounds stop expecting it now)."""

@@ -25,6 +25,7 @@ __all__ = [
     "ProgressBoard",
     "RoundAverager",
     "StateBuffer",
+    "StateDonor",
     "StateSource",
     "Trained",
     "Trainer",
@@ -100,6 +101,21 @@ class DownloadedState:
 
     def close(self) -> None:
         self.buffer.close()
+
+
+class StateDonor(Protocol):
+    """What serves a run's state to peers that download it (state_sync.py): a running run's
+    engine, or a finished run's final state (final_state.py)."""
+
+    phase: Any  # a PhaseCell: the server waits for it to leave a round
+    progress: Any  # the run's RunProgress: `states_served` counts what was served
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether it can serve a state now."""
+
+    async def export_state(self) -> DownloadedState:
+        """The state it holds now, with its head; the caller closes the buffer."""
 
 
 class StateSource(Protocol):

@@ -31,6 +31,7 @@ from .board import DhtProgressBoard, LocalBoard
 from .checkpoints import CheckpointStore
 from .engine import RunEngine, RunProgress
 from .errors import ManifestError, MembershipError
+from .final_state import FinalState, FinishedDonor
 from .lineage import initial_lineage
 from .manifest import RunManifest
 from .policy import Schedule
@@ -115,6 +116,7 @@ class Run:
         self._trainer: WorkerTrainer | None = None
         self._last_worker: dict[str, Any] | None = None
         self._task: asyncio.Task[None] | None = None
+        self.final_donor: FinishedDonor | None = None  # finished: its final state, served
         self._log = log.bind(run=spec.name)
 
     @property
@@ -227,7 +229,7 @@ class Run:
         else:
             board, rounds, states, peer_id = LocalBoard(), SoloRounds("local"), None, "local"
         availability = self.availability
-        return RunEngine(
+        engine = RunEngine(
             peer_id=peer_id, role="trainer", schedule=schedule_of(spec.manifest), board=board,
             averaging=rounds, states=states, trainer=self._trainer, progress=self.progress,
             parameters=parameters, compression=spec.manifest.compression,
@@ -237,6 +239,8 @@ class Run:
             collaborative=network is not None, name=spec.name, on_finished=self._finished,
             error_feedback=spec.manifest.local_updates, overlap=spec.manifest.overlap,
             max_weight=spec.manifest.max_weight)
+        engine.hands_over_when_finished = network is not None
+        return engine
 
     def _finished(self) -> None:
         """The manifest's last epoch is reached (the engine may linger, serving its state)."""
@@ -250,6 +254,7 @@ class Run:
             reason = await engine.run()
             if reason == "finished":
                 self.state = "finished"
+                await self._keep_final_state(engine)
         except WorkerError as exc:
             if engine.stopping:
                 return
@@ -271,19 +276,47 @@ class Run:
         if self.state in ("crashed", "failed", "finished"):
             await self._release(state=self.state)
 
+    async def _keep_final_state(self, engine: RunEngine) -> None:
+        """Finished: serve the final state from a file once the worker is gone (final_state.py);
+        should that fail (a full disk), say farewell as a leaving trainer does."""
+        if not engine.hands_over_when_finished or self.board is None:
+            return
+        try:
+            exported = await engine.export_state()
+            try:
+                final = await asyncio.to_thread(FinalState.write, self.run_dir, exported)
+            finally:
+                exported.close()
+        except Exception as exc:  # (a full disk, a worker gone): the run finished all the same
+            self._log.warning("final_state_not_kept", error=f"{type(exc).__name__}: {exc}")
+            await engine.farewell()
+            return
+        self.final_donor = FinishedDonor(final, peer_id=engine.peer_id, board=self.board,
+                                         progress=self.progress, started_at=engine.started_at)
+        self.final_donor.start()
+        self._log.info("final_state_served", epoch=final.epoch, numel=final.numel)
+
+    async def _stop_serving(self) -> None:
+        donor, self.final_donor = self.final_donor, None
+        if donor is not None:
+            await donor.close()
+
     async def restart(self) -> None:
         if self.state in ACTIVE_STATES:
             raise RunNotActiveError(f"run {self.spec.name!r} is {self.state}; stop it before "
                                     "restarting it")
+        await self._stop_serving()
         self.progress.restarts += 1
         await self.start()
 
     async def stop(self, checkpoint: bool = True) -> None:
-        """Finish the current worker call, checkpoint, stop the worker. Safe in any state."""
+        """Finish the current worker call, checkpoint, stop the worker. Safe in any state (a
+        finished run stops serving its final state)."""
         if self.state not in ACTIVE_STATES:
             if self._task is not None and not self._task.done() and self.engine is not None:
                 self.engine.stop()  # finished, still lingering: stop that
                 await finish_or_cancel(self._task, self._stop_timeout)
+            await self._stop_serving()
             return
         self.state = "stopping"
         if self.engine is not None:

@@ -25,11 +25,9 @@ from .settings import RUN_NAME, LimitsSettings
 from .tokens import MembershipToken
 
 if TYPE_CHECKING:
-    from .engine import RunEngine
-
-if TYPE_CHECKING:
     from ..dht import DHTNode
     from ..network import PeerNetwork
+    from .ports import StateDonor
 
 log = structlog.get_logger(__name__)
 
@@ -111,6 +109,8 @@ class RunRegistry:
             if existing is not None and existing.active:
                 raise RunExistsError(f"run {name!r} is already {existing.state}; stop it first "
                                      "(run.stop) or give the new run another name")
+            if existing is not None:  # finished, it may still linger or serve its final state
+                await existing.stop()
             run: Run | AuxRun
             owner_signature = None
             if role == "aux" or workload is None:
@@ -174,13 +174,16 @@ class RunRegistry:
                         others=[o["fingerprint"] for o in others])
         return others
 
-    def find_by_key(self, key: str) -> RunEngine | None:
-        """The engine of the active collaborative run whose peer-to-peer key is `key` (for state
-        donations)."""
+    def find_by_key(self, key: str) -> StateDonor | None:
+        """What serves the state of the collaborative run whose peer-to-peer key is `key`: its
+        engine while it runs or lingers, then its final state's donor (final_state.py)."""
         for run in self._runs.values():
-            if isinstance(run, Run) and run.key == key and run.engine is not None and (
-                    run.active or run.lingering):
+            if not isinstance(run, Run) or run.key != key:
+                continue
+            if run.engine is not None and (run.active or run.lingering):
                 return run.engine
+            if run.final_donor is not None and run.final_donor.holds_state:
+                return run.final_donor
         return None
 
     def get(self, name: str | None) -> Run | AuxRun:

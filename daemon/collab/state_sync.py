@@ -30,7 +30,6 @@ import os
 import random
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -42,11 +41,8 @@ from .engine import IN_ROUND
 from .errors import DonorBusy, LocalStateError, StateSyncError
 from .lineage import is_lineage
 from .membership import MembershipRegistry, NotAMember
-from .ports import DownloadedState, StateBuffer
+from .ports import DownloadedState, StateBuffer, StateDonor
 from .state_check import MAX_SEED, SKETCH_BUCKETS, TOLERANCE, sketch, sketch_distance
-
-if TYPE_CHECKING:
-    from .engine import RunEngine
 
 log = structlog.get_logger(__name__)
 
@@ -94,7 +90,7 @@ class StateSharing:
     """Serves the state of this daemon's collaborative runs (their engines, found by run key)
     to peers that ask."""
 
-    def __init__(self, transport: PeerTransport, find_run: Callable[[str], RunEngine | None],
+    def __init__(self, transport: PeerTransport, find_run: Callable[[str], StateDonor | None],
                  membership: MembershipRegistry | None = None) -> None:
         self._find_run = find_run
         self._membership = membership
@@ -127,7 +123,7 @@ class StateSharing:
                 self.refused_sketches += 1
                 raise
         run = self._find_run(key)
-        if run is None or run.trainer is None or run.stopping:
+        if run is None or not run.holds_state:
             raise StateSyncError("this peer has no active run of that key")
         now = timebase.monotonic()
         last = self._sketched_for.get(ctx.peer_id)
@@ -172,7 +168,7 @@ class StateSharing:
                 await stream.abort(str(exc))
                 return
         run = self._find_run(key) if isinstance(key, str) else None
-        if run is None or run.trainer is None or run.stopping:
+        if run is None or not run.holds_state:
             await stream.abort("this peer has no active run of that key")
             return
         if ctx.peer_id in self._serving:
@@ -200,7 +196,7 @@ class StateSharing:
         await stream.send(Message({"busy": busy, "retry_after": BUSY_RETRY_SECONDS}), timeout=10)
         await stream.close()
 
-    async def _send_state(self, ctx: RequestContext, stream: Stream, run: RunEngine, key: str) -> None:
+    async def _send_state(self, ctx: RequestContext, stream: Stream, run: StateDonor, key: str) -> None:
         exported = await run.export_state()
         try:
             await stream.send(Message({"meta": exported.meta, "numel": exported.numel,

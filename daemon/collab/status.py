@@ -125,6 +125,9 @@ def run_status(run: Run) -> dict[str, Any]:
         "reports_beyond_pace": p.reports_beyond_pace,
         "reports_unserved": p.reports_unserved,
         "states_served": p.states_served,
+        # finished: until when its final state is served to peers that come late (final_state.py)
+        "final_state_served_until": None if run.final_donor is None
+        or not run.final_donor.holds_state else run.final_donor.until,
         "collaborative": collaborative,
         **level,
         "last_state_round": state_round if collaborative else None,

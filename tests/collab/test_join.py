@@ -69,6 +69,67 @@ async def test_a_newcomer_joins_by_name_downloads_and_contributes(daemon_factory
     assert status["lr"] == pytest.approx(LR * status["epoch"] / WARMUP, rel=1e-6)
 
 
+async def test_a_newcomer_to_a_finished_run_downloads_its_final_state(daemon_factory: Any) -> None:
+    """The trainers finished and stopped their workers; a peer that joins the run later (as one
+    restarted from an old checkpoint does) still finds its final state: each finished trainer
+    serves it from a file and reports the final head (final_state.py). Before, nobody was left
+    to download from and the late peer waited for trainers forever."""
+    import torch
+
+    first = await daemon_factory()
+    address = await p2p_address(first)
+    second = await daemon_factory("--net.bootstrap", address)
+    run = {**PARAMS, "name": "done", "epochs": 3, "checkpoint_every": 1}
+    await asyncio.gather(first.call("run.start", run), second.call("run.start", run))
+
+    async def serving(daemon: Any) -> dict[str, Any] | None:
+        (status,) = await daemon.call("run.status", {"name": "done"})
+        assert status["state"] in ("running", "finished"), status
+        return status if status["final_state_served_until"] is not None \
+            and status["worker"]["state"] == "exited" else None
+
+    done = [await wait_until(lambda d=d: serving(d), timeout=180) for d in (first, second)]
+    late = await daemon_factory("--net.bootstrap", address)
+
+    async def join() -> dict[str, Any] | None:
+        try:
+            return await late.call("run.start", {"name": "done"})
+        except RpcCallError as exc:
+            if "no peer publishes" in exc.message or "not joined the network" in exc.message:
+                return None
+            raise
+
+    await wait_until(join, timeout=60)
+
+    async def finished() -> dict[str, Any] | None:
+        (status,) = await late.call("run.status", {"name": "done"})
+        assert status["state"] in ("running", "finished"), status
+        return status if status["state"] == "finished" else None
+
+    status = await wait_until(finished, timeout=120)
+    assert status["epoch"] == 3 and status["state_downloads"] >= 1, status
+    served = [(await d.call("run.status", {"name": "done"}))[0]["states_served"]
+              for d in (first, second)]
+    assert sum(served) >= 1, served
+
+    def final_model(daemon: Any, status: dict[str, Any]) -> dict[str, Any]:
+        path = (daemon.root / "state" / "runs" / "done" / status["fingerprint"]
+                / "checkpoint-000000003.pt")
+        return torch.load(path, weights_only=False)["model"]
+
+    reference = final_model(first, done[0])
+    for daemon, daemon_status in ((second, done[1]), (late, status)):
+        for name, tensor in final_model(daemon, daemon_status).items():
+            torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0)
+
+    # a stop ends the serving: the report is a farewell, the file gone
+    stopped = await first.call("run.stop", {"name": "done"})
+    assert stopped["final_state_served_until"] is None, stopped
+    run_dir = first.root / "state" / "runs" / "done" / done[0]["fingerprint"]
+    assert not (run_dir / "final-state.f32").exists()
+    assert list(run_dir.glob("checkpoint-*.pt"))  # (the checkpoints stay)
+
+
 async def test_another_manifest_under_the_same_name_is_another_run(daemon_factory: Any) -> None:
     first = await daemon_factory()
     address = await p2p_address(first)

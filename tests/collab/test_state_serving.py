@@ -28,12 +28,12 @@ L0 = initial_lineage("run")
 
 
 class Donor:
-    """What StateSharing needs of an engine: a phase, a trainer, the state with its head."""
+    """What StateSharing needs of an engine (ports.StateDonor): a phase, the state with its
+    head."""
 
     def __init__(self, size: int = 1000) -> None:
         self.phase = PhaseCell("training")
-        self.trainer = object()
-        self.stopping = False
+        self.holds_state = True
         self.epoch, self.lineage = 3, L0
         self.values = np.arange(size, dtype=np.float32)
         self.exports = 0
