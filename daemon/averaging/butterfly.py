@@ -69,13 +69,24 @@ from .screening import OffenceKind, ScreeningPolicy, offence_kind
 from .sending import FAULTS, PartSender, describe, leaf, receive_buffer
 from .signatures import (
     ANSWER_SIGNATURE_KEY,
+    ROUND_KEY,
+    ROUND_TAG_HEX,
     SIGNATURE_KEY,
     contribution_digest,
     round_name,
+    round_tag,
     sign_answer,
     signed_by,
 )
-from .wire import ChunkPlan, PeerFault, ProtocolViolation, StreamOpen, chunk_header, parse_chunk
+from .wire import (
+    ChunkPlan,
+    GroupMismatch,
+    PeerFault,
+    ProtocolViolation,
+    StreamOpen,
+    chunk_header,
+    parse_chunk,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -154,7 +165,8 @@ class Round:
                                  accept_clipped=policy.robust == "centered_clip",
                                  aggregation=group.aggregation,
                                  on_wrong_average=self._wrong_average, weights=self.weights,
-                                 identity=identity, round_name=self.round_name)
+                                 identity=identity, round_name=self.round_name,
+                                 counters=counters)
         if accusations is not None:
             accusations.remember(group, index)
         if summaries is not None:
@@ -291,6 +303,8 @@ class Round:
                 raise PeerFault(f"the sender closed its stream after {c} of {plan.count} chunks")
             meta = parse_chunk(message.header, c, plan.count)
             self.traffic.received(peer, len(message.payload))
+            if self.policy.check_answers:
+                self._same_round(message.header.get(ROUND_KEY))
             if previous is not None:
                 await asyncio.shield(previous)
             if not reducer.expects(i, c):
@@ -302,6 +316,16 @@ class Round:
             previous.add_done_callback(partial(self._on_added, i, c, weight))
         if previous is not None:
             await asyncio.shield(previous)
+
+    def _same_round(self, tag: Any) -> None:
+        """GroupMismatch where a sender names the round by another group than ours (signatures.
+        round_name): set aside, not an offence, since its leader may be the one that lied."""
+        if tag is not None and tag != round_tag(self.round_name):
+            self.counters["group_mismatches"] += 1
+            raise GroupMismatch(f"the sender's group under this id is another than ours (round "
+                                f"{str(tag)[:ROUND_TAG_HEX]!r}, ours "
+                                f"{round_tag(self.round_name)!r}): the leader sent us different "
+                                "groups")
 
     def _add_chunk(self, i: int, c: int, payload: Buffer, meta: Meta, weight: float,
                    out: np.ndarray | None, signature: Any) -> None:
@@ -437,6 +461,7 @@ class Round:
                     header[ACCOUNT_KEY] = account
                 if signature is not None:
                     header[ANSWER_SIGNATURE_KEY] = signature
+                    header[ROUND_KEY] = round_tag(self.round_name)
             await stream.send(Message(header, payload), timeout=self._left())
             self.traffic.sent(peer, len(payload))
         await stream.close()

@@ -10,6 +10,7 @@ thread pool's jobs; this is only the sending half of its state.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,16 +49,20 @@ from .jobs import ChunkJobs
 from .report import TransferLog
 from .signatures import (
     ANSWER_SIGNATURE_KEY,
+    ROUND_KEY,
+    ROUND_TAG_HEX,
     SIGNATURE_KEY,
     account_digest,
     answer_digests_signed_by,
     contribution_digest,
+    round_tag,
     sign,
 )
 from .wire import (
     METHOD,
     NOT_STARTED_PATIENCE,
     ChunkPlan,
+    GroupMismatch,
     PeerFault,
     StreamOpen,
     chunk_header,
@@ -109,6 +114,7 @@ class PartSender:
     weights: Sequence[float] | None = None  # each member's weight in the round (its claim if None)
     identity: Identity | None = None  # signs each chunk we send (signatures.py) where we check
     round_name: str = ""  # what signatures name the round by (signatures.round_name)
+    counters: Counter[str] = field(default_factory=Counter)  # the all-reduce's (group_mismatches)
     # the reducers we send to, which averaged chunks came back, why others did not
     targets: list[int] = field(init=False)
     got: dict[int, list[bool]] = field(init=False)
@@ -215,6 +221,7 @@ class PartSender:
             header = chunk_header(c, meta)
             if signature is not None:
                 header[SIGNATURE_KEY] = signature
+                header[ROUND_KEY] = round_tag(self.round_name)
             await stream.send(Message(header, payload), timeout=self.left())
             self.traffic.sent(peer, len(payload))
         await stream.close()
@@ -231,6 +238,13 @@ class PartSender:
                 continue
             meta = parse_chunk(message.header, c, plan.count)
             self.traffic.received(peer, len(message.payload))
+            tag = message.header.get(ROUND_KEY)
+            if self.check and tag is not None and tag != round_tag(self.round_name):
+                # (another group under this id: the leader's doing, maybe; nobody is blamed)
+                self.counters["group_mismatches"] += 1
+                raise GroupMismatch(f"the reducer's group under this id is another than ours "
+                                    f"(round {str(tag)[:ROUND_TAG_HEX]!r}): the leader sent us "
+                                    "different groups")
             a, b = plan.absolute(c)
             await self.jobs.run(b - a, self._take_average, j, c, message.payload, meta,
                                 message.header.get(ACCOUNT_KEY), message.header.get(ANSWER_SIGNATURE_KEY))

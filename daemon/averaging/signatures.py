@@ -33,6 +33,8 @@ from ..identity import Identity, public_key_of
 
 SIGNATURE_KEY = "s"  # in a sender's chunk header: the hex signature of its digest
 ANSWER_SIGNATURE_KEY = "a"  # in a reducer's answer header: its signature of answer and account
+ROUND_KEY = "r"  # in both: the round as the writer's group names it (`round_tag`)
+ROUND_TAG_HEX = 32
 DIGEST_HEX = 64
 SIGNATURE_HEX = 128
 
@@ -51,15 +53,26 @@ def contribution_digest(group_id: str, reducer: int, chunk: int, meta: Mapping[s
 
 
 def round_name(group: Any) -> str:
-    """What signatures name a round by: its id, its members in order (and which of them send:
-    that sets how an account is cut into segments) and its parts (a Group). Members of one group
-    agree on it. A hostile leader that sends members different groups under one id still breaks
-    the round: their signatures fail at each other, counted as protocol offences (open:
-    docs/security.md)."""
-    body = orjson.dumps([group.group_id, [[m.peer_id, m.sends] for m in group.members],
-                         [list(b) for b in group.part_bounds], group.size, group.chunk_elements,
-                         group.compression])
+    """What signatures name a round by: a digest of its whole group (a Group) as its leader sent
+    it: the id, every member with its role, weight, bandwidths and count, the parts, the codec,
+    the deadline. Members of one group agree on it; a member that a hostile leader gave another
+    group under the same id (another member's weight, say) names another round, which its peers
+    see in the clear (`ROUND_KEY`) and set aside without blaming it (`GroupMismatch`): the
+    signatures of that member and of its reducers then never meet, and nobody honest is
+    banned for what the leader did."""
+    body = orjson.dumps([
+        group.group_id, group.key,
+        [[m.peer_id, m.role, float(m.weight), float(m.upload), float(m.download),
+          bool(m.reachable), int(m.represents)] for m in group.members],
+        group.size, [[int(a), int(b)] for a, b in group.part_bounds], group.chunk_elements,
+        group.compression, float(group.deadline), group.aggregation])
     return blake3(body, max_threads=1).hexdigest()
+
+
+def round_tag(name: str) -> str:
+    """What a chunk or an answer names its round by in the clear (`ROUND_KEY`): the first half
+    of `round_name` (the signature binds the whole)."""
+    return name[:ROUND_TAG_HEX]
 
 
 def _signed_bytes(kind: str, round_: str, reducer: int, chunk: int, *digests: bytes) -> bytes:

@@ -56,6 +56,12 @@ def says_slot_taken(error: BaseException) -> bool:
     return SLOT_TAKEN in str(error)
 
 
+class GroupMismatch(PeerFault):
+    """The peer names the round by another group than ours under the same id (signatures.
+    round_name): its leader, not the peer, may have sent us different groups. What it sent is
+    set aside; not an offence (screening.offence_kind), and never a ban."""
+
+
 class ProtocolViolation(PeerFault):
     """A sender's chunk message breaks the protocol (no index, out of order, duplicate, bad meta):
     an offence, unlike a fault of the link."""

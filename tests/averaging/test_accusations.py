@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from averaging.fake_transport import HandlerTransport
 
@@ -47,12 +48,13 @@ IDS = [Identity.from_seed(bytes([i]) * 32) for i in range(4)]
 PEERS = [i.peer_id for i in IDS]
 REDUCER = 3
 GROUP = "group-a"
+DEADLINE = time.time() + 3600  # (the round's name covers it: one for every group here)
 
 
 def _group(**changes: Any) -> Group:
     members = tuple(Member(peer, "trainer", 1.0, 1e6, 1e6) for peer in PEERS)
     bounds = tuple((2 * k * N, 2 * (k + 1) * N) for k in range(4))  # two chunks each
-    group = Group(GROUP, "key", members, 8 * N, bounds, N, "none", time.time() + 30, "mean")
+    group = Group(GROUP, "key", members, 8 * N, bounds, N, "none", DEADLINE, "mean")
     return dataclasses.replace(group, **changes)
 
 
@@ -108,16 +110,25 @@ def test_a_signature_names_its_signer_and_its_slot() -> None:
     assert not signed_by("not-a-peer-id", NAME, REDUCER, 0, digest, signature)
 
 
-def test_a_round_is_named_by_its_id_members_and_parts_only() -> None:
-    """What members must agree on for the round to work at all: a leader that sends members
-    groups differing elsewhere (a deadline) cannot make honest signatures fail."""
-    assert round_name(_group(deadline=time.time() + 99)) == NAME
-    other = _group(members=tuple(reversed(_group().members)))
-    aux = _group(members=(*_group().members[:3], dataclasses.replace(_group().members[3], role="aux",
-                                                                      weight=0.0)))
-    for changed in (_group(group_id="group-b"), other, aux,
-                    _group(part_bounds=((0, N), (N, 4 * N), (4 * N, 6 * N), (6 * N, 8 * N)))):
-        assert round_name(changed) != NAME
+def test_a_round_is_named_by_its_whole_group_as_every_member_parses_it() -> None:
+    """A leader that sends members groups differing anywhere (another member's weight, the
+    deadline) makes them name different rounds, which they see and set aside without blaming
+    each other (butterfly: GroupMismatch); the group as a follower parses it from the leader's
+    JSON (weights as integers there) names the same round as the leader's own."""
+    group = _group()
+    wire = orjson.loads(orjson.dumps(group.to_json()))
+    for member in wire["members"]:
+        member["weight"] = 1  # (an integer on the wire)
+    assert round_name(Group.from_json(wire)) == NAME
+    heavier = (dataclasses.replace(group.members[0], weight=2.0), *group.members[1:])
+    aux = (*group.members[:3], dataclasses.replace(group.members[3], role="aux", weight=0.0))
+    changes: list[dict[str, Any]] = [
+        {"group_id": "group-b"}, {"members": tuple(reversed(group.members))}, {"members": aux},
+        {"members": heavier}, {"deadline": DEADLINE + 1}, {"key": "other"},
+        {"part_bounds": ((0, N), (N, 4 * N), (4 * N, 6 * N), (6 * N, 8 * N))},
+        {"compression": "fp16"}, {"aggregation": "norm_clip"}]
+    names = {round_name(_group(**change)) for change in changes}
+    assert NAME not in names and len(names) == len(changes)
 
 
 def test_the_digests_are_of_the_meta_as_json_carries_it() -> None:

@@ -21,6 +21,7 @@ import orjson
 import pytest
 from net.netutil import wait_until
 
+from dedloc.daemon.averaging import butterfly, signatures
 from dedloc.daemon.averaging.aggregation import NORM_CLIP_FACTOR, Aggregation
 from dedloc.daemon.averaging.allreduce import AllReduceError, AllReduceReport, AllReduceService
 from dedloc.daemon.averaging.compression import get_codec, reply_codec
@@ -648,7 +649,8 @@ async def test_an_honest_norm_clip_round_is_the_weighted_mean(clusters: Any) -> 
         assert np.allclose(vector, expected, rtol=1e-6, atol=1e-6)
 
 
-async def test_a_reducer_that_skips_the_clipping_is_caught_and_banned(clusters: Any) -> None:
+async def test_a_reducer_that_skips_the_clipping_is_caught_and_banned(
+        clusters: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Reducer 1 averages by the plain mean (as a hostile or out-of-date reducer would) while
     the group says norm_clip: every other member refuses its answers (its part stays local
     there, `failed_parts`) and bans it at once; the other reducers' parts are averaged."""
@@ -656,6 +658,10 @@ async def test_a_reducer_that_skips_the_clipping_is_caught_and_banned(clusters: 
     weights = [1.0] * 5
     group = make_group(cluster.ids, weights=weights, aggregation="norm_clip")
     skipping = dataclasses.replace(group, aggregation="mean")
+    # (it names the round as the group does: a reducer that says it holds another group is
+    # set aside without blame, test_group_mismatch below)
+    monkeypatch.setattr(butterfly, "round_name", lambda g: signatures.round_name(
+        dataclasses.replace(g, aggregation="norm_clip")))
     vecs = gradients(5, group.size)
     vecs[4] = (vecs[4] * np.float32(100.0)).astype(np.float32)
     before = [v.copy() for v in vecs]
@@ -674,3 +680,38 @@ async def test_a_reducer_that_skips_the_clipping_is_caught_and_banned(clusters: 
     for j, (start, end) in enumerate(group.part_bounds):
         if j != 1:
             assert np.array_equal(vecs[0][start:end], vecs[2][start:end])
+
+
+async def test_group_mismatch_sets_the_member_aside_and_bans_nobody(clusters: Any) -> None:
+    """A hostile leader gives member 0 a group in which member 2 weighs twice what the others
+    were told (the signatures of each hold). Member 0 names another round: its chunks and
+    its answers are set aside by the others, theirs by it (GroupMismatch), nothing of them is
+    applied, and nobody is banned or counted an offence (before, member 0 found every honest
+    reducer's account against the weights it was told and banned them all)."""
+    cluster = await clusters(5)
+    group = make_group(cluster.ids)
+    members = list(group.members)
+    members[2] = dataclasses.replace(members[2], weight=2.0)
+    told_otherwise = dataclasses.replace(group, members=tuple(members))
+    vecs = gradients(5, group.size)
+    before = [v.copy() for v in vecs]
+    reports = list(await asyncio.gather(*(
+        cluster.services[i].run(told_otherwise if i == 0 else group, i, vecs[i], 1.0)
+        for i in range(5))))
+    bounds = group.part_bounds
+    assert reports[0].failed_parts == ((bounds[1][0], group.size),)  # every other reducer's
+    assert np.array_equal(vecs[0][bounds[0][1]:], before[0][bounds[0][1]:])
+    for i in range(1, 5):
+        assert reports[i].failed_parts == (bounds[0],), reports[i].failures
+        # (member 2's stream is refused sooner, for the weight it opens it with: no offence)
+        assert "GroupMismatch" in reports[i].failures[0].reason \
+            or (i == 2 and "the group says 2" in reports[i].failures[0].reason)
+    for i, service in enumerate(cluster.services):
+        assert service.counters["group_mismatches"] >= 1, (i, service.counters)
+        assert service.counters["wrong_averages"] == 0
+        assert all(service.bans.banned(peer) is None for peer in cluster.ids), i
+    # the four that agree averaged their parts without member 0 (it was set aside there)
+    honest = np.mean([before[i] for i in range(1, 5)], axis=0)
+    for start, end in bounds[1:]:
+        for i in range(1, 5):
+            np.testing.assert_allclose(vecs[i][start:end], honest[start:end], rtol=1e-5, atol=1e-6)
