@@ -187,15 +187,18 @@ class Matchmaker:
         self.refused_groups = 0  # groups from leaders that did not match what we asked for
         # group ids taken (ours and leaders'): a group under an id seen before is refused, so no
         # round's signatures can be shown again in another (signatures.py)
-        self._seen_groups: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # (with the leader that sent each: a leader that sends an id another leader sent first
+        # may be honest, beaten to it by a member of its round that copied the id; refused, but
+        # no offence of it)
+        self._seen_groups: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._redirecting: set[asyncio.Task[None]] = set()  # redirects sent beside a round
         transport.add_unary_handler(JOIN, self._on_join)
         transport.add_unary_handler(GROUP, self._on_group)
         transport.add_unary_handler(REDIRECT, self._on_redirect)
         transport.add_unary_handler(COMING, self._on_coming)
 
-    def _seen(self, group_id: str) -> None:
-        self._seen_groups[group_id] = None
+    def _seen(self, group_id: str, leader: str) -> None:
+        self._seen_groups.setdefault(group_id, leader)
         self._seen_groups.move_to_end(group_id)
         while len(self._seen_groups) > SEEN_GROUPS:
             self._seen_groups.popitem(last=False)
@@ -549,7 +552,7 @@ class Matchmaker:
         group = Group(digest, request.key, ordered, request.size, bounds, request.chunk_elements,
                       request.compression, request.deadline, request.aggregation)
         group.check()
-        self._seen(group.group_id)
+        self._seen(group.group_id, self.peer_id)
         return group
 
     def _alone(self, request: RoundRequest) -> Group:
@@ -623,9 +626,12 @@ class Matchmaker:
         if self.peer_id not in {m.peer_id for m in group.members}:
             raise MatchmakingError("the group does not include this peer")
         refusal = group_refusal(group, gathering.request, timebase.now())
-        if refusal is None and group.group_id in self._seen_groups:
-            refusal = f"its id {group.group_id[:16]} names a round seen before"
-        self._seen(group.group_id)
+        first_from = self._seen_groups.get(group.group_id)
+        offence = refusal is not None or first_from == ctx.peer_id
+        if refusal is None and first_from is not None:
+            refusal = f"its id {group.group_id[:16]} names a round seen before" + (
+                "" if offence else f" (from {first_from[:12]}: who copied whose is unknown)")
+        self._seen(group.group_id, ctx.peer_id)
         if refusal is not None:  # we wait out the leader and go on without it
             self.refused_groups += 1
             log.warning("matchmaking_group_refused", leader=ctx.peer_id[:12], key=group.key,
@@ -633,7 +639,8 @@ class Matchmaker:
             # an offence: no honest leader's group breaks these rules (a round that failed runs
             # again under the same key, with the same leader first: without a ban, a hostile
             # leader that ranks first stalled its run's head for good)
-            self._bans.offence(ctx.peer_id, "group", refusal)
+            if offence:
+                self._bans.offence(ctx.peer_id, "group", refusal)
             raise MatchmakingError(f"refused the group: {refusal}")
         if not gathering.group.done():
             gathering.group.set_result(group)

@@ -118,3 +118,38 @@ async def test_followers_refuse_a_frozen_group_and_go_on_without_its_leader() ->
 def _halves(members: tuple[Member, ...], size: int, chunk: int) -> tuple[tuple[int, int], ...]:
     share = -(-size // len(members))
     return tuple((min(size, i * share), min(size, (i + 1) * share)) for i in range(len(members)))
+
+
+async def test_an_id_seen_before_is_an_offence_only_of_the_leader_that_sent_it_first() -> None:
+    """Group ids are refused when seen again (so that no two rounds here share one). A leader
+    that sends an id it sent before replays a round: an offence. A leader that sends an id
+    another leader sent first may be honest (a member of its round can copy the id to us
+    first): refused all the same, but no offence, so a copier cannot get honest leaders banned."""
+    import time
+
+    from averaging.fake_transport import HandlerTransport
+
+    from dedloc.daemon.averaging.bans import BanList
+    from dedloc.daemon.averaging.matchmaking import Matchmaker, MatchmakingError, _Gathering
+    from dedloc.daemon.net import Message, RequestContext
+
+    bans = BanList()
+    maker = Matchmaker(HandlerTransport(ME.peer_id), None, _halves, bans=bans)  # type: ignore[arg-type]
+    copier = dataclasses.replace(LEADER, peer_id="peer-c")
+
+    async def deliver(leader: Member, key: str, group_id: str) -> None:
+        deadline = time.time() + 30
+        request = dataclasses.replace(REQUEST, key=key, deadline=deadline)
+        maker._rounds[key] = _Gathering(request, leader=leader.peer_id)
+        group = dataclasses.replace(_group(members=(leader, ME)), key=key, group_id=group_id,
+                                    deadline=deadline)
+        await maker._on_group(RequestContext(leader.peer_id), Message({"group": group.to_json()}))
+
+    await deliver(copier, "run/grad/4", "honest-id")  # the copy comes first
+    with pytest.raises(MatchmakingError, match=r"seen before .*who copied whose is unknown"):
+        await deliver(LEADER, "run/grad/3", "honest-id")
+    assert bans.counters["offences"] == 0 and maker.refused_groups == 1
+    await deliver(LEADER, "run/grad/5", "another-id")
+    with pytest.raises(MatchmakingError, match="seen before"):  # its own id again: a replay
+        await deliver(LEADER, "run/grad/6", "another-id")
+    assert bans.counters["offences_group"] == 1
