@@ -92,7 +92,7 @@ class FinalState:
         final = cls(directory, state.numel, state.meta, state.epoch, state.lineage, state.group)
         directory.mkdir(parents=True, exist_ok=True)
         values, head = final.values_path, directory / HEAD_FILE
-        partial = values.with_suffix(".partial")
+        partial = directory / (VALUES_FILE + ".partial")
         try:
             with partial.open("wb") as out:
                 state.buffer.array[: state.numel].astype(np.float32, copy=False).tofile(out)
@@ -108,9 +108,14 @@ class FinalState:
         return final
 
     def remove(self) -> None:
-        for name in (VALUES_FILE, HEAD_FILE):
+        FinalState.remove_from(self.directory)
+
+    @staticmethod
+    def remove_from(directory: Path) -> None:
+        """Remove the final state's files from a run's directory, if any."""
+        for name in (VALUES_FILE, HEAD_FILE, VALUES_FILE + ".partial"):
             with contextlib.suppress(OSError):
-                (self.directory / name).unlink()
+                (directory / name).unlink()
 
 
 class FinishedDonor:

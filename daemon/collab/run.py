@@ -171,6 +171,9 @@ class Run:
             await self._load(self._worker)
             self.store = CheckpointStore(self.run_dir, self.spec.fingerprint())
             await asyncio.to_thread(self.store.prepare)
+            # (a final state left by a daemon that was killed while serving it: a run that
+            # starts serves none until it finishes again)
+            await asyncio.to_thread(FinalState.remove_from, self.run_dir)
             await self._resume()
             self.engine = self._engine(self._worker)
         except BaseException:
