@@ -303,7 +303,7 @@ class Round:
                 raise PeerFault(f"the sender closed its stream after {c} of {plan.count} chunks")
             meta = parse_chunk(message.header, c, plan.count)
             self.traffic.received(peer, len(message.payload))
-            if self.policy.check_answers:
+            if self.policy.check_answers and SIGNATURE_KEY in message.header:
                 self._same_round(message.header.get(ROUND_KEY))
             if previous is not None:
                 await asyncio.shield(previous)
@@ -320,7 +320,7 @@ class Round:
     def _same_round(self, tag: Any) -> None:
         """GroupMismatch where a sender names the round by another group than ours (signatures.
         round_name): set aside, not an offence, since its leader may be the one that lied."""
-        if tag is not None and tag != round_tag(self.round_name):
+        if tag != round_tag(self.round_name):  # (signed, none: an older dedloc, not blamed)
             self.counters["group_mismatches"] += 1
             raise GroupMismatch(f"the sender's group under this id is another than ours (round "
                                 f"{str(tag)[:ROUND_TAG_HEX]!r}, ours "

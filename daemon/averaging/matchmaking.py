@@ -198,8 +198,9 @@ class Matchmaker:
         transport.add_unary_handler(COMING, self._on_coming)
 
     def _seen(self, group_id: str, leader: str) -> None:
-        self._seen_groups.setdefault(group_id, leader)
-        self._seen_groups.move_to_end(group_id)
+        if group_id in self._seen_groups:  # (its first leader stays; sent again, it stays old)
+            return
+        self._seen_groups[group_id] = leader
         while len(self._seen_groups) > SEEN_GROUPS:
             self._seen_groups.popitem(last=False)
 

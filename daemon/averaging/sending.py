@@ -239,7 +239,8 @@ class PartSender:
             meta = parse_chunk(message.header, c, plan.count)
             self.traffic.received(peer, len(message.payload))
             tag = message.header.get(ROUND_KEY)
-            if self.check and tag is not None and tag != round_tag(self.round_name):
+            if self.check and ANSWER_SIGNATURE_KEY in message.header \
+                    and tag != round_tag(self.round_name):  # (signed, none: an older dedloc)
                 # (another group under this id: the leader's doing, maybe; nobody is blamed)
                 self.counters["group_mismatches"] += 1
                 raise GroupMismatch(f"the reducer's group under this id is another than ours "

@@ -38,7 +38,7 @@ import structlog
 
 from .. import timebase
 from .engine import STALE_AFTER
-from .errors import MembershipError
+from .errors import MembershipError, StateSyncError
 from .ports import DownloadedState, ProgressBoard
 from .progress import PeerProgress
 from .run_progress import PhaseCell, RunProgress
@@ -141,7 +141,11 @@ class FinishedDonor:
 
     async def export_state(self) -> DownloadedState:
         final = self.final
-        buffer = await asyncio.to_thread(MappedState, final.values_path, final.numel)
+        try:
+            buffer = await asyncio.to_thread(MappedState, final.values_path, final.numel)
+        except (OSError, ValueError) as exc:  # (removed meanwhile: the serving ended)
+            raise StateSyncError(f"this peer no longer serves the run's final state: {exc}") \
+                from None
         return DownloadedState(buffer, final.numel, final.meta, final.epoch, final.lineage,
                                final.group)
 
@@ -163,6 +167,8 @@ class FinishedDonor:
                 except MembershipError as exc:  # a closed run's member no more
                     log.warning("final_state_membership_lost", error=str(exc))
                     break
+                except Exception as exc:  # (the board's own failures are logged there)
+                    log.warning("final_state_report_failed", error=f"{type(exc).__name__}: {exc}")
                 wait = min(REPORT_EVERY, max(0.0, self.until - timebase.now()))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopped.wait(), wait)

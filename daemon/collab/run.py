@@ -257,7 +257,11 @@ class Run:
             reason = await engine.run()
             if reason == "finished":
                 self.state = "finished"
-                await self._keep_final_state(engine)
+                try:
+                    await self._keep_final_state(engine)
+                except asyncio.CancelledError:  # stopped while writing it: the worker goes all
+                    await self._release(state="finished")  # the same
+                    raise
         except WorkerError as exc:
             if engine.stopping:
                 return
@@ -281,23 +285,34 @@ class Run:
 
     async def _keep_final_state(self, engine: RunEngine) -> None:
         """Finished: serve the final state from a file once the worker is gone (final_state.py);
-        should that fail (a full disk), say farewell as a leaving trainer does."""
+        should that fail (a full disk), say farewell as a leaving trainer does. A stop while it
+        is written lets the write end (it reads the worker's shared memory) and drops the file."""
         if not engine.hands_over_when_finished or self.board is None:
             return
+        writing = asyncio.ensure_future(self._write_final_state(engine))
         try:
-            exported = await engine.export_state()
-            try:
-                final = await asyncio.to_thread(FinalState.write, self.run_dir, exported)
-            finally:
-                exported.close()
-        except Exception as exc:  # (a full disk, a worker gone): the run finished all the same
-            self._log.warning("final_state_not_kept", error=f"{type(exc).__name__}: {exc}")
+            final = await asyncio.shield(writing)
+        except asyncio.CancelledError:
+            writing.add_done_callback(_drop_written)
+            raise
+        if final is None:
             await engine.farewell()
             return
         self.final_donor = FinishedDonor(final, peer_id=engine.peer_id, board=self.board,
                                          progress=self.progress, started_at=engine.started_at)
         self.final_donor.start()
         self._log.info("final_state_served", epoch=final.epoch, numel=final.numel)
+
+    async def _write_final_state(self, engine: RunEngine) -> FinalState | None:
+        try:
+            exported = await engine.export_state()
+            try:
+                return await asyncio.to_thread(FinalState.write, self.run_dir, exported)
+            finally:  # (the thread is done with the buffer: this is never cancelled midway)
+                exported.close()
+        except Exception as exc:  # (a full disk, a worker gone): the run finished all the same
+            self._log.warning("final_state_not_kept", error=f"{type(exc).__name__}: {exc}")
+            return None
 
     async def _stop_serving(self) -> None:
         donor, self.final_donor = self.final_donor, None
@@ -308,7 +323,7 @@ class Run:
         if self.state in ACTIVE_STATES:
             raise RunNotActiveError(f"run {self.spec.name!r} is {self.state}; stop it before "
                                     "restarting it")
-        await self._stop_serving()
+        await self.stop()  # finished: its lingering, final state and worker go first
         self.progress.restarts += 1
         await self.start()
 
@@ -426,6 +441,12 @@ class Run:
         if self._last_worker is not None:
             return {"state": "exited", **self._last_worker}
         return {"state": "none", "pid": None, "exit_code": None, "last_log_lines": []}
+
+
+def _drop_written(writing: asyncio.Future[FinalState | None]) -> None:
+    """A final state written for a run stopped meanwhile: nobody serves it."""
+    if not writing.cancelled() and writing.exception() is None and (final := writing.result()):
+        final.remove()
 
 
 async def finish_or_cancel(task: asyncio.Task[None], timeout: float) -> None:

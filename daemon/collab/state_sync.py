@@ -154,7 +154,7 @@ class StateSharing:
             finally:
                 exported.buffer.close()
         finally:
-            self._sketching = 0
+            self._sketching -= 1
         self.sketched += 1
         return Message({**head, "sketch": [float(v) for v in found]})
 

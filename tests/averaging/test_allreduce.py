@@ -28,7 +28,14 @@ from dedloc.daemon.averaging.compression import get_codec, reply_codec
 from dedloc.daemon.averaging.error_feedback import unconveyed
 from dedloc.daemon.averaging.group import Group, Member, Role
 from dedloc.daemon.averaging.screening import ScreeningPolicy
-from dedloc.daemon.averaging.signatures import SIGNATURE_KEY, contribution_digest, round_name, sign
+from dedloc.daemon.averaging.signatures import (
+    ROUND_KEY,
+    SIGNATURE_KEY,
+    contribution_digest,
+    round_name,
+    round_tag,
+    sign,
+)
 from dedloc.daemon.averaging.wire import METHOD, StreamOpen
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import (
@@ -402,7 +409,8 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
     def signed(j: int, header: dict[str, Any], payload: bytes) -> Message:
         digest = contribution_digest(group.group_id, j, header["c"], {}, payload)
         signature = sign(transport.identity, round_name(group), j, header["c"], digest)
-        return Message({**header, SIGNATURE_KEY: signature}, payload)
+        return Message({**header, SIGNATURE_KEY: signature,
+                        ROUND_KEY: round_tag(round_name(group))}, payload)
 
     async def one(j: int) -> None:
         a = group.part_bounds[j][0]
@@ -420,6 +428,11 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
         elif mode == "duplicate":
             header = {"c": 0}
         message = signed(j, header, bad.tobytes())
+        if mode == "untagged":  # signed, with no round named: a sender of an older dedloc
+            message = Message({k: v for k, v in message.header.items() if k != ROUND_KEY},
+                              message.payload)
+        elif mode == "other_group":  # the round of another group under this id
+            message = Message({**message.header, ROUND_KEY: "0" * 32}, message.payload)
         if mode == "deep_meta":  # a meta JSON carries but cannot write back (300 levels deep)
             deep = {"x": json.loads("[" * 300 + "]" * 300)}
             message = Message({**message.header, "m": deep}, message.payload)
@@ -475,6 +488,28 @@ async def test_bad_chunk_excludes_its_sender(clusters: Any, mode: str, reason: s
     assert sum(s.counters["senders_excluded"] for s in cluster.services) == 3
     for service in cluster.services:
         assert service.bans.counters["offences"] == 1
+
+
+@pytest.mark.parametrize("mode", ["untagged", "other_group"])
+async def test_a_chunk_of_another_round_excludes_its_sender_without_an_offence(
+        clusters: Any, mode: str) -> None:
+    """A signed chunk naming another round than the reducer's group (its leader told its sender
+    another group), or none (a sender of an older dedloc): the sender is left out as if it had
+    stalled, and nobody counts it an offence (it may not be the one that lied)."""
+    cluster = await clusters(4, services=[0, 1, 2])
+    weights = [1.0, 2.0, 1.5, 4.0]
+    group = make_group(cluster.ids, roles=["trainer", "trainer", "trainer", "client"], weights=weights)
+    vecs = vectors(4, group.size)
+    with_all, without = weighted(vecs, weights, range(4)), weighted(vecs, weights, range(3))
+    reports, _ = await asyncio.gather(run_all(cluster, group, vecs, weights, members=[0, 1, 2]),
+                                      hostile_sender(cluster.transports[3], group, 3, vecs[3], mode))
+    for report in reports:
+        assert report.ok and "another than ours" in report.senders_excluded[cluster.ids[3]]
+    for j, (a, b) in chunk_ranges(group):
+        first = a == group.part_bounds[j][0]
+        assert close(vecs[0][a:b], without[a:b]) or (first and close(vecs[0][a:b], with_all[a:b]))
+    for service in cluster.services:
+        assert service.bans.counters["offences"] == 0 and service.counters["group_mismatches"] == 1
 
 
 async def test_silent_member_deadline_and_nothing_left_behind(clusters: Any) -> None:

@@ -215,3 +215,59 @@ def test_a_slow_reader_is_cut_off_and_holds_one_slot_only() -> None:
             await transport.close()
 
     run_virtual(main())
+
+
+def test_at_most_two_sketches_at_once_however_they_end() -> None:
+    """Each sketch exports the whole state: a donor answers two at a time. (The count was reset
+    to zero when any sketch ended, so askers that came one by one ran any number at once.)"""
+    class Handlers:
+        def add_stream_handler(self, method: str, handler: Any) -> None:
+            pass
+
+        def add_unary_handler(self, method: str, handler: Any) -> None:
+            pass
+
+    class Gated(Donor):
+        """Each export waits for its own gate: the sketches stay under way until let go."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gates: list[asyncio.Event] = []
+
+        async def export_state(self) -> DownloadedState:
+            gate = asyncio.Event()
+            self.gates.append(gate)
+            await gate.wait()
+            return await super().export_state()
+
+    async def main() -> None:
+        donor = Gated()
+        sharing = StateSharing(Handlers(), lambda key: donor)  # type: ignore[arg-type]
+
+        def ask(peer: str) -> asyncio.Future[Message]:
+            header = {"key": KEY, "seed": 1, "count": 10, "epoch": donor.epoch,
+                      "lineage": donor.lineage}
+            return asyncio.ensure_future(sharing._sketch(RequestContext(peer), Message(header)))
+
+        async def exports(n: int) -> None:
+            for _ in range(1000):  # (virtual time: the asks reach their exports within a step)
+                if len(donor.gates) >= n:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"{len(donor.gates)} exports under way, not {n}")
+
+        first, second = ask("peer-a"), ask("peer-b")
+        await exports(2)
+        donor.gates[0].set()
+        assert "sketch" in (await first).header
+        third = ask("peer-c")  # one under way: a second may start
+        await exports(3)
+        with pytest.raises(DonorBusy):  # two under way
+            await ask("peer-d")
+        for gate in donor.gates[1:]:
+            gate.set()
+        for answered in (second, third):
+            assert "sketch" in (await answered).header
+        assert (sharing.sketched, sharing.refused_sketches) == (3, 1)
+
+    run_virtual(main())
