@@ -202,6 +202,10 @@ class Daemon:
                     await self.process.wait()
             except TimeoutError:
                 sys.stderr.write(f"daemon {self.index} did not stop within {timeout} s: killed\n")
+        return await self.kill()
+
+    async def kill(self) -> int:
+        """Kill the daemon's process group at once (no orderly stop), wait for it."""
         # Its own session: whatever is left of its group (a worker) goes with it.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)

@@ -101,9 +101,10 @@ centered clipping (averaging.robust_aggregation = "centered_clip"), their rounds
 and the ratios to the mean (`ratio`: centered clipping's; `norm_clip_ratio`).
 
 --quick is a smoke run: 2 epochs, target batch 128, identities 1, one clean run, robust
-aggregation on 4 x 4 MiB with 1 round. Every daemon is stopped (run.stop, node.shutdown, then
-its process group killed), also on errors, Ctrl-C and SIGTERM, and the temporary directory is
-removed (--keep keeps it). Prints one JSON object (with --json only that; else a table first).
+aggregation on 4 x 4 MiB with 1 round. Every honest daemon is stopped (run.stop, node.shutdown,
+then its process group killed), every hostile one killed (its process group), also on errors,
+Ctrl-C and SIGTERM, and the temporary directory is removed (--keep keeps it). Prints one JSON
+object (with --json only that; else a table first).
 """
 
 from __future__ import annotations
@@ -589,7 +590,11 @@ async def run_swarm(args: argparse.Namespace, root: Path, keys: Path, attack: At
             if streams is not None:
                 await asyncio.shield(streams.close())
         finally:  # (a second Ctrl-C during the flood's close still stops the daemons)
-            await asyncio.shield(asyncio.gather(*(d.stop(args.stop_timeout) for d in daemons)))
+            # A hostile daemon is killed: its results are read by now, and its orderly stop
+            # (run.stop finishes the round in progress) waits while the defence keeps it out of
+            # the rounds, up to the averaging's timeouts (10 s in a --quick weight run).
+            await asyncio.shield(asyncio.gather(*(d.stop(args.stop_timeout) if d.index < HONEST
+                                                  else d.kill() for d in daemons)))
     return RunResult(completed, error, seconds, statuses, averaging, attackers, attacker_states,
                      finals, memory.daemon_peak[:HONEST], extra)
 
