@@ -46,9 +46,14 @@ demo: venv
 # One OpenMP/MKL thread per torch process: the suite runs several test processes, daemons and
 # workers on two cores, and OpenMP threads that spin-wait on an oversubscribed CPU made a 17 s
 # model test take 100 s (tests that want more threads ask torch for them).
+# Bytecode caches are written (__pycache__, git-ignored) even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE=1; empty is off): the suite starts hundreds of daemons and workers,
+# and without them each compiled dedloc from source and each test process rewrote every test
+# module's asserts (tests/hostile: 68.6 s of CPU instead of 42.0 s).
 test: venv system-deps
 	$(PIP) install -q --force-reinstall --no-deps ./tests/example_plugin
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+		$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
