@@ -180,6 +180,22 @@ async def wait_until(predicate: Any, timeout: float = 120.0, interval: float = 0
             await asyncio.sleep(interval)
 
 
+async def join_by_name(daemon: Any, name: str, timeout: float = 60.0) -> dict[str, Any]:
+    """`dedloc join NAME`: run.start with the name only, asked again while no peer publishes the
+    run yet (or the daemon has not joined the network); its status."""
+    from dedloc.rpc import RpcCallError
+
+    async def join() -> dict[str, Any] | None:
+        try:
+            return await daemon.call("run.start", {"name": name})
+        except RpcCallError as exc:
+            if "no peer publishes" in exc.message or "not joined the network" in exc.message:
+                return None
+            raise
+
+    return await wait_until(join, timeout=timeout)
+
+
 async def p2p_address(daemon: DaemonProcess) -> str:
     """The daemon's loopback peer address (tests listen on 127.0.0.1 only)."""
     info = await daemon.call("node.info")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import DaemonProcess, dedloc_cli, p2p_address, wait_until
+from support import DaemonProcess, dedloc_cli, join_by_name, p2p_address, wait_until
 
 from dedloc.cli.main import main as dedloc_main
 from dedloc.daemon.collab.autojoin import BASE_DELAY, backoff_delay
@@ -19,7 +19,6 @@ from dedloc.daemon.collab.secrecy import RunSecret
 from dedloc.daemon.collab.tokens import MembershipToken
 from dedloc.daemon.config import ConfigError, build_config
 from dedloc.daemon.identity import Identity
-from dedloc.rpc import RpcCallError
 
 
 async def _run(daemon: Any, name: str) -> dict[str, Any] | None:
@@ -98,15 +97,7 @@ async def test_it_joins_once_the_run_appears_and_a_stop_by_the_volunteer_sticks(
         await wait_until(lambda: _logged(again, "run_autojoin_skipped"), timeout=30)
         assert await _run(again, "later") is None
 
-        async def join_by_hand() -> dict[str, Any] | None:  # `dedloc join later`
-            try:
-                return await again.call("run.start", {"name": "later"})
-            except RpcCallError as exc:
-                if "no peer publishes" in exc.message or "not joined the network" in exc.message:
-                    return None
-                raise
-
-        await wait_until(join_by_hand, timeout=60)
+        await join_by_name(again, "later")  # `dedloc join later`
         await wait_until(lambda: _logged(again, "run_autojoin_resumed"), timeout=30)
         assert not (again.root / "state" / "autojoin-stopped").exists()
     finally:

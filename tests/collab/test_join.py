@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from support import p2p_address, wait_until
+from support import join_by_name, p2p_address, wait_until
 
 from dedloc.rpc import ErrorCode, RpcCallError
 
@@ -90,16 +90,7 @@ async def test_a_newcomer_to_a_finished_run_downloads_its_final_state(daemon_fac
 
     done = [await wait_until(lambda d=d: serving(d), timeout=180) for d in (first, second)]
     late = await daemon_factory("--net.bootstrap", address)
-
-    async def join() -> dict[str, Any] | None:
-        try:
-            return await late.call("run.start", {"name": "done"})
-        except RpcCallError as exc:
-            if "no peer publishes" in exc.message or "not joined the network" in exc.message:
-                return None
-            raise
-
-    await wait_until(join, timeout=60)
+    await join_by_name(late, "done")
 
     async def finished() -> dict[str, Any] | None:
         (status,) = await late.call("run.status", {"name": "done"})
