@@ -70,8 +70,8 @@ from .sending import FAULTS, PartSender, describe, leaf, receive_buffer
 from .signatures import (
     ANSWER_SIGNATURE_KEY,
     ROUND_KEY,
-    ROUND_TAG_HEX,
     SIGNATURE_KEY,
+    check_round_tag,
     contribution_digest,
     round_name,
     round_tag,
@@ -80,7 +80,6 @@ from .signatures import (
 )
 from .wire import (
     ChunkPlan,
-    GroupMismatch,
     PeerFault,
     ProtocolViolation,
     StreamOpen,
@@ -304,7 +303,7 @@ class Round:
             meta = parse_chunk(message.header, c, plan.count)
             self.traffic.received(peer, len(message.payload))
             if self.policy.check_answers and SIGNATURE_KEY in message.header:
-                self._same_round(message.header.get(ROUND_KEY))
+                check_round_tag(message.header, self.round_name, "sender", self.counters)
             if previous is not None:
                 await asyncio.shield(previous)
             if not reducer.expects(i, c):
@@ -316,16 +315,6 @@ class Round:
             previous.add_done_callback(partial(self._on_added, i, c, weight))
         if previous is not None:
             await asyncio.shield(previous)
-
-    def _same_round(self, tag: Any) -> None:
-        """GroupMismatch where a sender names the round by another group than ours (signatures.
-        round_name): set aside, not an offence, since its leader may be the one that lied."""
-        if tag != round_tag(self.round_name):  # (signed, none: an older dedloc, not blamed)
-            self.counters["group_mismatches"] += 1
-            raise GroupMismatch(f"the sender's group under this id is another than ours (round "
-                                f"{str(tag)[:ROUND_TAG_HEX]!r}, ours "
-                                f"{round_tag(self.round_name)!r}): the leader sent us different "
-                                "groups")
 
     def _add_chunk(self, i: int, c: int, payload: Buffer, meta: Meta, weight: float,
                    out: np.ndarray | None, signature: Any) -> None:

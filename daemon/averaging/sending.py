@@ -50,10 +50,10 @@ from .report import TransferLog
 from .signatures import (
     ANSWER_SIGNATURE_KEY,
     ROUND_KEY,
-    ROUND_TAG_HEX,
     SIGNATURE_KEY,
     account_digest,
     answer_digests_signed_by,
+    check_round_tag,
     contribution_digest,
     round_tag,
     sign,
@@ -62,7 +62,6 @@ from .wire import (
     METHOD,
     NOT_STARTED_PATIENCE,
     ChunkPlan,
-    GroupMismatch,
     PeerFault,
     StreamOpen,
     chunk_header,
@@ -238,14 +237,8 @@ class PartSender:
                 continue
             meta = parse_chunk(message.header, c, plan.count)
             self.traffic.received(peer, len(message.payload))
-            tag = message.header.get(ROUND_KEY)
-            if self.check and ANSWER_SIGNATURE_KEY in message.header \
-                    and tag != round_tag(self.round_name):  # (signed, none: an older dedloc)
-                # (another group under this id: the leader's doing, maybe; nobody is blamed)
-                self.counters["group_mismatches"] += 1
-                raise GroupMismatch(f"the reducer's group under this id is another than ours "
-                                    f"(round {str(tag)[:ROUND_TAG_HEX]!r}): the leader sent us "
-                                    "different groups")
+            if self.check and ANSWER_SIGNATURE_KEY in message.header:
+                check_round_tag(message.header, self.round_name, "reducer", self.counters)
             a, b = plan.absolute(c)
             await self.jobs.run(b - a, self._take_average, j, c, message.payload, meta,
                                 message.header.get(ACCOUNT_KEY), message.header.get(ANSWER_SIGNATURE_KEY))

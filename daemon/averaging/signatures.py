@@ -21,6 +21,7 @@ sends or receives, in the all-reduce's worker threads (it releases the GIL); an 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ..identity import Identity, public_key_of
+from .wire import GroupMismatch
 
 SIGNATURE_KEY = "s"  # in a sender's chunk header: the hex signature of its digest
 ANSWER_SIGNATURE_KEY = "a"  # in a reducer's answer header: its signature of answer and account
@@ -73,6 +75,20 @@ def round_tag(name: str) -> str:
     """What a chunk or an answer names its round by in the clear (`ROUND_KEY`): the first half
     of `round_name` (the signature binds the whole)."""
     return name[:ROUND_TAG_HEX]
+
+
+def check_round_tag(header: Mapping[str, Any], name: str, writer: str,
+                    counters: Counter[str]) -> None:
+    """GroupMismatch (counted as `group_mismatches`) where a signed chunk or answer names its
+    round by another group than ours (`name`), or by none (a peer of an older dedloc): set
+    aside, not an offence, since the leader may be the one that lied. `writer`: "sender" or
+    "reducer", for the message."""
+    tag = header.get(ROUND_KEY)
+    if tag != round_tag(name):
+        counters["group_mismatches"] += 1
+        raise GroupMismatch(f"the {writer}'s group under this id is another than ours (round "
+                            f"{str(tag)[:ROUND_TAG_HEX]!r}, ours {round_tag(name)!r}): the "
+                            "leader sent us different groups")
 
 
 def _signed_bytes(kind: str, round_: str, reducer: int, chunk: int, *digests: bytes) -> bytes:

@@ -75,7 +75,8 @@ class RunEngine(RoundTaking, CatchingUp):
                  checkpoint_every: int = 0, collaborative: bool = True, name: str = "",
                  on_finished: Callable[[], None] | None = None,
                  donors: DonorChoice | None = None, error_feedback: bool = False,
-                 overlap: bool = False, max_weight: float | None = None) -> None:
+                 overlap: bool = False, max_weight: float | None = None,
+                 hands_over_when_finished: bool = False) -> None:
         if role == "trainer" and trainer is None:
             raise ValueError("a trainer run needs a trainer")
         self.peer_id = peer_id
@@ -133,7 +134,7 @@ class RunEngine(RoundTaking, CatchingUp):
         self._farewell_sent = False
         # a finished trainer's report is taken over by its final state's donor (final_state.py):
         # no farewell when it leaves finished (Run._main says farewell should that fail)
-        self.hands_over_when_finished = False
+        self.hands_over_when_finished = hands_over_when_finished
         self._epoch_loss = (0.0, 0)
         self._log = log.bind(run=name, role=role)
 

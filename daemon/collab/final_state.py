@@ -8,9 +8,9 @@ worker took longer to load than the two others took to finish the run: they left
 before its first report).
 
 So a collaborative trainer that finishes writes its final state (what a download carries: the
-parameters, the optimizer's slots and buffers, the worker's meta and the head) to
-`final-state.f32` and `final-state.json` in the run's directory, stops its worker, and goes on
-as a donor of that file (`FinishedDonor`):
+parameters, the optimizer's slots and buffers) to `final-state.f32` in the run's directory
+(the worker's meta and the head stay in memory), stops its worker, and goes on as a donor of
+that file (`FinishedDonor`):
 
 - it keeps a report at the final head on the run's board (every `REPORT_EVERY` seconds), so
   that a peer behind sees the run's head and whom to download it from;
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import structlog
 
 from .. import timebase
@@ -50,7 +49,7 @@ __all__ = ["REPORT_EVERY", "SERVE_SECONDS", "FinalState", "FinishedDonor"]
 SERVE_SECONDS = 24 * 3600.0  # how long a finished run serves its final state
 REPORT_EVERY = 10.0  # seconds between two reports at the final head (each lasts STALE_AFTER)
 VALUES_FILE = "final-state.f32"
-HEAD_FILE = "final-state.json"
+PARTIAL_FILE = VALUES_FILE + ".partial"
 
 
 class MappedState:
@@ -73,7 +72,8 @@ class MappedState:
 
 @dataclass(frozen=True)
 class FinalState:
-    """The final state's file and what a download's header says of it."""
+    """The final state's file and what a download's header says of it (kept in memory: a
+    daemon that restarts does not serve it again)."""
 
     directory: Path
     numel: int
@@ -91,19 +91,13 @@ class FinalState:
         """Write `state` (blocking: call it in a thread); a half-written file never stays."""
         final = cls(directory, state.numel, state.meta, state.epoch, state.lineage, state.group)
         directory.mkdir(parents=True, exist_ok=True)
-        values, head = final.values_path, directory / HEAD_FILE
-        partial = directory / (VALUES_FILE + ".partial")
+        partial = directory / PARTIAL_FILE
         try:
             with partial.open("wb") as out:
                 state.buffer.array[: state.numel].astype(np.float32, copy=False).tofile(out)
-            os.replace(partial, values)
-            head.write_bytes(orjson.dumps({"numel": final.numel, "meta": final.meta,
-                                           "epoch": final.epoch, "lineage": final.lineage,
-                                           "group": list(final.group)}))
+            os.replace(partial, final.values_path)
         except BaseException:
             final.remove()
-            with contextlib.suppress(OSError):
-                partial.unlink()
             raise
         return final
 
@@ -113,7 +107,7 @@ class FinalState:
     @staticmethod
     def remove_from(directory: Path) -> None:
         """Remove the final state's files from a run's directory, if any."""
-        for name in (VALUES_FILE, HEAD_FILE, VALUES_FILE + ".partial"):
+        for name in (VALUES_FILE, PARTIAL_FILE):
             with contextlib.suppress(OSError):
                 (directory / name).unlink()
 

@@ -232,7 +232,7 @@ class Run:
         else:
             board, rounds, states, peer_id = LocalBoard(), SoloRounds("local"), None, "local"
         availability = self.availability
-        engine = RunEngine(
+        return RunEngine(
             peer_id=peer_id, role="trainer", schedule=schedule_of(spec.manifest), board=board,
             averaging=rounds, states=states, trainer=self._trainer, progress=self.progress,
             parameters=parameters, compression=spec.manifest.compression,
@@ -241,9 +241,7 @@ class Run:
             checkpoint=self._periodic_checkpoint, checkpoint_every=spec.checkpoint_every,
             collaborative=network is not None, name=spec.name, on_finished=self._finished,
             error_feedback=spec.manifest.local_updates, overlap=spec.manifest.overlap,
-            max_weight=spec.manifest.max_weight)
-        engine.hands_over_when_finished = network is not None
-        return engine
+            max_weight=spec.manifest.max_weight, hands_over_when_finished=network is not None)
 
     def _finished(self) -> None:
         """The manifest's last epoch is reached (the engine may linger, serving its state)."""

@@ -1,5 +1,5 @@
-"""A transport that only records the unary handlers a service registers, for calling them
-directly in tests (accusations, audits, answer summaries)."""
+"""A transport that only records the handlers a service registers, for calling them directly in
+tests (accusations, audits, answer summaries, witness sketches)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ class HandlerTransport:
     def __init__(self, peer_id: str) -> None:
         self.peer_id = peer_id
         self.handlers: dict[str, Any] = {}
+        self.stream_handlers: dict[str, Any] = {}
 
     def add_unary_handler(self, method: str, handler: Any) -> None:
         self.handlers[method] = handler
+
+    def add_stream_handler(self, method: str, handler: Any) -> None:
+        self.stream_handlers[method] = handler

@@ -103,7 +103,7 @@ def test_it_stops_serving_when_its_time_is_up(tmp_path: Path) -> None:
         donor = FinishedDonor(final, peer_id="me", board=board, progress=RunProgress(),
                               started_at=timebase.now(), serve_seconds=95.0)
         donor.start()
-        await asyncio.sleep(94.0)
+        await asyncio.sleep(94.0)  # (virtual time: run_virtual, no wall-clock wait)
         assert donor.holds_state and len(board.published) == 10  # (at 0, 10, ..., 90 s)
         await asyncio.sleep(2.0)
         assert not donor.holds_state and len(board.left) == 1
@@ -121,7 +121,7 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
             raise OSError("No space left on device")
 
         def close(self) -> None:
-            pass
+            """(nothing to let go of)"""
 
     state = DownloadedState(Unwritable(), 10, {}, EPOCH, L0)
     with pytest.raises(OSError, match="No space"):

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from averaging.fake_transport import HandlerTransport
 
 from dedloc.daemon.collab import state_sync
 from dedloc.daemon.collab.engine import PhaseCell, RunProgress
@@ -220,13 +221,6 @@ def test_a_slow_reader_is_cut_off_and_holds_one_slot_only() -> None:
 def test_at_most_two_sketches_at_once_however_they_end() -> None:
     """Each sketch exports the whole state: a donor answers two at a time. (The count was reset
     to zero when any sketch ended, so askers that came one by one ran any number at once.)"""
-    class Handlers:
-        def add_stream_handler(self, method: str, handler: Any) -> None:
-            pass
-
-        def add_unary_handler(self, method: str, handler: Any) -> None:
-            pass
-
     class Gated(Donor):
         """Each export waits for its own gate: the sketches stay under way until let go."""
 
@@ -242,12 +236,15 @@ def test_at_most_two_sketches_at_once_however_they_end() -> None:
 
     async def main() -> None:
         donor = Gated()
-        sharing = StateSharing(Handlers(), lambda key: donor)  # type: ignore[arg-type]
+        handlers = HandlerTransport("donor")
+        StateSharing(handlers, lambda key: donor)  # type: ignore[arg-type]
+        sharing = handlers.handlers[state_sync.SKETCH_METHOD].__self__
 
         def ask(peer: str) -> asyncio.Future[Message]:
             header = {"key": KEY, "seed": 1, "count": 10, "epoch": donor.epoch,
                       "lineage": donor.lineage}
-            return asyncio.ensure_future(sharing._sketch(RequestContext(peer), Message(header)))
+            return asyncio.ensure_future(handlers.handlers[state_sync.SKETCH_METHOD](
+                RequestContext(peer), Message(header)))
 
         async def exports(n: int) -> None:
             for _ in range(1000):  # (virtual time: the asks reach their exports within a step)
