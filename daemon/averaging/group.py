@@ -16,6 +16,8 @@ from .aggregation import Aggregation, check_aggregation
 Role = Literal["trainer", "aux", "client"]
 ROLES: tuple[Role, ...] = ("trainer", "aux", "client")
 MAX_REPRESENTS = 1 << 16  # trainers one member's vector may stand for (a grid round's stage)
+# the longest group id a leader may send (ours: 64 hex digits; followers remember thousands)
+MAX_GROUP_ID = 128
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,10 @@ class Group:
     def from_json(cls, data: dict[str, Any]) -> Group:
         members = tuple(Member.from_json(m) for m in data["members"])
         bounds = tuple((int(a), int(b)) for a, b in data["part_bounds"])
-        group = cls(str(data["group_id"]), str(data["key"]), members, int(data["size"]), bounds,
+        group_id = data["group_id"]
+        if not isinstance(group_id, str) or not 0 < len(group_id) <= MAX_GROUP_ID:
+            raise ValueError(f"a group id is a string of 1 to {MAX_GROUP_ID} characters")
+        group = cls(group_id, str(data["key"]), members, int(data["size"]), bounds,
                     int(data["chunk_elements"]), str(data["compression"]), float(data["deadline"]),
                     # (a leader of an earlier version names none: it averages by the mean)
                     check_aggregation(data.get("aggregation", "mean")))

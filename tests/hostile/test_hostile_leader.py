@@ -27,6 +27,16 @@ def _group(**changes: Any) -> Group:
     return dataclasses.replace(group, **changes)
 
 
+def test_a_group_id_a_follower_would_remember_is_bounded() -> None:
+    """Followers remember 8192 group ids: one of 64 KiB (a whole frame header) each would be
+    512 MiB held for one leader's groups."""
+    wire = _group().to_json()
+    for bad in ("", "x" * 129, 5, None):
+        with pytest.raises(ValueError, match="group id"):
+            Group.from_json({**wire, "group_id": bad})
+    assert Group.from_json({**wire, "group_id": "x" * 128}).group_id == "x" * 128
+
+
 def test_the_group_asked_for_is_taken() -> None:
     assert group_refusal(_group(), REQUEST, NOW) is None
     clipping = dataclasses.replace(REQUEST, aggregation="norm_clip")
