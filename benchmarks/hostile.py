@@ -50,6 +50,13 @@ misbehaves through a test-only switch of daemon/averaging/corruption.py (DEDLOC_
                  followers refuse a group it leads (refused_groups: that round they average
                  alone or in smaller groups), so it never averages with honest peers; the
                  parameters are unharmed.
+  leader_equivocation  DEDLOC_TEST_EQUIVOCATING_LEADER=1: leading a group of three or more, it
+                 sends its first follower the group with its own weight halved, under the same
+                 id and signed as the true one. Honest outcome: the members' streams and chunks
+                 name their round by its group and carry the leader's signature; every member
+                 that meets the other group's name holds the leader's two signatures and bans it
+                 at once (offences_leader_equivocation, leader_equivocations); no honest member
+                 is counted an offence. It goes unseen while it never leads three or more.
   handshake_flood  no hostile daemon: each identity stands for 4 source addresses (127.0.0.2,
                  ...) from which this process holds 16 silent TCP connections to every honest
                  daemon's peer port (connection_flood.py: 64 per daemon with one identity, all
@@ -160,6 +167,7 @@ ATTACKS: dict[str, Attack] = {a.name: a for a in (
     Attack("equivocating", {"DEDLOC_TEST_WRONG_ANSWERS": "equivocate"}),
     Attack("bandwidth", {"DEDLOC_TEST_CLAIMED_BANDWIDTH": "1e12"}),
     Attack("weight", {"DEDLOC_TEST_CLAIMED_WEIGHT": "1e15"}),
+    Attack("leader_equivocation", {"DEDLOC_TEST_EQUIVOCATING_LEADER": "1"}),
     Attack("handshake_flood", {}, flood_sources=4),
     Attack("waiting_flood", {}, stream_flood_peers=32),
     Attack("control", {}),
@@ -170,11 +178,12 @@ NET_COUNTERS = ("connections_accepted", "connections_refused", "connections_refu
 ALLREDUCE_COUNTERS = ("streams_evicted_waiting", "streams_refused_all_waiting",
                       "streams_refused_peer_waiting", "streams_refused", "streams_reopened_not_started",
                       "accusations_sent", "forged_accounts", "accusations_false",
-                      "accusations_unproven", "equivocations", "answer_summaries_unproven",
+                      "accusations_unproven", "equivocations", "leader_equivocations",
+                      "group_mismatches", "answer_summaries_unproven",
                       "audits_made", "audits_passed", "audits_failed",
                       "audits_unanswered")
 DEFAULT_ATTACKS = ("control,sender_nan,sender_scale,wrong_answers,forged_account,forged_own,"
-                   "equivocating,bandwidth,weight,handshake_flood,waiting_flood")
+                   "equivocating,bandwidth,weight,leader_equivocation,handshake_flood,waiting_flood")
 
 
 # --- pure parts -------------------------------------------------------------------------------------

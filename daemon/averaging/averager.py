@@ -98,6 +98,7 @@ class Averager:
                                           wrong_answers=corruption.answers_from_environment(),
                                           rng=None if nonce is None else random.Random(nonce(8)))
         self.matchmaker = Matchmaker(transport, dht, self._plan, bans=self.bans,
+                                     equivocate=corruption.equivocating_leader_from_environment(),
                                      **({} if nonce is None else {"nonce": nonce}))
 
     def chunk_elements(self, size: int) -> int:

@@ -69,17 +69,18 @@ from .screening import OffenceKind, ScreeningPolicy, offence_kind
 from .sending import FAULTS, PartSender, describe, leaf, receive_buffer
 from .signatures import (
     ANSWER_SIGNATURE_KEY,
+    LEADER_SIGNATURE_KEY,
     ROUND_KEY,
     SIGNATURE_KEY,
     check_round_tag,
     contribution_digest,
     round_name,
-    round_tag,
     sign_answer,
     signed_by,
 )
 from .wire import (
     ChunkPlan,
+    GroupMismatch,
     PeerFault,
     ProtocolViolation,
     StreamOpen,
@@ -165,7 +166,7 @@ class Round:
                                  aggregation=group.aggregation,
                                  on_wrong_average=self._wrong_average, weights=self.weights,
                                  identity=identity, round_name=self.round_name,
-                                 counters=counters)
+                                 counters=counters, bans=bans)
         if accusations is not None:
             accusations.remember(group, index)
         if summaries is not None:
@@ -241,6 +242,15 @@ class Round:
             return f"member {i} was excluded: {self.excluded[i]}"
         if i in self.adopted:
             return f"member {i} already has a stream open"
+        if opened.round_name:  # (none: a sender of an earlier dedloc)
+            try:
+                check_round_tag({ROUND_KEY: opened.round_name,
+                                 LEADER_SIGNATURE_KEY: opened.leader_signature}, self.group,
+                                self.round_name, "sender", self.counters, self.bans,
+                                self.transport.peer_id)
+            except GroupMismatch as exc:  # its weight may be what the leader changed: no offence
+                self._exclude(i, str(exc))
+                return str(exc)
         weight = self.weights[i]  # (its claim, within the round's bound)
         if opened.weight != weight:
             reason = f"member {i} sends with weight {opened.weight:g}, the group says {weight:g}"
@@ -303,7 +313,8 @@ class Round:
             meta = parse_chunk(message.header, c, plan.count)
             self.traffic.received(peer, len(message.payload))
             if self.policy.check_answers and SIGNATURE_KEY in message.header:
-                check_round_tag(message.header, self.round_name, "sender", self.counters)
+                check_round_tag(message.header, self.group, self.round_name, "sender",
+                                self.counters, self.bans, self.transport.peer_id)
             if previous is not None:
                 await asyncio.shield(previous)
             if not reducer.expects(i, c):
@@ -450,7 +461,8 @@ class Round:
                     header[ACCOUNT_KEY] = account
                 if signature is not None:
                     header[ANSWER_SIGNATURE_KEY] = signature
-                    header[ROUND_KEY] = round_tag(self.round_name)
+                    header[ROUND_KEY] = self.round_name
+                    header[LEADER_SIGNATURE_KEY] = self.group.leader_signature
             await stream.send(Message(header, payload), timeout=self._left())
             self.traffic.sent(peer, len(payload))
         await stream.close()

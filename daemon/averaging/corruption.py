@@ -27,6 +27,10 @@ computed F samples) as far as the round's weight budget lets it (Group.bounded_w
 the bound its run sets on its own claim (the leaders and followers of honest peers enforce that
 bound on it: matchmaking.py).
 
+DEDLOC_TEST_EQUIVOCATING_LEADER=1 makes this daemon, as the leader of a group of three or more,
+send its first follower another group under the same id (its own weight halved), signed as the
+true one is (matchmaking.py), so that the members hold two groups of one id.
+
 Each switch is refused unless DEDLOC_TESTING=1 is set as well (logged as an error, and ignored):
 a production daemon never corrupts anything because of a stray variable.
 """
@@ -42,8 +46,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import structlog
 
+from ..identity import Identity
 from .accounts import Entry
 from .compression import Buffer, Codec, Meta
+from .group import Group
+from .signatures import round_name, sign_group
 
 log = structlog.get_logger(__name__)
 
@@ -202,3 +209,29 @@ def claimed_weight_from_environment(env: Mapping[str, str] = os.environ) -> floa
         raise ValueError(f"{WEIGHT_SWITCH} must be a positive weight, not {wanted!r}")
     log.warning("test_claimed_weight_enabled", switch=WEIGHT_SWITCH, claim=claim)
     return claim
+
+
+LEADER_SWITCH = "DEDLOC_TEST_EQUIVOCATING_LEADER"
+
+
+def equivocating_leader_from_environment(env: Mapping[str, str] = os.environ) -> bool:
+    """DEDLOC_TEST_EQUIVOCATING_LEADER=1 (with DEDLOC_TESTING=1): this daemon, leading, tells
+    one follower another group than the others (`equivocal_group`)."""
+    if env.get(LEADER_SWITCH, "").strip() != "1":
+        return False
+    if env.get(TESTING) != "1":
+        log.error("test_switch_refused", switch=LEADER_SWITCH,
+                  reason=f"it is for tests only and {TESTING}=1 is not set: ignored")
+        return False
+    log.warning("test_equivocating_leader_enabled", switch=LEADER_SWITCH)
+    return True
+
+
+def equivocal_group(group: Group, identity: Identity | None) -> Group:
+    """TEST ONLY: `group` under the same id with its leader's own weight halved, signed by the
+    leader (`identity`) as the true one is: what an equivocating leader tells one follower."""
+    members = tuple(dataclasses.replace(m, weight=m.weight / 2) if m.peer_id == group.leader
+                    else m for m in group.members)
+    other = dataclasses.replace(group, members=members)
+    return dataclasses.replace(other, leader_signature="" if identity is None else sign_group(
+        identity, other.group_id, round_name(other)))

@@ -84,6 +84,11 @@ class Group:
     compression: str
     deadline: float  # unix time by which the round is over, success or not
     aggregation: Aggregation = "mean"
+    # who sent it and its signature of the group (signatures.sign_group), which every chunk and
+    # answer of ours carries: proof, should the leader sign another group under this id. Not
+    # part of the group's JSON (the signature travels beside it) nor of its round's name.
+    leader: str = ""
+    leader_signature: str = ""
 
     def index_of(self, peer_id: str) -> int:
         for index, member in enumerate(self.members):

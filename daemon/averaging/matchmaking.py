@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import random
 import secrets
@@ -73,8 +74,10 @@ from .accounts import MAX_ACCOUNT_SENDERS
 from .aggregation import Aggregation
 from .bans import BanList
 from .claims import share_refusal
+from .corruption import equivocal_group
 from .errors import LeaderComing, MatchmakingError, NotGathering
 from .group import Group, Member
+from .signatures import group_signed_by, round_name, sign_group
 
 log = structlog.get_logger(__name__)
 
@@ -173,7 +176,8 @@ class _Gathering:
 class Matchmaker:
     def __init__(self, transport: PeerTransport, dht: DHTNode, planner: Planner, *,
                  bans: BanList | None = None,
-                 nonce: Callable[[int], bytes] = secrets.token_bytes) -> None:
+                 nonce: Callable[[int], bytes] = secrets.token_bytes,
+                 equivocate: bool = False) -> None:
         self._transport = transport
         self._dht = dht
         self._planner = planner
@@ -181,6 +185,10 @@ class Matchmaker:
         self._nonce = nonce  # of group ids (the simulator passes a seeded one)
         self._rng = random.Random(nonce(8))
         self.peer_id = transport.peer_id
+        # signs the groups we lead, and asks the leaders we follow to sign theirs
+        # (signatures.sign_group): a transport without an identity (in-memory tests) does neither
+        self._identity = getattr(transport, "identity", None)
+        self._equivocate = equivocate  # TEST ONLY (corruption.py): tell one follower another group
         self._rounds: dict[str, _Gathering] = {}
         self._coming: set[str] = set()  # keys we will gather under soon (see `coming`)
         self._coming_under: dict[str, int] = {}  # ... and key prefixes (see `coming_under`)
@@ -493,7 +501,10 @@ class Matchmaker:
         group = await self._assemble(request, members)
         gathering.group.set_result(group)
         log.info("matchmaking_group_formed", key=request.key, size=len(members), group=group.group_id[:12])
-        await asyncio.gather(*(self._send_group(group, m.peer_id) for m in members[1:]))
+        told = {m.peer_id: group for m in members[1:]}
+        if self._equivocate and len(told) > 1:
+            told[members[1].peer_id] = equivocal_group(group, self._identity)
+        await asyncio.gather(*(self._send_group(g, peer_id) for peer_id, g in told.items()))
         return group
 
     async def _still_coming(self, gathering: _Gathering, missing: set[str]) -> bool:
@@ -529,8 +540,9 @@ class Matchmaker:
     async def _send_group(self, group: Group, peer_id: str) -> None:
         timeout = min(JOIN_ACK_SECONDS, group.deadline - timebase.now())
         try:
-            await self._transport.call(peer_id, GROUP, Message({"group": group.to_json()}),
-                                       timeout=max(0.1, timeout))
+            await self._transport.call(peer_id, GROUP, Message(
+                {"group": group.to_json(), "signature": group.leader_signature}),
+                timeout=max(0.1, timeout))
         except (TransportError, TimeoutError) as exc:  # it will be missing from the all-reduce
             log.warning("matchmaking_group_not_delivered", peer=peer_id[:12], error=str(exc))
 
@@ -553,6 +565,8 @@ class Matchmaker:
         group = Group(digest, request.key, ordered, request.size, bounds, request.chunk_elements,
                       request.compression, request.deadline, request.aggregation)
         group.check()
+        group = dataclasses.replace(group, leader=self.peer_id, leader_signature="" if (
+            self._identity is None) else sign_group(self._identity, group.group_id, round_name(group)))
         self._seen(group.group_id, self.peer_id)
         return group
 
@@ -627,8 +641,16 @@ class Matchmaker:
         if self.peer_id not in {m.peer_id for m in group.members}:
             raise MatchmakingError("the group does not include this peer")
         refusal = group_refusal(group, gathering.request, timebase.now())
+        offence = refusal is not None
+        signature = message.header.get("signature")
+        if refusal is None and self._identity is not None and not group_signed_by(
+                ctx.peer_id, group.group_id, round_name(group), signature):
+            # a bad signature is an offence; none at all may be a leader of an earlier dedloc
+            refusal = ("it is not signed by its leader" if signature
+                       else "it is not signed (a leader of an earlier dedloc?)")
+            offence = bool(signature)
         first_from = self._seen_groups.get(group.group_id)
-        offence = refusal is not None or first_from == ctx.peer_id
+        offence = offence or first_from == ctx.peer_id
         if refusal is None and first_from is not None:
             refusal = f"its id {group.group_id[:16]} names a round seen before" + (
                 "" if offence else f" (from {first_from[:12]}: who copied whose is unknown)")
@@ -644,7 +666,9 @@ class Matchmaker:
                 self._bans.offence(ctx.peer_id, "group", refusal)
             raise MatchmakingError(f"refused the group: {refusal}")
         if not gathering.group.done():
-            gathering.group.set_result(group)
+            gathering.group.set_result(dataclasses.replace(
+                group, leader=ctx.peer_id,
+                leader_signature=signature if isinstance(signature, str) else ""))
         return Message({})
 
     async def _on_coming(self, ctx: RequestContext, message: Message) -> Message:

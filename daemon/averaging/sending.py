@@ -42,6 +42,7 @@ from .accounts import (
 )
 from .aggregation import Aggregation
 from .audits import Applied
+from .bans import BanList
 from .compression import Buffer, Codec, CompressionError, Meta
 from .corruption import SenderCorruption
 from .group import Group
@@ -49,13 +50,13 @@ from .jobs import ChunkJobs
 from .report import TransferLog
 from .signatures import (
     ANSWER_SIGNATURE_KEY,
+    LEADER_SIGNATURE_KEY,
     ROUND_KEY,
     SIGNATURE_KEY,
     account_digest,
     answer_digests_signed_by,
     check_round_tag,
     contribution_digest,
-    round_tag,
     sign,
 )
 from .wire import (
@@ -114,6 +115,7 @@ class PartSender:
     identity: Identity | None = None  # signs each chunk we send (signatures.py) where we check
     round_name: str = ""  # what signatures name the round by (signatures.round_name)
     counters: Counter[str] = field(default_factory=Counter)  # the all-reduce's (group_mismatches)
+    bans: BanList | None = None  # where a leader proven to have signed two groups is banned
     # the reducers we send to, which averaged chunks came back, why others did not
     targets: list[int] = field(init=False)
     got: dict[int, list[bool]] = field(init=False)
@@ -161,7 +163,8 @@ class PartSender:
         reason = "round over"
         clean = again = False
         try:
-            opened = StreamOpen(self.group.group_id, self.index, self.weight, self.group.deadline)
+            opened = StreamOpen(self.group.group_id, self.index, self.weight, self.group.deadline,
+                                self.round_name, self.group.leader_signature)
             stream = await self.transport.open_stream(peer, METHOD, opened.header(), timeout=self.left())
             self.traffic.start(peer)
             async with asyncio.TaskGroup() as tg:
@@ -220,7 +223,8 @@ class PartSender:
             header = chunk_header(c, meta)
             if signature is not None:
                 header[SIGNATURE_KEY] = signature
-                header[ROUND_KEY] = round_tag(self.round_name)
+                header[ROUND_KEY] = self.round_name
+                header[LEADER_SIGNATURE_KEY] = self.group.leader_signature
             await stream.send(Message(header, payload), timeout=self.left())
             self.traffic.sent(peer, len(payload))
         await stream.close()
@@ -238,7 +242,8 @@ class PartSender:
             meta = parse_chunk(message.header, c, plan.count)
             self.traffic.received(peer, len(message.payload))
             if self.check and ANSWER_SIGNATURE_KEY in message.header:
-                check_round_tag(message.header, self.round_name, "reducer", self.counters)
+                check_round_tag(message.header, self.group, self.round_name, "reducer",
+                                self.counters, self.bans, self.transport.peer_id)
             a, b = plan.absolute(c)
             await self.jobs.run(b - a, self._take_average, j, c, message.payload, meta,
                                 message.header.get(ACCOUNT_KEY), message.header.get(ANSWER_SIGNATURE_KEY))

@@ -8,6 +8,13 @@ the signature into its account (accounts.py). Members check every signature in a
 reducer cannot list a sender that sent it nothing, nor another contribution than the one it got
 there.
 
+A leader signs the group it sends (`sign_group`: the round's name under its id), and every chunk
+and answer carries that signature beside the round's name (`LEADER_SIGNATURE_KEY`). A leader that
+tells two members different groups under one id has signed two names for that id, which no honest
+leader does: a member that meets a chunk or an answer naming another round of its own group id,
+with its leader's signature of that name, holds the proof and bans the leader at once
+(`check_round_tag`: `offences_leader_equivocation`).
+
 A reducer signs each answer: the answer's digest (the one its signs come from) and its account
 (`ANSWER_SIGNATURE_KEY`). Members check it. A member whose own contribution the account
 misstates shows the other members that account with the reducer's signature and the chunk it
@@ -31,12 +38,13 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ..identity import Identity, public_key_of
+from .bans import BanList
 from .wire import GroupMismatch
 
 SIGNATURE_KEY = "s"  # in a sender's chunk header: the hex signature of its digest
 ANSWER_SIGNATURE_KEY = "a"  # in a reducer's answer header: its signature of answer and account
-ROUND_KEY = "r"  # in both: the round as the writer's group names it (`round_tag`)
-ROUND_TAG_HEX = 32
+ROUND_KEY = "r"  # in both: the round as the writer's group names it (`round_name`)
+LEADER_SIGNATURE_KEY = "l"  # in both: the writer's leader's signature of that name (`sign_group`)
 DIGEST_HEX = 64
 SIGNATURE_HEX = 128
 
@@ -71,24 +79,53 @@ def round_name(group: Any) -> str:
     return blake3(body, max_threads=1).hexdigest()
 
 
-def round_tag(name: str) -> str:
-    """What a chunk or an answer names its round by in the clear (`ROUND_KEY`): the first half
-    of `round_name` (the signature binds the whole)."""
-    return name[:ROUND_TAG_HEX]
+def _group_bytes(group_id: str, name: str) -> bytes:
+    # (the id in the clear: a name is a digest, and a leader's signature of a name it gave
+    # another round of ours, under another id, proves nothing)
+    return f"dedloc-group-signature\0{group_id}\0{name}".encode()
 
 
-def check_round_tag(header: Mapping[str, Any], name: str, writer: str,
-                    counters: Counter[str]) -> None:
+def sign_group(identity: Identity, group_id: str, name: str) -> str:
+    """A leader's signature of the group it sends under `group_id` (`name`: its `round_name`).
+    An honest leader signs one name per id."""
+    return identity.sign(_group_bytes(group_id, name)).hex()
+
+
+def group_signed_by(leader: str, group_id: str, name: str, signature: Any) -> bool:
+    """Whether `signature` is `leader`'s signature of round `name` under `group_id`."""
+    return _verify(leader, _group_bytes(group_id, name), signature)
+
+
+def check_round_tag(header: Mapping[str, Any], group: Any, name: str, writer: str,
+                    counters: Counter[str], bans: BanList | None = None,
+                    me: str | None = None) -> None:
     """GroupMismatch (counted as `group_mismatches`) where a signed chunk or answer names its
-    round by another group than ours (`name`), or by none (a peer of an older dedloc): set
-    aside, not an offence, since the leader may be the one that lied. `writer`: "sender" or
-    "reducer", for the message."""
+    round by another group than ours (`name`, of `group`), or by none (a peer of an older
+    dedloc): set aside, and not an offence of the writer, since the leader may be the one that
+    lied. Where it carries our leader's signature of its name under our group's id, the leader
+    did lie: it signed two groups under one id. That is proof, and the leader (`group.leader`,
+    unless it is us, `me`) is banned at once in `bans` (`offences_leader_equivocation`,
+    counted as `leader_equivocations`). `writer`: "sender" or "reducer", for the message."""
     tag = header.get(ROUND_KEY)
-    if tag != round_tag(name):
-        counters["group_mismatches"] += 1
-        raise GroupMismatch(f"the {writer}'s group under this id is another than ours (round "
-                            f"{str(tag)[:ROUND_TAG_HEX]!r}, ours {round_tag(name)!r}): the "
-                            "leader sent us different groups")
+    if tag == name:
+        return
+    counters["group_mismatches"] += 1
+    leader = getattr(group, "leader", "")
+    proven = (bans is not None and leader and leader != me and isinstance(tag, str)
+              and len(tag) == DIGEST_HEX
+              and group_signed_by(leader, group.group_id, tag, header.get(LEADER_SIGNATURE_KEY)))
+    if proven:
+        assert bans is not None
+        if bans.banned(leader) is None:
+            counters["leader_equivocations"] += 1
+            bans.offence(leader, "leader_equivocation",
+                         f"signed two groups under id {group.group_id[:16]} (a {writer} showed "
+                         "the other)", conclusive=True)
+        raise GroupMismatch(f"the {writer}'s group under this id is another than ours, and the "
+                            f"leader {leader[:12]} signed both: banned for it")
+    raise GroupMismatch(f"the {writer}'s group under this id is another than ours (round "
+                        f"{str(tag)[:DIGEST_HEX]!r}, ours {name!r}): the leader sent us "
+                        "different groups, or the writer lies about its own")
 
 
 def _signed_bytes(kind: str, round_: str, reducer: int, chunk: int, *digests: bytes) -> bytes:

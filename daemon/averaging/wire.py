@@ -106,9 +106,18 @@ class StreamOpen:
     sender: int
     weight: float
     deadline: float
+    # the round as the sender's group names it, and its leader's signature of that name
+    # (signatures.py): a reducer told another group under this id sets the stream aside
+    # rather than count the sender an offence for a weight its leader may have changed
+    round_name: str = ""
+    leader_signature: str = ""
 
     def header(self) -> dict[str, Any]:
-        return {"g": self.group_id, "i": self.sender, "w": self.weight, "d": self.deadline}
+        header: dict[str, Any] = {"g": self.group_id, "i": self.sender, "w": self.weight,
+                                  "d": self.deadline}
+        if self.round_name:
+            header.update(r=self.round_name, l=self.leader_signature)
+        return header
 
     @classmethod
     def parse(cls, header: dict[str, Any]) -> StreamOpen:
@@ -123,7 +132,12 @@ class StreamOpen:
                 raise PeerFault(f"stream header with a bad {name}")
         if weight <= 0:  # type: ignore[operator]
             raise PeerFault("a sender's weight must be positive")
-        return cls(group_id, sender, float(weight), float(deadline))  # type: ignore[arg-type]
+        name, signature = header.get("r", ""), header.get("l", "")
+        if not isinstance(name, str) or len(name) > 64 or not isinstance(signature, str) \
+                or len(signature) > 128:
+            raise PeerFault("stream header with a bad round name or leader signature")
+        return cls(group_id, sender, float(weight), float(deadline),  # type: ignore[arg-type]
+                   name, signature)
 
 
 def chunk_header(index: int, meta: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,10 @@ from typing import Any
 
 
 class HandlerTransport:
-    def __init__(self, peer_id: str) -> None:
+    def __init__(self, peer_id: str, identity: Any = None) -> None:
         self.peer_id = peer_id
+        if identity is not None:  # (as a TlsTransport has: the matchmaker then checks signatures)
+            self.identity = identity
         self.handlers: dict[str, Any] = {}
         self.stream_handlers: dict[str, Any] = {}
 

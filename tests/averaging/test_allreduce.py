@@ -29,12 +29,13 @@ from dedloc.daemon.averaging.error_feedback import unconveyed
 from dedloc.daemon.averaging.group import Group, Member, Role
 from dedloc.daemon.averaging.screening import ScreeningPolicy
 from dedloc.daemon.averaging.signatures import (
+    LEADER_SIGNATURE_KEY,
     ROUND_KEY,
     SIGNATURE_KEY,
     contribution_digest,
     round_name,
-    round_tag,
     sign,
+    sign_group,
 )
 from dedloc.daemon.averaging.wire import METHOD, StreamOpen
 from dedloc.daemon.identity import Identity
@@ -402,7 +403,7 @@ def _chunks_of(start: int, end: int, group: Group) -> list[tuple[int, int]]:
 
 
 async def hostile_sender(transport: TlsTransport, group: Group, index: int, vector: np.ndarray,
-                         mode: str) -> None:
+                         mode: str, leader: Identity | None = None) -> None:
     """Speaks the wire protocol by hand: chunk 0 good, chunk 1 bad (as `mode` says), each
     signed as it goes (signatures.py)."""
 
@@ -410,7 +411,7 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
         digest = contribution_digest(group.group_id, j, header["c"], {}, payload)
         signature = sign(transport.identity, round_name(group), j, header["c"], digest)
         return Message({**header, SIGNATURE_KEY: signature,
-                        ROUND_KEY: round_tag(round_name(group))}, payload)
+                        ROUND_KEY: round_name(group)}, payload)
 
     async def one(j: int) -> None:
         a = group.part_bounds[j][0]
@@ -432,7 +433,15 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
             message = Message({k: v for k, v in message.header.items() if k != ROUND_KEY},
                               message.payload)
         elif mode == "other_group":  # the round of another group under this id
-            message = Message({**message.header, ROUND_KEY: "0" * 32}, message.payload)
+            message = Message({**message.header, ROUND_KEY: "0" * 64}, message.payload)
+        elif mode in ("framed_leader", "replayed_leader"):
+            # another round, with a "proof" that the leader signed it too: one the sender made
+            # itself, or the leader's real signature of that name under another group id
+            # (a round of the leader's that the sender was in): neither bans the leader
+            forged = (sign_group(transport.identity, group.group_id, "1" * 64)
+                      if mode == "framed_leader" else sign_group(leader, "another-id", "1" * 64))
+            message = Message({**message.header, ROUND_KEY: "1" * 64,
+                               LEADER_SIGNATURE_KEY: forged}, message.payload)
         if mode == "deep_meta":  # a meta JSON carries but cannot write back (300 levels deep)
             deep = {"x": json.loads("[" * 300 + "]" * 300)}
             message = Message({**message.header, "m": deep}, message.payload)
@@ -465,22 +474,27 @@ class _PermissiveJson:
                                               ("duplicate", "duplicate chunk 0"),
                                               ("deep_meta", "cannot be hashed"),
                                               ("untagged", "another than ours"),
-                                              ("other_group", "another than ours")])
+                                              ("other_group", "another than ours"),
+                                              ("framed_leader", "another than ours"),
+                                              ("replayed_leader", "another than ours")])
 async def test_bad_chunk_excludes_its_sender(clusters: Any, mode: str, reason: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk that breaks the protocol is an offence; one signed for another round than the
     reducer's group (its leader told its sender another group), or naming none (a sender of an
     older dedloc), leaves its sender out as if it had stalled: not an offence (it may not be the
-    one that lied)."""
+    one that lied). A forged proof that the leader signed the other group bans nobody."""
     if mode == "deep_meta":  # the hostile peer writes its own frames: a header orjson cannot
         monkeypatch.setattr(frames, "orjson", _PermissiveJson)  # write (it reads 300 levels)
     cluster = await clusters(4, services=[0, 1, 2])
     weights = [1.0, 2.0, 1.5, 4.0]
-    group = make_group(cluster.ids, roles=["trainer", "trainer", "trainer", "client"], weights=weights)
+    group = signed_by_leader(
+        make_group(cluster.ids, roles=["trainer", "trainer", "trainer", "client"], weights=weights),
+        cluster.transports[0].identity)
     vecs = vectors(4, group.size)
     with_all, without = weighted(vecs, weights, range(4)), weighted(vecs, weights, range(3))
     reports, _ = await asyncio.gather(run_all(cluster, group, vecs, weights, members=[0, 1, 2]),
-                                      hostile_sender(cluster.transports[3], group, 3, vecs[3], mode))
+                                      hostile_sender(cluster.transports[3], group, 3, vecs[3], mode,
+                                                     cluster.transports[0].identity))
     hostile = cluster.ids[3]
     for report in reports:
         assert report.ok
@@ -492,10 +506,17 @@ async def test_bad_chunk_excludes_its_sender(clusters: Any, mode: str, reason: s
         assert np.array_equal(vecs[0][a:b], vecs[1][a:b]) and np.array_equal(vecs[0][a:b], vecs[2][a:b])
         assert close(vecs[0][a:b], without[a:b]) or (first and close(vecs[0][a:b], with_all[a:b]))
     assert sum(s.counters["senders_excluded"] for s in cluster.services) == 3
-    mismatch = mode in ("untagged", "other_group")
+    mismatch = mode in ("untagged", "other_group", "framed_leader", "replayed_leader")
     for service in cluster.services:
         assert service.bans.counters["offences"] == (0 if mismatch else 1)
         assert service.counters["group_mismatches"] == (1 if mismatch else 0)
+        assert service.counters["leader_equivocations"] == 0
+
+
+def signed_by_leader(group: Group, leader: Identity) -> Group:
+    """`group` as the matchmaker hands it on: with its leader and the leader's signature."""
+    return dataclasses.replace(group, leader=leader.peer_id, leader_signature=sign_group(
+        leader, group.group_id, round_name(group)))
 
 
 async def test_silent_member_deadline_and_nothing_left_behind(clusters: Any) -> None:
@@ -724,15 +745,49 @@ async def test_group_mismatch_sets_the_member_aside_and_bans_nobody(clusters: An
     assert np.array_equal(vecs[0][bounds[0][1]:], before[0][bounds[0][1]:])
     for i in range(1, 5):
         assert reports[i].failed_parts == (bounds[0],), reports[i].failures
-        # (member 2's stream is refused sooner, for the weight it opens it with: no offence)
-        assert "GroupMismatch" in reports[i].failures[0].reason \
-            or (i == 2 and "the group says 2" in reports[i].failures[0].reason)
+        # (set aside on its answers, or sooner, when its stream named the other round)
+        assert "group under this id is another than ours" in reports[i].failures[0].reason
     for i, service in enumerate(cluster.services):
         assert service.counters["group_mismatches"] >= 1, (i, service.counters)
         assert service.counters["wrong_averages"] == 0
         assert all(service.bans.banned(peer) is None for peer in cluster.ids), i
+        # nor an offence: member 0's stream opened with the weight member 2 was told (before,
+        # member 0 counted that against member 2: three such rounds banned an honest member)
+        assert not service.bans.status()["offenders"], (i, service.bans.status())
     # the four that agree averaged their parts without member 0 (it was set aside there)
     honest = np.mean([before[i] for i in range(1, 5)], axis=0)
     for start, end in bounds[1:]:
         for i in range(1, 5):
             np.testing.assert_allclose(vecs[i][start:end], honest[start:end], rtol=1e-5, atol=1e-6)
+
+
+async def test_a_leader_that_signs_two_groups_under_one_id_is_banned_at_once(clusters: Any) -> None:
+    """The same hostile leader (member 1) as above, but its groups are signed, as the matchmaker
+    has its leaders do: member 0 was told another group than the others under one id, and both
+    carry the leader's signature. Every member that meets a chunk or an answer of the other
+    group holds the two signed names, proof that the leader lied: it bans the leader at once
+    (and only the leader: no member is counted an offence)."""
+    cluster = await clusters(5)
+    leader = cluster.transports[1].identity
+    group = make_group(cluster.ids)
+    members = list(group.members)
+    members[2] = dataclasses.replace(members[2], weight=2.0)
+    told_otherwise = signed_by_leader(dataclasses.replace(group, members=tuple(members)), leader)
+    group = signed_by_leader(group, leader)
+    assert told_otherwise.group_id == group.group_id
+    vecs = gradients(5, group.size)
+    reports = list(await asyncio.gather(*(
+        cluster.services[i].run(told_otherwise if i == 0 else group, i, vecs[i], 1.0)
+        for i in range(5))))
+    assert reports[0].failed_parts  # nothing of the others' group was applied by member 0
+    for i, service in enumerate(cluster.services):
+        assert service.counters["wrong_averages"] == 0
+        for peer in cluster.ids:
+            banned = service.bans.banned(peer)
+            if peer == leader.peer_id and i != 1:  # (the leader does not ban itself)
+                assert banned is not None and "signed two groups" in banned, (i, banned)
+                assert service.counters["leader_equivocations"] == 1
+            else:
+                assert banned is None, (i, peer, banned)
+        offenders = service.bans.status()["offenders"]
+        assert not offenders, (i, offenders)

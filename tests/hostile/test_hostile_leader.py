@@ -163,3 +163,53 @@ async def test_an_id_seen_before_is_an_offence_only_of_the_leader_that_sent_it_f
     with pytest.raises(MatchmakingError, match="seen before"):  # its own id again: a replay
         await deliver(LEADER, "run/grad/6", "another-id")
     assert bans.counters["offences_group"] == 1
+
+
+async def test_a_follower_takes_only_a_group_its_leader_signed() -> None:
+    """Leaders sign the group they send (signatures.sign_group) and followers with an identity
+    check it: a group with another peer's signature, or the leader's signature of another
+    group, is refused as an offence; an unsigned one (a leader of an earlier dedloc) is refused
+    without one. The group taken carries its leader and signature on, into the all-reduce's
+    chunks (the proof, should the leader sign another group under this id)."""
+    import time
+
+    from averaging.fake_transport import HandlerTransport
+
+    from dedloc.daemon.averaging.bans import BanList
+    from dedloc.daemon.averaging.matchmaking import Matchmaker, MatchmakingError, _Gathering
+    from dedloc.daemon.averaging.signatures import round_name, sign_group
+    from dedloc.daemon.identity import Identity
+    from dedloc.daemon.net import Message, RequestContext
+
+    mine, leader_key, other_key = Identity.generate(), Identity.generate(), Identity.generate()
+    me = dataclasses.replace(ME, peer_id=mine.peer_id)
+    leader = dataclasses.replace(LEADER, peer_id=leader_key.peer_id)
+    bans = BanList()
+    maker = Matchmaker(HandlerTransport(me.peer_id, mine), None, _halves, bans=bans)  # type: ignore[arg-type]
+    ids = iter(range(100))
+
+    async def deliver(sign: Any) -> Group:
+        deadline, key = time.time() + 30, f"run/grad/{next(ids)}"
+        request = dataclasses.replace(REQUEST, member=me, key=key, deadline=deadline)
+        gathering = _Gathering(request, leader=leader.peer_id)
+        maker._rounds[key] = gathering
+        group = dataclasses.replace(_group(members=(leader, me)), key=key, deadline=deadline,
+                                    group_id=f"id-{key}")
+        header: dict[str, Any] = {"group": group.to_json()}
+        if sign is not None:
+            header["signature"] = sign(group)
+        await maker._on_group(RequestContext(leader.peer_id), Message(header))
+        return gathering.group.result()
+
+    with pytest.raises(MatchmakingError, match=r"not signed .*earlier dedloc"):
+        await deliver(None)
+    assert bans.counters["offences"] == 0
+    with pytest.raises(MatchmakingError, match="not signed by its leader"):
+        await deliver(lambda g: sign_group(other_key, g.group_id, round_name(g)))
+    with pytest.raises(MatchmakingError, match="not signed by its leader"):  # another group's
+        await deliver(lambda g: sign_group(leader_key, g.group_id, round_name(
+            dataclasses.replace(g, deadline=g.deadline + 1))))
+    assert bans.counters["offences_group"] == 2 and maker.refused_groups == 3
+    taken = await deliver(lambda g: sign_group(leader_key, g.group_id, round_name(g)))
+    assert taken.leader == leader.peer_id
+    assert taken.leader_signature == sign_group(leader_key, taken.group_id, round_name(taken))
