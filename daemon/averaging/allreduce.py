@@ -48,6 +48,7 @@ from .group import Group
 from .report import AllReduceReport, PartFailure, PeerTransfer
 from .screening import ScreeningPolicy
 from .wire import METHOD, SLOT_TAKEN, PeerFault, RoundNotStarted, StreamOpen, says_slot_taken
+from .withheld import WithheldAnswers
 
 __all__ = ["AllReduceError", "AllReduceReport", "AllReduceService", "PartFailure", "PeerTransfer"]
 
@@ -126,7 +127,9 @@ class AllReduceService:
         self._log = log.bind(peer_id=transport.peer_id)
         transport.add_stream_handler(METHOD, self._handle)
         self.accusations = Accusations(transport, self.bans, self.counters)
-        self.summaries = AnswerSummaries(transport, self.bans, self.counters)
+        self.withheld = WithheldAnswers(transport, self.bans, self.counters, self.accusations)
+        self.summaries = AnswerSummaries(transport, self.bans, self.counters,
+                                         on_applied=self.withheld.applied)
         # (what to audit is drawn at random: the simulator passes a seeded generator)
         self.audits = OwnAudits(transport, self.bans, self.counters,
                                 rng or random.SystemRandom())
@@ -161,7 +164,7 @@ class AllReduceService:
                        corruption=self.corruption.next_round() if self.corruption else None,
                        wrong_answers=self.wrong_answers, identity=self.identity,
                        accusations=self.accusations, audits=self.audits,
-                       summaries=self.summaries)
+                       summaries=self.summaries, withheld=self.withheld)
         try:
             report = await round_.execute()
         finally:
@@ -312,6 +315,7 @@ class AllReduceService:
         self._closed = True
         self.accusations.close()
         self.summaries.close()
+        self.withheld.close()
         self.audits.close()
         for waiters in list(self._arrivals.values()):
             for waiter in list(waiters):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +65,13 @@ class AnswerSummaries(RoundCalls[_Round]):
     """Sends this member's summary after each round and compares the ones it gets."""
 
     def __init__(self, transport: PeerTransport, bans: BanList,
-                 counters: collections.Counter[str]) -> None:
+                 counters: collections.Counter[str],
+                 on_applied: Callable[[str, str, list[tuple[int, int]]], None] | None = None
+                 ) -> None:
         super().__init__(transport, bans, counters, METHOD, self._handle, ROUNDS_KEPT)
+        # told which answers a member applied (withheld.py: a member they were withheld from
+        # asks it for the account)
+        self._on_applied = on_applied
 
     def remember(self, group: Group, index: int, told: Told) -> None:
         """A round starts here: `told` fills with what we apply."""
@@ -107,7 +113,9 @@ class AnswerSummaries(RoundCalls[_Round]):
             self.counters["answer_summaries_malformed"] += 1
             raise PeerFault("a summary is a JSON list of [reducer, chunk, answer, account, "
                             "signature]")
-        proven = await asyncio.to_thread(self._compare, kept, items)
+        proven, applied = await asyncio.to_thread(self._compare, kept, items)
+        if self._on_applied is not None:
+            self._on_applied(group_id, ctx.peer_id, applied)
         for j in proven:
             self.counters["equivocations"] += 1
             self.bans.offence(members[j].peer_id, "equivocation",
@@ -116,16 +124,19 @@ class AnswerSummaries(RoundCalls[_Round]):
                               conclusive=True)
         return Message({"equivocations": len(proven)})
 
-    def _compare(self, kept: _Round, items: list[Any]) -> list[int]:
-        """The reducers proven to have told the summary's sender otherwise than us."""
+    def _compare(self, kept: _Round, items: list[Any]) -> tuple[list[int], list[tuple[int, int]]]:
+        """The reducers proven to have told the summary's sender otherwise than us, and the
+        answers (reducer, chunk) it says it applied."""
         name: str | None = None
         proven: set[int] = set()
+        applied: list[tuple[int, int]] = []
         for item in items:
             parsed = _item(item)
             if parsed is None:
                 self.counters["answer_summaries_malformed"] += 1
                 continue
             j, c, answer, account, signature = parsed
+            applied.append((j, c))
             mine = kept.told.get((j, c))
             if mine is None or (mine[0], mine[1]) == (answer, account) or j in proven \
                     or j >= len(kept.group.members):
@@ -136,7 +147,7 @@ class AnswerSummaries(RoundCalls[_Round]):
                 proven.add(j)
             else:
                 self.counters["answer_summaries_unproven"] += 1
-        return sorted(proven)
+        return sorted(proven), applied
 
 
 def _chunks(group: Group) -> int:

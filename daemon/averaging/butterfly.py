@@ -87,6 +87,7 @@ from .wire import (
     chunk_header,
     parse_chunk,
 )
+from .withheld import WithheldAnswers
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +100,8 @@ class Round:
                  policy: ScreeningPolicy, bans: BanList, corruption: str | None = None,
                  wrong_answers: str | None = None, identity: Identity | None = None,
                  accusations: Accusations | None = None, audits: OwnAudits | None = None,
-                 summaries: AnswerSummaries | None = None) -> None:
+                 summaries: AnswerSummaries | None = None,
+                 withheld: WithheldAnswers | None = None) -> None:
         self.transport = transport
         self.group = group
         self.index = index
@@ -152,6 +154,8 @@ class Round:
         self.own_kept: dict[int, tuple[np.ndarray, tuple[bytes, ...]]] = {}
         # tests only (corruption.py, `equivocate`): per chunk what each member's account is cut from
         self.equivocal: dict[int, tuple[list[Entry], list[float], list[float], bytes, tuple[float, ...]]] = {}
+        # tests only (`forge_skip`): per chunk the sender sent a skip in place of the answer
+        self.withheld_from: dict[int, int] = {}
         # shared
         self.traffic = TransferLog()
         self.jobs = ChunkJobs(pool, inline_elements)
@@ -171,6 +175,9 @@ class Round:
             accusations.remember(group, index)
         if summaries is not None:
             summaries.remember(group, index, self.sender.told)
+        self.withheld = withheld
+        if withheld is not None:
+            withheld.remember(group, index, self.sender.told, self.sender.accounts)
         if audits is not None and policy.check_answers and self.reducer is not None and self.sends:
             audits.keep(group, self.own_kept)
 
@@ -203,6 +210,10 @@ class Round:
                 self.audits.audit(self.group, self.index, self.sender.applied)
             if self.summaries is not None and self.sender.told:
                 self.summaries.send(self.group, self.index, self.sender.told)
+            if self.withheld is not None and self.sends:  # what we sent and got no answer to
+                self.withheld.withheld(self.group.group_id, {
+                    key: (payload, meta) for key, (payload, meta, _) in self.sender.sent.items()
+                    if key not in self.sender.told})
             if self.sender.retries:
                 self.counters["streams_reopened_not_started"] += self.sender.retries
         report = self._report(timebase.monotonic() - started)
@@ -242,7 +253,7 @@ class Round:
             return f"member {i} was excluded: {self.excluded[i]}"
         if i in self.adopted:
             return f"member {i} already has a stream open"
-        if opened.round_name:  # (none: a sender of an earlier dedloc)
+        if opened.round_name:  # (none: a sender of an earlier dedloc; its chunks are set aside)
             try:
                 check_round_tag({ROUND_KEY: opened.round_name,
                                  LEADER_SIGNATURE_KEY: opened.leader_signature}, self.group,
@@ -431,10 +442,15 @@ class Round:
             entries = [Entry(u.sender, u.weight, project(r, u.values, parts),
                              l2_norm(u.values) if u.norm is None else u.norm, *signature)
                        for u, signature in zip(used, signed, strict=True)]
-            if self.wrong_answers in ("forge", "forge_own"):
-                entries = forged_entries(entries, [u.scale for u in used], self.index,
-                                         measure(r, self.vector[a:b], parts)[0],
-                                         own=self.wrong_answers == "forge_own")
+            if self.wrong_answers in ("forge", "forge_own", "forge_skip"):
+                forged = forged_entries(entries, [u.scale for u in used], self.index,
+                                        measure(r, self.vector[a:b], parts)[0],
+                                        own=self.wrong_answers == "forge_own")
+                if self.wrong_answers == "forge_skip":  # tests only: skip the sender misstated
+                    for e, f in zip(entries, forged, strict=True):
+                        if e != f:
+                            self.withheld_from[c] = e.sender
+                entries = forged
             account = account_header(entries, errors)
             if self.identity is not None:
                 signature = sign_answer(self.identity, self.round_name, self.index, c, answer, account)
@@ -449,7 +465,7 @@ class Round:
         for c in range(self.own.count):
             await self.done[c].wait()
             result = self.results[c]
-            if result is None:
+            if result is None or self.withheld_from.get(c) == self.group.index_of(peer):
                 header: dict[str, Any] = {"c": c, "skip": self.unaveraged.get(c, "not averaged")}
                 payload: Buffer = b""
             else:

@@ -15,7 +15,8 @@ NaN is the caller's error (averaging.average refuses it), so a bad sender is sim
 DEDLOC_TEST_WRONG_ANSWERS=zeros (or scale=F) makes this daemon a reducer that answers every
 chunk wrong while its account (accounts.py) stays honest; =forge answers zeros and forges its
 account to agree, misstating one other sender's contribution (the one of largest weight); with
-=forge_own it misstates its own contribution instead; =equivocate sends each member an
+=forge_own it misstates its own contribution instead; =forge_skip forges as =forge does and
+sends the sender it misstates a skip in place of the answer (withheld.py); =equivocate sends each member an
 account in which that member's entry is true and another sender's is forged (answers.py).
 
 DEDLOC_TEST_CLAIMED_BANDWIDTH=F makes this daemon claim F bytes/s of upload and download in every
@@ -101,14 +102,14 @@ class SenderCorruption:
 
 
 ANSWERS_SWITCH = "DEDLOC_TEST_WRONG_ANSWERS"
-ANSWER_MODES = ("zeros", "scale", "forge", "forge_own", "equivocate")
+ANSWER_MODES = ("zeros", "scale", "forge", "forge_own", "forge_skip", "equivocate")
 
 
 def wrong_answer(mode: str, average: np.ndarray) -> None:
     """TEST ONLY: turn a reducer's average (in place) into a wrong one: `zeros` or `forge`, or
     `scale=F` (the average times F)."""
     name, _, argument = mode.partition("=")
-    if name in ("zeros", "forge", "forge_own", "equivocate"):
+    if name in ("zeros", "forge", "forge_own", "forge_skip", "equivocate"):
         average[...] = 0.0
     else:
         np.multiply(average, np.float32(float(argument)), out=average)
@@ -152,7 +153,7 @@ def answers_from_environment(env: Mapping[str, str] = os.environ) -> str | None:
     if name not in ANSWER_MODES or (name == "scale") != bool(argument) \
             or (argument and not math.isfinite(float(argument))):
         raise ValueError(f"unknown wrong answer {wanted!r} (known: zeros, scale=F, forge, "
-                         "forge_own, equivocate)")
+                         "forge_own, forge_skip, equivocate)")
     log.warning("test_wrong_answers_enabled", switch=ANSWERS_SWITCH, mode=wanted)
     return wanted
 

@@ -128,6 +128,8 @@ class PartSender:
     applied: dict[tuple[int, int], Applied] = field(default_factory=dict)
     # ... and what its reducer signed, for comparing with the other members (answers.py)
     told: dict[tuple[int, int], tuple[bytes, bytes, str]] = field(default_factory=dict)
+    # ... and the accounts themselves, for a member its reducer skipped (withheld.py)
+    accounts: dict[tuple[int, int], Any] = field(default_factory=dict)
     retries: int = 0  # streams opened again after a RoundNotStarted refusal
 
     def __post_init__(self) -> None:
@@ -304,3 +306,4 @@ class PartSender:
                                         account, digest, signature) from None
         self.applied[(j, c)] = Applied(tuple(entries), digest, tuple(parts))
         self.told[(j, c)] = (digest, told, signature)
+        self.accounts[(j, c)] = account

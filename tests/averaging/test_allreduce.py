@@ -415,9 +415,16 @@ async def hostile_sender(transport: TlsTransport, group: Group, index: int, vect
 
     async def one(j: int) -> None:
         a = group.part_bounds[j][0]
-        opened = StreamOpen(group.group_id, index, group.members[index].weight, group.deadline)
+        opened = StreamOpen(group.group_id, index, group.members[index].weight, group.deadline,
+                            round_name(group), group.leader_signature)
+        if mode == "framed_at_open":  # the same forged proof, when it opens its stream
+            opened = dataclasses.replace(opened, round_name="1" * 64, leader_signature=sign_group(
+                transport.identity, group.group_id, "1" * 64))
         stream = await transport.open_stream(group.members[j].peer_id, METHOD, opened.header(), timeout=5)
-        await stream.send(signed(j, {"c": 0}, vector[a:a + CHUNK].tobytes()), timeout=5)
+        try:
+            await stream.send(signed(j, {"c": 0}, vector[a:a + CHUNK].tobytes()), timeout=5)
+        except StreamAborted:  # (refused at its opening)
+            return
         bad = vector[a + CHUNK:a + 2 * CHUNK].copy()
         header: dict[str, Any] = {"c": 1}
         if mode == "nan":
@@ -476,7 +483,8 @@ class _PermissiveJson:
                                               ("untagged", "another than ours"),
                                               ("other_group", "another than ours"),
                                               ("framed_leader", "another than ours"),
-                                              ("replayed_leader", "another than ours")])
+                                              ("replayed_leader", "another than ours"),
+                                              ("framed_at_open", "another than ours")])
 async def test_bad_chunk_excludes_its_sender(clusters: Any, mode: str, reason: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk that breaks the protocol is an offence; one signed for another round than the
@@ -506,7 +514,8 @@ async def test_bad_chunk_excludes_its_sender(clusters: Any, mode: str, reason: s
         assert np.array_equal(vecs[0][a:b], vecs[1][a:b]) and np.array_equal(vecs[0][a:b], vecs[2][a:b])
         assert close(vecs[0][a:b], without[a:b]) or (first and close(vecs[0][a:b], with_all[a:b]))
     assert sum(s.counters["senders_excluded"] for s in cluster.services) == 3
-    mismatch = mode in ("untagged", "other_group", "framed_leader", "replayed_leader")
+    mismatch = mode in ("untagged", "other_group", "framed_leader", "replayed_leader",
+                        "framed_at_open")
     for service in cluster.services:
         assert service.bans.counters["offences"] == (0 if mismatch else 1)
         assert service.counters["group_mismatches"] == (1 if mismatch else 0)

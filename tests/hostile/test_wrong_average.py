@@ -145,6 +145,40 @@ async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_red
     await the_honest_three_average_without_it(daemons, bad, "forged/1")
 
 
+async def test_a_forged_account_withheld_from_the_sender_it_misstates_is_proven_all_the_same(
+        daemon_factory: Any) -> None:
+    """The reducer forges the same way but sends the sender it misstates a skip in place of
+    every answer: that sender holds nothing signed of it. The others tell it after the round
+    which answers they applied (answers.py); it asks one of them for the account it got
+    (withheld.py), finds its own entry misstated under the reducer's signature, bans it and
+    shows the others, who ban it too."""
+    daemons = await swarm(daemon_factory, "forge_skip")
+    bad = (await daemons[3].call("node.info"))["peer_id"]
+    reports, results, vectors = await average(daemons, "withheld/0", 0, "none")
+    assert all(r["group_size"] == 4 for r in reports), reports
+    start, end = bad_part(reports, bad)
+    victim = WEIGHTS.index(3.0)
+    for index in range(3):
+        if index == victim:  # skipped: its own values kept
+            assert reports[index]["failed_parts"] == [[start, end]], reports[index]
+            np.testing.assert_array_equal(results[index][start:end], vectors[index][start:end])
+        else:
+            assert not reports[index]["failed_parts"], reports[index]
+            assert not results[index][start:end].any()
+    await banned_by_the_honest_three(daemons, bad)
+    for index, daemon in enumerate(daemons[:3]):
+        counters = (await daemon.call("node.info"))["counters"]
+        assert counters["averaging.offences_forged_account"] == 1, counters
+        assert counters.get("averaging.offences_wrong_average", 0) == 0, counters
+        if index == victim:
+            assert counters["averaging.allreduce.withheld_forgeries"] == 1, counters
+            assert counters["averaging.allreduce.accusations_sent"] == 2, counters
+        else:
+            assert counters["averaging.allreduce.forged_accounts"] == 1, counters
+        assert counters.get("averaging.allreduce.accusations_false", 0) == 0, counters
+    await the_honest_three_average_without_it(daemons, bad, "withheld/1")
+
+
 async def test_a_reducer_that_misstates_its_own_contribution_fails_its_audits_and_is_banned(
         daemon_factory: Any) -> None:
     """The reducer answers zeros and states its own projections so that its account agrees:

@@ -1,0 +1,127 @@
+"""withheld.py against peers that lie: the account a member serves (avg.account) goes only to a
+sender of the round, once per chunk; a sender asks at most MAX_ASKS members per chunk, blames
+nobody for an account its reducer did not sign, and keeps at most MAX_KEPT_BYTES of chunks. (The
+honest path, a reducer that forges an account and skips the sender it misstates, is played end
+to end in tests/hostile/test_wrong_average.py.)"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from averaging.fake_transport import HandlerTransport
+from support import wait_until
+
+from dedloc.daemon.averaging import withheld
+from dedloc.daemon.averaging.accusations import Accusations
+from dedloc.daemon.averaging.bans import BanList
+from dedloc.daemon.averaging.group import Group, Member
+from dedloc.daemon.averaging.wire import PeerFault
+from dedloc.daemon.averaging.withheld import METHOD, WithheldAnswers
+from dedloc.daemon.net import Message, RequestContext
+
+IDS = ["peer-a", "peer-b", "peer-c", "peer-d"]
+CHUNK = 1000
+
+
+def _group() -> Group:
+    members = tuple(Member(p, "trainer", 1.0, 1e6, 1e6) for p in IDS)
+    bounds = ((0, 2000), (2000, 4000), (4000, 6000), (6000, 8000))
+    return Group("round-1", "key", members, 8000, bounds, CHUNK, "none", time.time() + 30)
+
+
+class CallingTransport(HandlerTransport):
+    """Records the calls made and answers each with the reply `replies` gives for its peer."""
+
+    def __init__(self, peer_id: str, replies: dict[str, Any]) -> None:
+        super().__init__(peer_id)
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.replies = replies
+
+    async def call(self, peer: str, method: str, message: Message, *, timeout: float) -> Message:
+        assert method == METHOD
+        self.calls.append((peer, dict(message.header)))
+        return Message(self.replies[peer])
+
+
+def _service(peer_id: str, replies: dict[str, Any] | None = None
+             ) -> tuple[WithheldAnswers, CallingTransport, BanList, collections.Counter[str]]:
+    transport = CallingTransport(peer_id, replies or {})
+    counters: collections.Counter[str] = collections.Counter()
+    bans = BanList(counters=counters)
+    accusations = Accusations(transport, bans, counters)  # type: ignore[arg-type]
+    return WithheldAnswers(transport, bans, counters, accusations), transport, bans, counters  # type: ignore[arg-type]
+
+
+async def _ask(service: WithheldAnswers, peer: str, header: dict[str, Any]) -> Message:
+    return await service._handle(RequestContext(peer), Message(header))
+
+
+async def test_an_account_is_served_to_a_sender_of_the_round_once_per_chunk() -> None:
+    service, _, bans, counters = _service("peer-a")
+    account = [["an account"]]
+    service.remember(_group(), 0, {(1, 0): (b"\1" * 32, b"\2" * 32, "ab" * 64)}, {(1, 0): account})
+    reply = await _ask(service, "peer-c", {"g": "round-1", "r": 1, "c": 0})
+    assert reply.header == {"v": account, "h": "01" * 32, "a": "ab" * 64}
+    refusals = [
+        ("peer-c", {"g": "round-1", "r": 1, "c": 0}, "once per chunk"),  # again
+        ("peer-x", {"g": "round-1", "r": 1, "c": 0}, "no round"),  # not a member
+        ("peer-d", {"g": "round-2", "r": 1, "c": 0}, "no round"),  # another round
+        ("peer-d", {"g": "round-1", "r": 1, "c": 2}, "no chunk 2"),  # a part of 2 chunks
+        ("peer-d", {"g": "round-1", "r": 9, "c": 0}, "once per chunk"),  # no such member
+        ("peer-d", {"g": "round-1", "r": True, "c": 0}, "once per chunk"),
+        ("peer-d", {"g": "round-1", "r": 2, "c": 0}, "no answer"),  # not applied here
+    ]
+    for peer, header, reason in refusals:
+        with pytest.raises(PeerFault, match=reason):
+            await _ask(service, peer, header)
+    bans.offence("peer-b", "protocol", "test", conclusive=True)
+    with pytest.raises(PeerFault, match="no round"):
+        await _ask(service, "peer-b", {"g": "round-1", "r": 1, "c": 0})
+    assert counters["withheld_refused"] == 7
+
+
+async def test_an_account_its_reducer_did_not_sign_blames_nobody_and_the_next_member_is_asked(
+        ) -> None:
+    """Member 0 sent reducer 1 chunk 0 and got no answer. Three members say they applied it;
+    each serves an account that the reducer did not sign (a hostile member's forgery, or one
+    of another group): nothing is proven, nobody is banned, and member 0 asks the next one, at
+    most MAX_ASKS of them."""
+    unsigned = {"v": [], "h": "00" * 32, "a": "00" * 64}
+    service, transport, bans, counters = _service(
+        "peer-a", {p: unsigned for p in ("peer-b", "peer-c", "peer-d", "peer-e")})
+    service.remember(_group(), 0, {}, {})
+    payload = np.ones(CHUNK, np.float32)
+    service.withheld("round-1", {(1, 0): (payload, {})})
+    for peer in ("peer-c", "peer-d", "peer-b"):
+        service.applied("round-1", peer, [(1, 0)])
+
+    async def all_asked() -> bool:  # (the asks run one after another in the background)
+        return counters["withheld_unproven"] == withheld.MAX_ASKS
+
+    await wait_until(all_asked, timeout=60, interval=0.01)
+    assert [peer for peer, _ in transport.calls] == ["peer-c", "peer-d", "peer-b"]
+    assert transport.calls[0][1] == {"g": "round-1", "r": 1, "c": 0}
+    assert counters["withheld_unproven"] == withheld.MAX_ASKS
+    assert counters["offences"] == 0 and not bans.status()["active"]
+    service.applied("round-1", "peer-e", [(1, 0)])  # a fourth: not asked
+    assert len(transport.calls) == withheld.MAX_ASKS
+
+
+async def test_a_sender_keeps_at_most_max_kept_bytes_of_unanswered_chunks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(withheld, "MAX_KEPT_BYTES", 10_000)
+    service, transport, _, counters = _service("peer-a")
+    service.remember(_group(), 0, {}, {})
+    chunk = np.ones(CHUNK, np.float32)  # 4000 bytes
+    service.withheld("round-1", {(1, 0): (chunk, {}), (1, 1): (chunk, {}), (2, 0): (chunk, {})})
+    assert counters["withheld_not_kept"] == 1
+    kept = service._rounds["round-1"]
+    assert sorted(kept.unanswered) == [(1, 0), (1, 1)]
+    chunk[:] = 5.0  # (kept as a copy: the vector may change once the round is over)
+    assert bytes(kept.unanswered[(1, 0)][0]) == np.ones(CHUNK, np.float32).tobytes()
+    service.withheld("round-unknown", {(1, 0): (chunk, {})})  # a round not remembered: nothing
+    assert not transport.calls
