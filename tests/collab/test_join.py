@@ -120,6 +120,12 @@ async def test_a_newcomer_to_a_finished_run_downloads_its_final_state(daemon_fac
     assert not (run_dir / "final-state.f32").exists()
     assert list(run_dir.glob("checkpoint-*.pt"))  # (the checkpoints stay)
 
+    # started again (as a restarted daemon's autojoin starts it), it loads its last checkpoint,
+    # finds the run finished and serves the final state again
+    await first.call("run.start", run)
+    again = await wait_until(lambda: serving(first), timeout=180)
+    assert again["epoch"] == 3 and (run_dir / "final-state.f32").exists(), again
+
 
 async def test_another_manifest_under_the_same_name_is_another_run(daemon_factory: Any) -> None:
     first = await daemon_factory()
