@@ -71,13 +71,14 @@ Verdict = Literal["forged", "false", "unproven"]
 
 
 def judge(group: Group, *, accuser: int, reducer: int, chunk: int, meta: Mapping[str, Any],
-          payload: Any, account: Any, answer: bytes, signature: Any, codec: Codec
-          ) -> tuple[Verdict, str]:
+          payload: Any, account: Any, answer: bytes, signature: Any, codec: Codec,
+          margin: float = 0.5) -> tuple[Verdict, str]:
     """Whether the evidence proves that reducer `reducer` misstated member `accuser`'s chunk
     (module docstring): "forged"; "false" where the accuser showed what no honest member does;
     "unproven" where the reducer's signature does not hold here (a forgery of the accuser's, or
     a group that a hostile leader sent this member otherwise than the accuser: nobody is
-    blamed)."""
+    blamed). `margin`: against rounding (accounts.misstates), half the accuser's for a judge;
+    an accuser judging for itself (withheld.py) passes its own."""
     name = round_name(group)
     if not answer_signed_by(group.members[reducer].peer_id, name, reducer, chunk, answer, account,
                             signature):
@@ -105,7 +106,7 @@ def judge(group: Group, *, accuser: int, reducer: int, chunk: int, meta: Mapping
     except CompressionError as exc:  # the reducer decoded it: one that does not decode is not it
         return "false", f"its chunk does not decode: {exc}"
     projections, norm = measure(signs_of(answer, n), values, parts)
-    if misstates(entry, projections, norm, n, margin=0.5):
+    if misstates(entry, projections, norm, n, margin=margin):
         return "forged", (f"the reducer's signed account misstates member {accuser}'s contribution "
                           f"to chunk {chunk}, which that member proved with the chunk it signed")
     return "false", "the account it shows states its chunk truly"

@@ -66,7 +66,7 @@ class AnswerSummaries(RoundCalls[_Round]):
 
     def __init__(self, transport: PeerTransport, bans: BanList,
                  counters: collections.Counter[str],
-                 on_applied: Callable[[str, str, list[tuple[int, int]]], None] | None = None
+                 on_applied: Callable[[str, str, list[tuple[int, int, bytes]]], None] | None = None
                  ) -> None:
         super().__init__(transport, bans, counters, METHOD, self._handle, ROUNDS_KEPT)
         # told which answers a member applied (withheld.py: a member they were withheld from
@@ -113,7 +113,7 @@ class AnswerSummaries(RoundCalls[_Round]):
             self.counters["answer_summaries_malformed"] += 1
             raise PeerFault("a summary is a JSON list of [reducer, chunk, answer, account, "
                             "signature]")
-        proven, applied = await asyncio.to_thread(self._compare, kept, items)
+        proven, applied = await asyncio.to_thread(self._compare, kept, sender, items)
         if self._on_applied is not None:
             self._on_applied(group_id, ctx.peer_id, applied)
         for j in proven:
@@ -124,19 +124,23 @@ class AnswerSummaries(RoundCalls[_Round]):
                               conclusive=True)
         return Message({"equivocations": len(proven)})
 
-    def _compare(self, kept: _Round, items: list[Any]) -> tuple[list[int], list[tuple[int, int]]]:
-        """The reducers proven to have told the summary's sender otherwise than us, and the
-        answers (reducer, chunk) it says it applied."""
+    def _compare(self, kept: _Round, sender: int, items: list[Any]
+                 ) -> tuple[list[int], list[tuple[int, int, bytes]]]:
+        """The reducers proven to have told the summary's sender (member `sender`) otherwise
+        than us, and the answers it says it applied (reducer, chunk, account digest), but those
+        of its own part (no member applies an answer of its own part: a hostile reducer would
+        claim one to serve an account of its choosing, withheld.py)."""
         name: str | None = None
         proven: set[int] = set()
-        applied: list[tuple[int, int]] = []
+        applied: list[tuple[int, int, bytes]] = []
         for item in items:
             parsed = _item(item)
             if parsed is None:
                 self.counters["answer_summaries_malformed"] += 1
                 continue
             j, c, answer, account, signature = parsed
-            applied.append((j, c))
+            if j != sender:
+                applied.append((j, c, account))
             mine = kept.told.get((j, c))
             if mine is None or (mine[0], mine[1]) == (answer, account) or j in proven \
                     or j >= len(kept.group.members):

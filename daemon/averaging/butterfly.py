@@ -211,9 +211,10 @@ class Round:
             if self.summaries is not None and self.sender.told:
                 self.summaries.send(self.group, self.index, self.sender.told)
             if self.withheld is not None and self.sends:  # what we sent and got no answer to
+                got = self.sender.got  # (an answer taken unchecked, CLIPPED, is no withheld one)
                 self.withheld.withheld(self.group.group_id, {
-                    key: (payload, meta) for key, (payload, meta, _) in self.sender.sent.items()
-                    if key not in self.sender.told})
+                    (j, c): (payload, meta) for (j, c), (payload, meta, _) in self.sender.sent.items()
+                    if (j, c) not in self.sender.told and not got[j][c]})
             if self.sender.retries:
                 self.counters["streams_reopened_not_started"] += self.sender.retries
         report = self._report(timebase.monotonic() - started)

@@ -29,6 +29,7 @@ class RoundCalls(Generic[T]):
         self._rounds: collections.OrderedDict[str, T] = collections.OrderedDict()
         self._limit = limit
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
         self._log = log.bind(peer_id=transport.peer_id)
         transport.add_unary_handler(method, handler)
 
@@ -38,11 +39,15 @@ class RoundCalls(Generic[T]):
             self._rounds.popitem(last=False)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        if self._closed:  # (a call handled while the service closed: nothing starts after it)
+            coro.close()
+            return
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def close(self) -> None:
-        """Stop the calls under way (the service is closing)."""
+        """Stop the calls under way (the service is closing), and start no more."""
+        self._closed = True
         for task in list(self._tasks):
             task.cancel()

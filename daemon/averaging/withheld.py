@@ -9,18 +9,24 @@ member that applied one for what it got, method "avg.account" (unary):
     header {"g": group_id, "r": reducer, "c": chunk}
     -> header {"v": the account, "h": the answer's digest (hex), "a": the reducer's signature}
 and judges its own entry in it with the chunk it sent, as any member judges an accusation
-(accusations.judge). Where the reducer signed an account that misstates it, the sender bans the
+(accusations.judge, with the accuser's wider margin: a judge whose sums fall a little otherwise
+still agrees). Where the reducer signed an account that misstates it, the sender bans the
 reducer (`offences_forged_account`, counted as `withheld_forgeries`) and shows the others that
-account as its accusation. An account that states it truly (the reducer averaged the chunk and
-only withheld the answer) or one whose signature does not hold proves nothing: counted
-(`withheld_checked`, `withheld_unproven`), nobody is blamed, and an unproven one is asked of
-another member.
+account as its accusation. An account that states it truly or one whose signature does not hold
+proves nothing by itself: counted (`withheld_checked`, `withheld_unproven`) and nobody is
+blamed. But the reducer may have signed more than one account for the chunk (one stating this
+sender truly, for its accomplices or itself to serve, and the forged one the honest members
+applied), so the sender goes on: the summaries name each member's account by its digest, and it
+asks for every account digest claimed for the chunk until one is proven forged or each was
+judged (a member whose account it judged is not asked again, nor is anyone for a digest it
+judged). A member's summary that claims an answer of its own part is ignored (answers.py).
 
-Bounds: accounts are kept for the last `ROUNDS_KEPT` rounds only (an account is at most a frame
-header: 64 KiB a chunk); a member answers a sender of the round that is not banned here, once
-per chunk; a sender keeps the chunks it got no answer to for the same rounds and at most
-`MAX_KEPT_BYTES` of them in all (beyond that it does not check), asks at most `MAX_ASKS`
-members per chunk, and stops asking about a reducer once it proved one forgery of it.
+Bounds: accounts are kept (as their JSON bytes) for the last `ROUNDS_KEPT` rounds only (an
+account is at most a frame header: 64 KiB a chunk); a member answers a sender of the round that
+is not banned here, once per chunk; a sender keeps the chunks it got no answer to for the same
+rounds and at most `MAX_KEPT_BYTES` of them in all (beyond that it does not check), asks each
+member at most once per chunk (so at most the group's size), one ask at a time per chunk, and
+stops asking about a reducer once it proved one forgery of it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from ..net import Message, PeerTransport, RequestContext, TransportError
 from .accounts import MisstatedContribution
 from .accusations import Accusations, judge
@@ -38,13 +46,15 @@ from .bans import BanList
 from .compression import get_codec
 from .group import Group
 from .round_calls import RoundCalls
+from .signatures import account_digest
 from .wire import ChunkPlan, PeerFault
 
 METHOD = "avg.account"
 ROUNDS_KEPT = 4
 MAX_KEPT_BYTES = 64 << 20  # the unanswered chunks a sender keeps to check, in all
-MAX_ASKS = 3  # members asked for the account of one chunk
 CALL_TIMEOUT = 10.0
+# the accuser's margin against rounding (accounts.misstates): twice the judges'
+ACCUSER_MARGIN = 1.0
 
 Key = tuple[int, int]  # (reducer, chunk)
 
@@ -54,9 +64,11 @@ class _Round:
     group: Group
     index: int
     told: Mapping[Key, tuple[bytes, bytes, str]]  # what we applied (answers.Told)
-    accounts: Mapping[Key, Any]  # ... and the accounts that came with it
+    accounts: Mapping[Key, bytes]  # ... and the accounts that came with it (JSON)
     unanswered: dict[Key, tuple[bytes, dict[str, Any]]] = field(default_factory=dict)
-    applied_by: dict[Key, list[str]] = field(default_factory=dict)  # members that said so
+    # per chunk, the account digests members said they applied, each with who said so
+    claims: dict[Key, dict[bytes, list[str]]] = field(default_factory=dict)
+    judged: dict[Key, set[bytes]] = field(default_factory=dict)  # account digests judged
     asked: dict[Key, set[str]] = field(default_factory=dict)  # members we asked, per chunk
     asking: set[Key] = field(default_factory=set)  # chunks with a call under way
     proven: set[int] = field(default_factory=set)  # reducers we proved a forgery of
@@ -73,7 +85,7 @@ class WithheldAnswers(RoundCalls[_Round]):
         self._accusations = accusations
 
     def remember(self, group: Group, index: int, told: Mapping[Key, tuple[bytes, bytes, str]],
-                 accounts: Mapping[Key, Any]) -> None:
+                 accounts: Mapping[Key, bytes]) -> None:
         """A round starts here: `told` and `accounts` fill with what we apply."""
         self._keep(group.group_id, _Round(group, index, told, accounts))
 
@@ -99,24 +111,27 @@ class WithheldAnswers(RoundCalls[_Round]):
         for key in list(kept.unanswered):
             self._ask_next(kept, key)
 
-    def applied(self, group_id: str, peer: str, keys: Iterable[Key]) -> None:
-        """A member's summary says it applied these answers (answers.py)."""
+    def applied(self, group_id: str, peer: str, items: Iterable[tuple[int, int, bytes]]) -> None:
+        """A member's summary says it applied these answers: (reducer, chunk, the account's
+        digest) each (answers.py)."""
         kept = self._rounds.get(group_id)
         if kept is None:
             return
-        for key in keys:
-            peers = kept.applied_by.setdefault(key, [])
-            if peer not in peers and len(peers) < MAX_ASKS:
-                peers.append(peer)
-            if key in kept.unanswered:
-                self._ask_next(kept, key)
+        for j, c, digest in items:
+            claimed = kept.claims.setdefault((j, c), {})
+            if all(peer not in peers for peers in claimed.values()):  # (one claim a member)
+                claimed.setdefault(digest, []).append(peer)
+            if (j, c) in kept.unanswered:
+                self._ask_next(kept, (j, c))
 
     def _ask_next(self, kept: _Round, key: Key) -> None:
-        """Ask the next member that applied `key` (none while one is being asked)."""
-        asked = kept.asked.setdefault(key, set())
-        if key[0] in kept.proven or len(asked) >= MAX_ASKS or key in kept.asking:
+        """Ask a member for the next account digest claimed for `key` that is not judged yet
+        (none while one is being asked)."""
+        if key[0] in kept.proven or key in kept.asking:
             return
-        peer = next((p for p in kept.applied_by.get(key, ()) if p not in asked), None)
+        asked, judged = kept.asked.setdefault(key, set()), kept.judged.get(key, set())
+        peer = next((p for digest, peers in kept.claims.get(key, {}).items()
+                     if digest not in judged for p in peers if p not in asked), None)
         if peer is None:
             return
         asked.add(peer)
@@ -141,7 +156,7 @@ class WithheldAnswers(RoundCalls[_Round]):
             self._accusations.accuse(kept.group, kept.index, j, proof)
             for other in [k for k in kept.unanswered if k[0] == j]:
                 del kept.unanswered[other]
-        elif key in kept.unanswered:  # not judged, or unproven: the next member that applied it
+        elif key in kept.unanswered:  # the next account claimed, or the next member claiming it
             self._ask_next(kept, key)
 
     async def _judged(self, kept: _Round, key: Key, peer: str) -> MisstatedContribution | None:
@@ -161,12 +176,13 @@ class WithheldAnswers(RoundCalls[_Round]):
         verdict, why = await asyncio.to_thread(
             judge, kept.group, accuser=kept.index, reducer=j, chunk=c, meta=meta, payload=payload,
             account=account, answer=digest, signature=signature,
-            codec=get_codec(kept.group.compression))
+            codec=get_codec(kept.group.compression), margin=ACCUSER_MARGIN)
         if verdict == "forged":
             return MisstatedContribution(why, c, payload, meta, account, digest, signature)
-        if verdict == "false":  # it states our chunk truly: the answer was only withheld from us
+        if verdict == "false":  # this account states our chunk truly (the reducer may have
+            # signed another for the others: their digests are asked next)
             self.counters["withheld_checked"] += 1
-            kept.unanswered.pop(key, None)
+            kept.judged.setdefault(key, set()).add(account_digest(account))
         else:
             self.counters["withheld_unproven"] += 1
         return None
@@ -192,7 +208,7 @@ class WithheldAnswers(RoundCalls[_Round]):
         told, account = kept.told.get((j, c)), kept.accounts.get((j, c))
         if told is None or account is None:
             raise PeerFault(f"no answer of member {j} to chunk {c} was applied here")
-        return Message({"v": account, "h": told[0].hex(), "a": told[2]})
+        return Message({"v": orjson.loads(account), "h": told[0].hex(), "a": told[2]})
 
 
 def _index(raw: Any) -> bool:

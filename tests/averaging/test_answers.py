@@ -100,3 +100,21 @@ async def test_the_handler_takes_one_summary_per_member_and_round_from_members()
     reply = await handle(RequestContext(PEERS[1]), Message(
         {"g": GROUP.group_id}, orjson.dumps([[1, 2], [REDUCER, 0, "zz", "zz", "zz"], "x"])))
     assert reply.header["equivocations"] == 0 and counters["answer_summaries_malformed"] == 3
+
+
+async def test_the_answers_a_summary_says_were_applied_are_passed_on_but_those_of_its_own_part(
+        ) -> None:
+    """withheld.py asks members for the accounts their summaries say they applied. No member
+    applies an answer of its own part: a reducer's summary that claims one (to serve an account
+    of its choosing to the sender it skipped) is not passed on."""
+    counters: collections.Counter[str] = collections.Counter()
+    heard: list[tuple[str, str, list[Any]]] = []
+    transport = HandlerTransport(PEERS[0])
+    summaries = AnswerSummaries(transport, BanList(counters=counters), counters,  # type: ignore[arg-type]
+                                on_applied=lambda g, p, items: heard.append((g, p, items)))
+    summaries.remember(GROUP, 0, {})
+    account = {"s": [], "e": [0.0]}
+    body = [[j, 0, ANSWER.hex(), account_digest(account).hex(), told(account)[2]] for j in (1, 3)]
+    await transport.handlers["avg.answers"](RequestContext(PEERS[REDUCER]),
+                                            Message({"g": GROUP.group_id}, orjson.dumps(body)))
+    assert heard == [(GROUP.group_id, PEERS[REDUCER], [(1, 0, account_digest(account))])]
