@@ -4,24 +4,29 @@ A reducer's own contribution to its part reaches nobody, so its entry (projectio
 word, and since the signs r come from the answer, a reducer could pick its answer first and then
 state whatever own projections make the answer agree (accounts.py). Two things close that:
 - **Commitment.** The reducer's own entry names a digest of its own contribution (`commitment`:
-  a BLAKE3 digest of each segment's float32 bytes, and of those, the root), and the signs r are drawn
-  from the answer *and* every entry's digest (accounts.answer_digest). To state true projections
+  a BLAKE3 digest of each segment's float32 bytes, and of those and of each segment's L2 norm,
+  the root), and the signs r are drawn from the answer *and* every entry's digest
+  (accounts.answer_digest). To state true projections
   of another contribution than the one it committed to, the reducer must change the digest,
   which changes r: it cannot aim its own entry at the signs.
 - **Audits** (method "avg.audit", unary). After a round, each member asks up to
   `AUDITS_PER_ROUND` of the reducers whose answers it applied (at random) for one segment of
   one chunk of their own contribution, both drawn at random:
       header {"g": group_id, "c": chunk, "k": segment}
-  and the reducer answers header {"d": [each segment's digest, hex]} with the segment's float32
-  values as payload. The member checks that the digests give the committed root, that the
-  segment has its digest, that its projection is the one the entry states, and that its norm is
-  within the entry's. A reducer that fails is banned at once (`offences_forged_account`,
+  and the reducer answers header {"d": [each segment's digest, hex], "n": [each segment's norm]}
+  with the segment's float32 values as payload. The member checks that the digests and norms give
+  the committed root, that the segment has its digest and its committed norm, that its
+  projection is the one the entry states, and that the chunk's norm the entry states is the one
+  the committed segments' norms make. A reducer that fails is banned at once (`offences_forged_account`,
   `audits_failed`); one that does not answer commits an offence (`offences_audit_unanswered`,
   three within the ban window ban it).
 A reducer that states false own projections in a fraction f of its segments is caught by each
-auditor with probability f per round; one that states a norm under its contribution's escapes
-only where the audited segment's norm is within the stated one (at most sqrt(segments) times
-under). Each member bans on its own audits (it cannot show others a reducer's reply).
+auditor with probability f per round; so is one that states its chunk's norm under or over its
+contribution's (to escape the norm-clipped mean's scale, or to widen the answer's checks): the
+stated norm must be the one its committed segment norms make, so it must misstate those of a
+fraction f of its segments, each caught when audited. (Before the norms were committed, a norm
+stated up to sqrt(segments) times under, or any amount over, passed every audit.) Each member
+bans on its own audits (it cannot show others a reducer's reply).
 
 Bounds: a reducer keeps its own contributions until `KEPT_SECONDS` past the round's deadline
 (members audit within half of that), for at most `KEPT_ROUNDS` rounds, and beyond `KEPT_BYTES`
@@ -37,6 +42,7 @@ import asyncio
 import collections
 import math
 import random
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -69,28 +75,43 @@ def segment_digest(values: np.ndarray) -> bytes:
     return blake3(data, max_threads=1).digest()
 
 
-def root_of(group_id: str, reducer: int, chunk: int, digests: Sequence[bytes]) -> str:
-    """The commitment a reducer's own entry names: a digest of its segments' digests."""
+def root_of(group_id: str, reducer: int, chunk: int, digests: Sequence[bytes],
+            norms: Sequence[float]) -> str:
+    """The commitment a reducer's own entry names: a digest of its segments' digests and
+    norms (float64, as the audit's JSON carries them)."""
     root = blake3(f"dedloc-own-contribution\0{group_id}\0{reducer}\0{chunk}\0".encode(),
                   max_threads=1)
     for digest in digests:
         root.update(digest)
+    root.update(struct.pack(f">{len(norms)}d", *norms))
     return root.hexdigest()
 
 
+@dataclass(frozen=True)
+class Own:
+    """A reducer's own contribution to a chunk as it committed to it (`commitment`)."""
+
+    values: np.ndarray
+    digests: tuple[bytes, ...]
+    norms: tuple[float, ...]
+
+
 def commitment(group_id: str, reducer: int, chunk: int, values: np.ndarray,
-               parts: Sequence[tuple[int, int]]) -> tuple[str, tuple[bytes, ...]]:
-    """(the root, each segment's digest) of a reducer's own contribution to a chunk."""
+               parts: Sequence[tuple[int, int]]) -> tuple[str, Own]:
+    """(the root, what it commits to) of a reducer's own contribution to a chunk."""
     digests = tuple(segment_digest(values[a:b]) for a, b in parts)
-    return root_of(group_id, reducer, chunk, digests), digests
+    norms = tuple(l2_norm(values[a:b]) for a, b in parts)
+    return root_of(group_id, reducer, chunk, digests, norms), Own(values, digests, norms)
 
 
 def audit_failure(entry: Entry, applied: Applied, *, group_id: str, reducer: int, chunk: int,
-                  segment: int, digests: Sequence[bytes], values: np.ndarray) -> str | None:
+                  segment: int, digests: Sequence[bytes], norms: Sequence[float],
+                  values: np.ndarray) -> str | None:
     """Why the reducer's reply to an audit of its own `entry` fails (None: it passes)."""
     parts = applied.parts
-    if len(digests) != len(parts) or root_of(group_id, reducer, chunk, digests) != entry.digest:
-        return "its segments' digests do not give the commitment its account named"
+    if len(digests) != len(parts) or len(norms) != len(parts) \
+            or root_of(group_id, reducer, chunk, digests, norms) != entry.digest:
+        return "its segments' digests and norms do not give the commitment its account named"
     a, b = parts[segment]
     if values.size != b - a or segment_digest(values) != digests[segment]:
         return f"segment {segment} is not the one it committed to"
@@ -103,11 +124,22 @@ def audit_failure(entry: Entry, applied: Applied, *, group_id: str, reducer: int
     projection = project(signs_of(applied.answer, n)[a:b], values, [(0, b - a)])
     if misstates(stated, projection, norm, n):
         return f"its account misstated the projection of its own segment {segment}"
-    slack = n * 2.0**-53 * math.sqrt(n) * norm * 4 + 1e-30
-    if norm > entry.norm * (1 + 4 * FLOAT32_UNIT) + slack:
-        return f"its own segment {segment} has a norm of {norm:.6g}, over the {entry.norm:.6g} its " \
-               "account stated for the whole chunk"
+    if _apart(norm, norms[segment], n):
+        return f"its own segment {segment} has a norm of {norm:.6g}, not the {norms[segment]:.6g} " \
+               "it committed to"
+    whole = math.sqrt(math.fsum(k * k for k in norms))
+    if _apart(entry.norm, whole, n):
+        return f"its account stated a norm of {entry.norm:.6g} for its own contribution, not the " \
+               f"{whole:.6g} its committed segments make"
     return None
+
+
+def _apart(stated: float, measured: float, n: int) -> bool:
+    """Whether two L2 norms of (parts of) one n-element float32 contribution differ by more than
+    their float64 sums' order on two machines allows (both ways)."""
+    scale = max(abs(stated), abs(measured))
+    slack = n * 2.0**-53 * math.sqrt(n) * scale * 4 + 4 * FLOAT32_UNIT * scale + 1e-30
+    return not abs(stated - measured) <= slack  # (NaN: apart)
 
 
 @dataclass(frozen=True)
@@ -123,7 +155,7 @@ class Applied:
 @dataclass
 class _Kept:
     group: Group
-    own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]]  # chunk -> (values, segment digests)
+    own: dict[int, Own]  # chunk -> our own contribution as committed
     asked: set[str] = field(default_factory=set)
 
     def expired(self, now: float, share: float = 1.0) -> bool:
@@ -141,7 +173,7 @@ class OwnAudits(RoundCalls[_Kept]):
         self.rng = rng
 
     # --- as a reducer ---------------------------------------------------------------------------
-    def keep(self, group: Group, own: dict[int, tuple[np.ndarray, tuple[bytes, ...]]]) -> None:
+    def keep(self, group: Group, own: dict[int, Own]) -> None:
         """A round starts here in which we reduce and send: `own` fills with our own
         contributions, chunk by chunk, as they are averaged. Kept until KEPT_SECONDS past its
         deadline; members audit only within half of that, so no honest reducer refuses them
@@ -150,7 +182,7 @@ class OwnAudits(RoundCalls[_Kept]):
         now = timebase.now()
         while len(self._rounds) > 1 and next(iter(self._rounds.values())).expired(now, 0.5) \
                 and sum(values.nbytes for kept in self._rounds.values()
-                        for values, _ in kept.own.values()) > KEPT_BYTES:
+                        for values in (o.values for o in kept.own.values())) > KEPT_BYTES:
             self._rounds.popitem(last=False)
 
     async def _serve(self, ctx: RequestContext, message: Message) -> Message:
@@ -167,15 +199,14 @@ class OwnAudits(RoundCalls[_Kept]):
             self.counters["audits_refused"] += 1
             raise PeerFault("one audit per member and round")
         own = kept.own.get(chunk) if _index(chunk) else None
-        if own is None or not _index(segment) or segment >= len(own[1]):
+        if own is None or not _index(segment) or segment >= len(own.digests):
             self.counters["audits_refused"] += 1
             raise PeerFault(f"no own contribution to chunk {chunk}, segment {segment} here")
         kept.asked.add(ctx.peer_id)
-        values, digests = own
-        bounds = _bounds(values.size, len(digests), segment)
+        bounds = _bounds(own.values.size, len(own.digests), segment)
         self.counters["audits_served"] += 1
-        return Message({"d": [d.hex() for d in digests]},
-                       np.ascontiguousarray(values[bounds[0]:bounds[1]]).tobytes())
+        return Message({"d": [d.hex() for d in own.digests], "n": list(own.norms)},
+                       np.ascontiguousarray(own.values[bounds[0]:bounds[1]]).tobytes())
 
     # --- as a member ----------------------------------------------------------------------------
     def audit(self, group: Group, index: int, applied: dict[tuple[int, int], Applied]) -> None:
@@ -205,12 +236,16 @@ class OwnAudits(RoundCalls[_Kept]):
         try:
             reply = await self.transport.call(peer, METHOD, Message({"g": group.group_id, "c": c, "k": k}),
                                               timeout=CALL_TIMEOUT)
-            raw = reply.header.get("d")
+            raw, norms = reply.header.get("d"), reply.header.get("n")
             a, b = applied.parts[k]
             if not isinstance(raw, list) or len(raw) != len(applied.parts) \
                     or not all(isinstance(d, str) and len(d) == 64 for d in raw) \
+                    or not isinstance(norms, list) or len(norms) != len(applied.parts) \
+                    or not all(isinstance(x, int | float) and not isinstance(x, bool)
+                               for x in norms) \
                     or len(reply.payload) != 4 * (b - a):
-                raise PeerFault("an audit's reply is not {\"d\": segment digests} and the segment")
+                raise PeerFault("an audit's reply is not {\"d\": segment digests, \"n\": segment "
+                                "norms} and the segment")
             digests = [bytes.fromhex(d) for d in raw]
             values = np.frombuffer(bytes(reply.payload), np.float32)
         except (TransportError, TimeoutError, PeerFault, ValueError) as exc:
@@ -219,7 +254,8 @@ class OwnAudits(RoundCalls[_Kept]):
                               f"contribution in round {group.group_id}: {str(exc)[:200]}")
             return
         why = await asyncio.to_thread(audit_failure, entry, applied, group_id=group.group_id,
-                                      reducer=j, chunk=c, segment=k, digests=digests, values=values)
+                                      reducer=j, chunk=c, segment=k, digests=digests,
+                                      norms=[float(x) for x in norms], values=values)
         if why is None:
             self.counters["audits_passed"] += 1
             return

@@ -56,7 +56,7 @@ from .accounts import (
 from .accusations import Accusations
 from .aggregation import l2_norm
 from .answers import AnswerSummaries
-from .audits import OwnAudits, commitment
+from .audits import Own, OwnAudits, commitment
 from .bans import BanList
 from .claims import stall_allowance
 from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
@@ -151,7 +151,7 @@ class Round:
         self.identity = identity
         self.round_name = round_name(group)  # what signatures name this round by
         # chunk -> our own contribution to it and its segments' digests, for audits (audits.py)
-        self.own_kept: dict[int, tuple[np.ndarray, tuple[bytes, ...]]] = {}
+        self.own_kept: dict[int, Own] = {}
         # tests only (corruption.py, `equivocate`): per chunk what each member's account is cut from
         self.equivocal: dict[int, tuple[list[Entry], list[float], list[float], bytes, tuple[float, ...]]] = {}
         # tests only (`forge_skip`): per chunk the sender sent a skip in place of the answer
@@ -431,8 +431,9 @@ class Round:
             signed = [self.signed.pop((u.sender, c), ("", "")) for u in used]
             for k, u in enumerate(used):
                 if u.sender == self.index:  # our own: committed to, kept for audits (audits.py)
-                    root, digests = commitment(self.group.group_id, self.index, c, u.values, parts)
-                    self.own_kept[c] = (np.array(u.values), digests)
+                    root, own = commitment(self.group.group_id, self.index, c,
+                                           np.array(u.values), parts)
+                    self.own_kept[c] = own
                     signed[k] = (root, "")
             # (the signs come after every contribution is fixed, ours included)
             answer = answer_digest(self.group.group_id, self.index, c, meta, payload,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import random
 import time
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from averaging.fake_transport import HandlerTransport
 
 from dedloc.daemon.averaging.accounts import Entry, answer_digest, measure, segments, signs_of
-from dedloc.daemon.averaging.audits import Applied, OwnAudits, audit_failure, commitment
+from dedloc.daemon.averaging.audits import Applied, Own, OwnAudits, audit_failure, commitment, root_of
 from dedloc.daemon.averaging.bans import BanList
 from dedloc.daemon.averaging.group import Group, Member
 from dedloc.daemon.averaging.wire import PeerFault
@@ -30,47 +31,78 @@ REDUCER = 2
 PEERS = [Identity.from_seed(bytes([i + 10]) * 32).peer_id for i in range(3)]
 
 
-def own_entry(values: np.ndarray) -> tuple[Entry, Applied, tuple[bytes, ...]]:
+def own_entry(values: np.ndarray) -> tuple[Entry, Applied, Own]:
     """The reducer's own entry for chunk 0 as an honest reducer states it, and what a member
     applied (the answer's digest over the account's digests)."""
     parts = segments(N, 3)
-    root, digests = commitment(GROUP, REDUCER, 0, values, parts)
+    root, own = commitment(GROUP, REDUCER, 0, values, parts)
     answer = answer_digest(GROUP, REDUCER, 0, {}, b"answer", ["aa" * 32, "bb" * 32, root])
     entry = Entry(REDUCER, 1.0, *measure(signs_of(answer, N), values, parts), root)
-    return entry, Applied((entry,), answer, tuple(parts)), digests
+    return entry, Applied((entry,), answer, tuple(parts)), own
 
 
-def failure(entry: Entry, applied: Applied, digests: Any, segment: int, values: np.ndarray) -> Any:
+def failure(entry: Entry, applied: Applied, own: Own, segment: int, values: np.ndarray,
+            digests: Any = None, norms: Any = None) -> Any:
     return audit_failure(entry, applied, group_id=GROUP, reducer=REDUCER, chunk=0,
-                         segment=segment, digests=digests, values=values)
+                         segment=segment, digests=own.digests if digests is None else digests,
+                         norms=own.norms if norms is None else norms, values=values)
 
 
 def test_an_honest_reducer_passes_every_segment() -> None:
     values = np.random.default_rng(0).standard_normal(N).astype(np.float32)
-    entry, applied, digests = own_entry(values)
+    entry, applied, own = own_entry(values)
     for k, (a, b) in enumerate(applied.parts):
-        assert failure(entry, applied, digests, k, values[a:b]) is None
+        assert failure(entry, applied, own, k, values[a:b]) is None
 
 
 def test_a_misstated_own_entry_or_another_segment_fails() -> None:
     values = np.random.default_rng(1).standard_normal(N).astype(np.float32)
-    entry, applied, digests = own_entry(values)
+    entry, applied, own = own_entry(values)
     a, b = applied.parts[1]
     moved = dataclasses.replace(entry, projections=(entry.projections[0], entry.projections[1] + 1e-3,
                                                     *entry.projections[2:]))
-    assert "projection" in failure(moved, applied, digests, 1, values[a:b])
-    # a norm stated under the contribution's (to escape the norm-clipped mean's scale)
-    small = dataclasses.replace(entry, norm=float(np.linalg.norm(values[a:b])) * 0.9)
-    assert "norm" in failure(small, applied, digests, 1, values[a:b])
-    # a norm stated far over the contribution's widens nothing: false projections still fail
+    assert "projection" in failure(moved, applied, own, 1, values[a:b])
+    # a norm stated under the contribution's (to escape the norm-clipped mean's scale), or
+    # over it (to widen the answer's checks): whichever segment is audited, it is not the norm
+    # the committed segments make (before, a chunk norm 10 % under its own passed the audit of
+    # any segment whose norm was within it, and any norm over passed every audit)
+    for scale in (0.9, 1.1, 1e30):
+        stated = dataclasses.replace(entry, norm=entry.norm * scale)
+        for k, (s, e) in enumerate(applied.parts):
+            assert "segments make" in failure(stated, applied, own, k, values[s:e])
+    # ... and committed segment norms that make the stated one but are not the segments': the
+    # commitment is another (the signs follow it), and the norm of the audited segment is not it
+    norms = list(own.norms)
+    norms[0], norms[1] = norms[1], norms[0]
+    assert "commitment" in failure(entry, applied, own, 1, values[a:b], norms=norms)
+    # a false projection with an inflated norm: still false
     inflated = dataclasses.replace(moved, norm=1e30)
-    assert "projection" in failure(inflated, applied, digests, 1, values[a:b])
+    assert "projection" in failure(inflated, applied, own, 1, values[a:b])
     other = values[a:b] + np.float32(1e-3)
-    assert "not the one" in failure(entry, applied, digests, 1, other)
-    forged_digests = list(digests)
+    assert "not the one" in failure(entry, applied, own, 1, other)
+    forged_digests = list(own.digests)
     forged_digests[1] = bytes(32)
-    assert "commitment" in failure(entry, applied, forged_digests, 1, values[a:b])
-    assert "commitment" in failure(entry, applied, digests[:-1], 1, values[a:b])
+    assert "commitment" in failure(entry, applied, own, 1, values[a:b], digests=forged_digests)
+    assert "commitment" in failure(entry, applied, own, 1, values[a:b], digests=own.digests[:-1])
+    assert "commitment" in failure(entry, applied, own, 1, values[a:b], norms=own.norms[:-1])
+
+
+def test_a_committed_segment_norm_that_is_not_the_segments_fails_when_that_segment_is_audited(
+        ) -> None:
+    """A reducer that commits to a false norm for one segment (and states the chunk's norm they
+    make) passes the audits of the other segments and fails that one's."""
+    values = np.random.default_rng(4).standard_normal(N).astype(np.float32)
+    parts = segments(N, 3)
+    _, honest = commitment(GROUP, REDUCER, 0, values, parts)
+    norms = (honest.norms[0] * 0.5, *honest.norms[1:])
+    root = root_of(GROUP, REDUCER, 0, honest.digests, norms)
+    answer = answer_digest(GROUP, REDUCER, 0, {}, b"answer", ["aa" * 32, "bb" * 32, root])
+    projections, _ = measure(signs_of(answer, N), values, parts)
+    entry = Entry(REDUCER, 1.0, projections, math.sqrt(sum(k * k for k in norms)), root)
+    applied = Applied((entry,), answer, tuple(parts))
+    lying = Own(values, honest.digests, norms)
+    results = [failure(entry, applied, lying, k, values[a:b]) for k, (a, b) in enumerate(parts)]
+    assert "not the" in results[0] and results[1:] == [None] * (len(parts) - 1)
 
 
 def test_the_signs_follow_the_commitment() -> None:
@@ -100,11 +132,12 @@ async def test_the_reducer_answers_members_once_per_round() -> None:
                   N, "none", time.time() + 30, "mean")
     values = np.random.default_rng(3).standard_normal(N).astype(np.float32)
     parts = segments(N, 3)
-    digests = commitment(GROUP, REDUCER, 0, values, parts)[1]
-    audits.keep(group, {0: (values, digests)})
+    own = commitment(GROUP, REDUCER, 0, values, parts)[1]
+    audits.keep(group, {0: own})
     serve = transport.handlers["avg.audit"]
     reply = await serve(RequestContext(PEERS[0]), Message({"g": GROUP, "c": 0, "k": 1}))
-    assert reply.header["d"] == [d.hex() for d in digests]
+    assert reply.header["d"] == [d.hex() for d in own.digests]
+    assert reply.header["n"] == list(own.norms)
     a, b = parts[1]
     assert bytes(reply.payload) == values[a:b].tobytes()
     for peer, header in [(PEERS[0], {"g": GROUP, "c": 0, "k": 2}),  # once per round
