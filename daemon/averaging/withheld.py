@@ -24,7 +24,8 @@ judged). A member's summary that claims an answer of its own part is ignored (an
 Bounds: accounts are kept (as their JSON bytes) for the last `ROUNDS_KEPT` rounds only (an
 account is at most a frame header: 64 KiB a chunk); a member answers a sender of the round that
 is not banned here, once per chunk; a sender keeps the chunks it got no answer to for the same
-rounds and at most `MAX_KEPT_BYTES` of them in all (beyond that it does not check), asks each
+rounds and at most `MAX_KEPT_BYTES` of them in all (beyond that it does not check; a round's go
+once `UNANSWERED_SECONDS` past its deadline, when another round needs the room), asks each
 member at most once per chunk (so at most the group's size), one ask at a time per chunk, and
 stops asking about a reducer once it proved one forgery of it.
 """
@@ -39,6 +40,7 @@ from typing import Any
 
 import orjson
 
+from .. import timebase
 from ..net import Message, PeerTransport, RequestContext, TransportError
 from .accounts import MisstatedContribution
 from .accusations import Accusations, judge
@@ -52,6 +54,7 @@ from .wire import ChunkPlan, PeerFault
 METHOD = "avg.account"
 ROUNDS_KEPT = 4
 MAX_KEPT_BYTES = 64 << 20  # the unanswered chunks a sender keeps to check, in all
+UNANSWERED_SECONDS = 120.0  # ... and for how long past their round's deadline, at least
 CALL_TIMEOUT = 10.0
 # the accuser's margin against rounding (accounts.misstates): twice the judges'
 ACCUSER_MARGIN = 1.0
@@ -97,6 +100,10 @@ class WithheldAnswers(RoundCalls[_Round]):
         kept = self._rounds.get(group_id)
         if kept is None:
             return
+        now = timebase.now()
+        for other in self._rounds.values():  # (their summaries came long ago: room for ours)
+            if other.group.deadline + UNANSWERED_SECONDS < now:
+                other.unanswered.clear()
         room = MAX_KEPT_BYTES - sum(len(p) for r in self._rounds.values()
                                     for p, _ in r.unanswered.values())
         for key, (payload, meta) in sorted(unanswered.items()):
@@ -141,7 +148,8 @@ class WithheldAnswers(RoundCalls[_Round]):
     async def _ask(self, kept: _Round, key: Key, peer: str) -> None:
         try:
             proof = await self._judged(kept, key, peer)
-        except (TransportError, TimeoutError, PeerFault, ValueError) as exc:
+        except (TransportError, TimeoutError, PeerFault, ValueError, TypeError) as exc:
+            # (TypeError: an account JSON carries but cannot write back, nested too deep)
             self._log.debug("allreduce_withheld_not_asked", to=peer, reason=str(exc)[:200])
             proof = None
         finally:

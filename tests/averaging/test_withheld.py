@@ -176,3 +176,22 @@ async def test_nothing_is_asked_once_the_service_is_closed() -> None:
     service.applied("round-1", "peer-b", [(1, 0, b"\1" * 32)])
     await asyncio.sleep(0.05)
     assert not transport.calls
+
+
+async def test_unanswered_chunks_of_a_round_long_over_make_room_for_the_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    monkeypatch.setattr(withheld, "MAX_KEPT_BYTES", 10_000)
+    service, _, _, counters = _service("peer-a")
+    first = _group()
+    service.remember(first, 0, {}, {})
+    chunk = np.ones(CHUNK, np.float32)  # 4000 bytes
+    service.withheld("round-1", {(1, 0): (chunk, {}), (1, 1): (chunk, {})})
+    later = first.deadline + withheld.UNANSWERED_SECONDS + 1
+    monkeypatch.setattr(withheld.timebase, "now", lambda: later)
+    service.remember(dataclasses.replace(first, group_id="round-2", deadline=later + 30), 0, {}, {})
+    service.withheld("round-2", {(1, 0): (chunk, {}), (2, 0): (chunk, {})})
+    assert not service._rounds["round-1"].unanswered
+    assert sorted(service._rounds["round-2"].unanswered) == [(1, 0), (2, 0)]
+    assert counters["withheld_not_kept"] == 0
