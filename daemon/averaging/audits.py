@@ -67,6 +67,7 @@ KEPT_ROUNDS = 8
 # ... and no more than this of rounds whose audits are over (the newest is always kept)
 KEPT_BYTES = 256 << 20
 KEPT_SECONDS = 120.0  # after the round's deadline (members audit within half of it)
+MAX_SQUARED = 1.9e19  # past this a float32 value's square is inf: no finite norm has more a value
 CALL_TIMEOUT = 15.0
 
 
@@ -112,12 +113,17 @@ def audit_failure(entry: Entry, applied: Applied, *, group_id: str, reducer: int
     if len(digests) != len(parts) or len(norms) != len(parts) \
             or root_of(group_id, reducer, chunk, digests, norms) != entry.digest:
         return "its segments' digests and norms do not give the commitment its account named"
+    n = parts[-1][1]
+    # (committed, so its own: no honest segment's norm is past sqrt(n) float32 squares' limit,
+    # and one of 1e200 would make the chunk's norm inf, next to which any stated norm passes)
+    limit = math.sqrt(n) * MAX_SQUARED
+    if not all(0.0 <= k <= limit for k in norms):  # (NaN fails too)
+        return "it committed to a segment norm no float32 contribution has"
     a, b = parts[segment]
     if values.size != b - a or segment_digest(values) != digests[segment]:
         return f"segment {segment} is not the one it committed to"
     if not np.isfinite(values).all():
         return f"segment {segment} holds non-finite values"
-    n = parts[-1][1]
     norm = l2_norm(values)
     # (the slack from what was measured, not stated: a stated norm of 1e30 widens nothing)
     stated = Entry(entry.sender, entry.weight, (entry.projections[segment],), norm)
@@ -127,7 +133,7 @@ def audit_failure(entry: Entry, applied: Applied, *, group_id: str, reducer: int
     if _apart(norm, norms[segment], n):
         return f"its own segment {segment} has a norm of {norm:.6g}, not the {norms[segment]:.6g} " \
                "it committed to"
-    whole = math.sqrt(math.fsum(k * k for k in norms))
+    whole = math.hypot(*norms)
     if _apart(entry.norm, whole, n):
         return f"its account stated a norm of {entry.norm:.6g} for its own contribution, not the " \
                f"{whole:.6g} its committed segments make"
@@ -137,6 +143,8 @@ def audit_failure(entry: Entry, applied: Applied, *, group_id: str, reducer: int
 def _apart(stated: float, measured: float, n: int) -> bool:
     """Whether two L2 norms of (parts of) one n-element float32 contribution differ by more than
     their float64 sums' order on two machines allows (both ways)."""
+    if not (math.isfinite(stated) and math.isfinite(measured)):
+        return True
     scale = max(abs(stated), abs(measured))
     slack = n * 2.0**-53 * math.sqrt(n) * scale * 4 + 4 * FLOAT32_UNIT * scale + 1e-30
     return not abs(stated - measured) <= slack  # (NaN: apart)

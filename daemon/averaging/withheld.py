@@ -26,8 +26,9 @@ account is at most a frame header: 64 KiB a chunk); a member answers a sender of
 is not banned here, once per chunk; a sender keeps the chunks it got no answer to for the same
 rounds and at most `MAX_KEPT_BYTES` of them in all (beyond that it does not check; a round's go
 once `UNANSWERED_SECONDS` past its deadline, when another round needs the room), asks each
-member at most once per chunk (so at most the group's size), one ask at a time per chunk, and
-stops asking about a reducer once it proved one forgery of it.
+member at most once per chunk (so at most the group's size), `ASKS_AT_ONCE` at a time per
+chunk, the digest most members claim first (accomplices that claim first and stall hold up no
+honest member's answer), and stops asking about a reducer once it proved one forgery of it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ METHOD = "avg.account"
 ROUNDS_KEPT = 4
 MAX_KEPT_BYTES = 64 << 20  # the unanswered chunks a sender keeps to check, in all
 UNANSWERED_SECONDS = 120.0  # ... and for how long past their round's deadline, at least
-CALL_TIMEOUT = 10.0
+CALL_TIMEOUT = 5.0
+ASKS_AT_ONCE = 3  # calls under way per chunk (a member that stalls holds up no other)
 # the accuser's margin against rounding (accounts.misstates): twice the judges'
 ACCUSER_MARGIN = 1.0
 
@@ -73,7 +75,8 @@ class _Round:
     claims: dict[Key, dict[bytes, list[str]]] = field(default_factory=dict)
     judged: dict[Key, set[bytes]] = field(default_factory=dict)  # account digests judged
     asked: dict[Key, set[str]] = field(default_factory=dict)  # members we asked, per chunk
-    asking: set[Key] = field(default_factory=set)  # chunks with a call under way
+    asking: dict[Key, int] = field(default_factory=dict)  # calls under way, per chunk
+    settled: bool = False  # the round is over here: what went unanswered is known
     proven: set[int] = field(default_factory=set)  # reducers we proved a forgery of
     served: set[tuple[int, Key]] = field(default_factory=set)  # (member, chunk) answered
 
@@ -104,6 +107,7 @@ class WithheldAnswers(RoundCalls[_Round]):
         for other in self._rounds.values():  # (their summaries came long ago: room for ours)
             if other.group.deadline + UNANSWERED_SECONDS < now:
                 other.unanswered.clear()
+        kept.settled = True
         room = MAX_KEPT_BYTES - sum(len(p) for r in self._rounds.values()
                                     for p, _ in r.unanswered.values())
         for key, (payload, meta) in sorted(unanswered.items()):
@@ -115,6 +119,7 @@ class WithheldAnswers(RoundCalls[_Round]):
                 continue
             room -= size
             kept.unanswered[key] = (bytes(memoryview(payload).cast("B")), dict(meta))
+        kept.claims = {k: v for k, v in kept.claims.items() if k in kept.unanswered}
         for key in list(kept.unanswered):
             self._ask_next(kept, key)
 
@@ -125,6 +130,8 @@ class WithheldAnswers(RoundCalls[_Round]):
         if kept is None:
             return
         for j, c, digest in items:
+            if (j, c) in kept.told or (kept.settled and (j, c) not in kept.unanswered):
+                continue  # (we hold that answer, or need it no more)
             claimed = kept.claims.setdefault((j, c), {})
             if all(peer not in peers for peers in claimed.values()):  # (one claim a member)
                 claimed.setdefault(digest, []).append(peer)
@@ -132,18 +139,20 @@ class WithheldAnswers(RoundCalls[_Round]):
                 self._ask_next(kept, (j, c))
 
     def _ask_next(self, kept: _Round, key: Key) -> None:
-        """Ask a member for the next account digest claimed for `key` that is not judged yet
-        (none while one is being asked)."""
-        if key[0] in kept.proven or key in kept.asking:
+        """Ask members for the account digests claimed for `key` that are not judged yet, the
+        digest most members claim first (the one the honest members applied, unless accomplices
+        outnumber them), up to ASKS_AT_ONCE calls at once."""
+        if key[0] in kept.proven:
             return
         asked, judged = kept.asked.setdefault(key, set()), kept.judged.get(key, set())
-        peer = next((p for digest, peers in kept.claims.get(key, {}).items()
-                     if digest not in judged for p in peers if p not in asked), None)
-        if peer is None:
-            return
-        asked.add(peer)
-        kept.asking.add(key)
-        self._spawn(self._ask(kept, key, peer), f"allreduce-withheld-{key[0]}-{key[1]}")
+        claimed = sorted(kept.claims.get(key, {}).items(), key=lambda item: -len(item[1]))
+        for peer in [p for digest, peers in claimed if digest not in judged for p in peers]:
+            if kept.asking.get(key, 0) >= ASKS_AT_ONCE:
+                return
+            if peer not in asked:
+                asked.add(peer)
+                kept.asking[key] = kept.asking.get(key, 0) + 1
+                self._spawn(self._ask(kept, key, peer), f"allreduce-withheld-{key[0]}-{key[1]}")
 
     async def _ask(self, kept: _Round, key: Key, peer: str) -> None:
         try:
@@ -153,7 +162,7 @@ class WithheldAnswers(RoundCalls[_Round]):
             self._log.debug("allreduce_withheld_not_asked", to=peer, reason=str(exc)[:200])
             proof = None
         finally:
-            kept.asking.discard(key)
+            kept.asking[key] -= 1
         j = key[0]
         if proof is not None and j not in kept.proven:
             kept.proven.add(j)

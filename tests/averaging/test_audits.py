@@ -105,6 +105,26 @@ def test_a_committed_segment_norm_that_is_not_the_segments_fails_when_that_segme
     assert "not the" in results[0] and results[1:] == [None] * (len(parts) - 1)
 
 
+@pytest.mark.parametrize("committed", [1e200, 1.3e154, float("inf"), -1.0])
+def test_a_committed_segment_norm_no_contribution_has_fails_whichever_segment_is_audited(
+        committed: float) -> None:
+    """One segment committed to a norm of 1e200 made the chunk's norm inf, next to which any
+    stated norm passed the audits of the other segments (two of 1.3e154 overflowed the sum and
+    ended the audit with no verdict)."""
+    values = np.random.default_rng(5).standard_normal(N).astype(np.float32)
+    parts = segments(N, 3)
+    _, honest = commitment(GROUP, REDUCER, 0, values, parts)
+    norms = (committed, committed, *honest.norms[2:])
+    root = root_of(GROUP, REDUCER, 0, honest.digests, norms)
+    answer = answer_digest(GROUP, REDUCER, 0, {}, b"answer", ["aa" * 32, "bb" * 32, root])
+    projections, norm = measure(signs_of(answer, N), values, parts)
+    entry = Entry(REDUCER, 1.0, projections, norm * 1e-6, root)
+    applied = Applied((entry,), answer, tuple(parts))
+    lying = Own(values, honest.digests, norms)
+    for k, (a, b) in enumerate(parts):
+        assert "no float32 contribution has" in failure(entry, applied, lying, k, values[a:b])
+
+
 def test_the_signs_follow_the_commitment() -> None:
     """A reducer that changes its own contribution after seeing the signs changes its
     commitment, and with it the signs: its entry cannot be aimed at them."""

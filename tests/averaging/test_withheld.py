@@ -115,7 +115,7 @@ async def test_an_account_its_reducer_did_not_sign_blames_nobody_and_the_next_me
 
 
 async def test_an_account_stating_the_sender_truly_does_not_end_the_search_for_a_forged_one(
-        ) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The reducer (member 3) signed two accounts of one chunk: in the one the honest member 1
     applied, sender 0's entry is forged; in the other, which an accomplice (member 2) serves,
     it is true. Member 0 asks the accomplice first (its summary came first) and finds itself
@@ -128,6 +128,7 @@ async def test_an_account_stating_the_sender_truly_does_not_end_the_search_for_a
 
     from dedloc.daemon.averaging.signatures import account_digest
 
+    monkeypatch.setattr(withheld, "ASKS_AT_ONCE", 1)  # (one after the other: in that order)
     entries, answer, sent = account()
     truthful, signed_truthful = signed_account(entries, answer)
     lying = [dataclasses.replace(e, projections=tuple(p + 1.0 for p in e.projections))
@@ -195,3 +196,19 @@ async def test_unanswered_chunks_of_a_round_long_over_make_room_for_the_next(
     assert not service._rounds["round-1"].unanswered
     assert sorted(service._rounds["round-2"].unanswered) == [(1, 0), (2, 0)]
     assert counters["withheld_not_kept"] == 0
+
+
+async def test_the_account_most_members_claim_is_asked_first(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Accomplices that send their summaries first and stall (each claiming an account digest of
+    its own) must not hold up the members that applied the one account: it is asked first."""
+    monkeypatch.setattr(withheld, "ASKS_AT_ONCE", 1)
+    stall = {"v": [], "h": "00" * 32, "a": "00" * 64}
+    service, transport, _, _ = _service("peer-a", {p: stall for p in IDS})
+    service.remember(_group(), 0, {}, {})
+    service.applied("round-1", "peer-b", [(1, 0, b"\2" * 32)])  # an accomplice, first
+    service.applied("round-1", "peer-c", [(1, 0, b"\1" * 32)])
+    service.applied("round-1", "peer-d", [(1, 0, b"\1" * 32)])
+    service.withheld("round-1", {(1, 0): (np.ones(CHUNK, np.float32), {})})
+    await asyncio.sleep(0.05)
+    assert transport.calls[0][0] in ("peer-c", "peer-d")
