@@ -111,6 +111,25 @@ async def test_wrong_average_is_not_applied_and_its_reducer_is_banned(
     await the_honest_three_average_without_it(daemons, bad, "wrong/1", compression, tolerance)
 
 
+async def misstated_round(daemons: list[DaemonProcess], key: str) -> tuple[str, int]:
+    """One round in which the reducer's account misstates the sender of weight 3 (the victim):
+    the victim's part from it fails and keeps its own values, the two others applied its zeros.
+    The reducer's peer id and the victim's index."""
+    bad = (await daemons[3].call("node.info"))["peer_id"]
+    reports, results, vectors = await average(daemons, key, 0, "none")
+    assert all(r["group_size"] == 4 for r in reports), reports
+    start, end = bad_part(reports, bad)
+    victim = WEIGHTS.index(3.0)
+    for index in range(3):
+        if index == victim:  # refused (or skipped): its own values kept
+            assert reports[index]["failed_parts"] == [[start, end]], reports[index]
+            np.testing.assert_array_equal(results[index][start:end], vectors[index][start:end])
+        else:  # nothing in the answer contradicts what they can check themselves: applied
+            assert not reports[index]["failed_parts"], reports[index]
+            assert not results[index][start:end].any()
+    return bad, victim
+
+
 async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_reducer_banned(
         daemon_factory: Any) -> None:
     """The reducer answers zeros and forges its account to agree: it rewrites the projections
@@ -119,18 +138,7 @@ async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_red
     applied the zeros already (the accusation comes after), find the account misstated it, and
     ban the reducer. The next round averages the honest three to their exact weighted mean."""
     daemons = await swarm(daemon_factory, "forge")
-    bad = (await daemons[3].call("node.info"))["peer_id"]
-    reports, results, vectors = await average(daemons, "forged/0", 0, "none")
-    assert all(r["group_size"] == 4 for r in reports), reports
-    start, end = bad_part(reports, bad)
-    victim = WEIGHTS.index(3.0)
-    for index in range(3):
-        if index == victim:  # its own entry misstated: refused, its own values kept
-            assert reports[index]["failed_parts"] == [[start, end]], reports[index]
-            np.testing.assert_array_equal(results[index][start:end], vectors[index][start:end])
-        else:  # nothing in the answer contradicts what they can check themselves: applied
-            assert not reports[index]["failed_parts"], reports[index]
-            assert not results[index][start:end].any()
+    bad, victim = await misstated_round(daemons, "forged/0")
     await banned_by_the_honest_three(daemons, bad)
     for index, daemon in enumerate(daemons[:3]):
         counters = (await daemon.call("node.info"))["counters"]
@@ -153,18 +161,7 @@ async def test_a_forged_account_withheld_from_the_sender_it_misstates_is_proven_
     (withheld.py), finds its own entry misstated under the reducer's signature, bans it and
     shows the others, who ban it too."""
     daemons = await swarm(daemon_factory, "forge_skip")
-    bad = (await daemons[3].call("node.info"))["peer_id"]
-    reports, results, vectors = await average(daemons, "withheld/0", 0, "none")
-    assert all(r["group_size"] == 4 for r in reports), reports
-    start, end = bad_part(reports, bad)
-    victim = WEIGHTS.index(3.0)
-    for index in range(3):
-        if index == victim:  # skipped: its own values kept
-            assert reports[index]["failed_parts"] == [[start, end]], reports[index]
-            np.testing.assert_array_equal(results[index][start:end], vectors[index][start:end])
-        else:
-            assert not reports[index]["failed_parts"], reports[index]
-            assert not results[index][start:end].any()
+    bad, victim = await misstated_round(daemons, "withheld/0")
     await banned_by_the_honest_three(daemons, bad)
     for index, daemon in enumerate(daemons[:3]):
         counters = (await daemon.call("node.info"))["counters"]
