@@ -39,6 +39,12 @@ misbehaves through a test-only switch of daemon/averaging/corruption.py (DEDLOC_
                  account in which that member's entry is true and another's forged. Honest
                  outcome: every member applies the zeros; after the round their summaries of
                  what it signed differ, and each bans it (equivocations, offences_equivocation).
+  withheld_forgery  DEDLOC_TEST_WRONG_ANSWERS=forge_skip: it answers zeros, forges its account
+                 to agree by misstating the sender of largest weight, and sends that sender a
+                 skip in place of each answer. Honest outcome: the others apply the zeros; after
+                 the round the skipped sender asks one of them for the account (avg.account),
+                 finds its entry misstated and accuses; all ban it (withheld_forgeries,
+                 offences_forged_account).
   bandwidth      DEDLOC_TEST_CLAIMED_BANDWIDTH=1e12: it claims 1e12 B/s to be given most of the
                  vector to reduce. Honest outcome: it is NOT excluded (its transfers are honest):
                  honest leaders bound its claim (bandwidth_claims_bounded, _cut), it reduces at
@@ -165,6 +171,7 @@ ATTACKS: dict[str, Attack] = {a.name: a for a in (
     Attack("forged_account", {"DEDLOC_TEST_WRONG_ANSWERS": "forge"}),
     Attack("forged_own", {"DEDLOC_TEST_WRONG_ANSWERS": "forge_own"}),
     Attack("equivocating", {"DEDLOC_TEST_WRONG_ANSWERS": "equivocate"}),
+    Attack("withheld_forgery", {"DEDLOC_TEST_WRONG_ANSWERS": "forge_skip"}),
     Attack("bandwidth", {"DEDLOC_TEST_CLAIMED_BANDWIDTH": "1e12"}),
     Attack("weight", {"DEDLOC_TEST_CLAIMED_WEIGHT": "1e15"}),
     Attack("leader_equivocation", {"DEDLOC_TEST_EQUIVOCATING_LEADER": "1"}),
@@ -179,11 +186,13 @@ ALLREDUCE_COUNTERS = ("streams_evicted_waiting", "streams_refused_all_waiting",
                       "streams_refused_peer_waiting", "streams_refused", "streams_reopened_not_started",
                       "accusations_sent", "forged_accounts", "accusations_false",
                       "accusations_unproven", "equivocations", "leader_equivocations",
+                      "withheld_forgeries", "withheld_checked", "withheld_unproven",
                       "group_mismatches", "answer_summaries_unproven",
                       "audits_made", "audits_passed", "audits_failed",
                       "audits_unanswered")
 DEFAULT_ATTACKS = ("control,sender_nan,sender_scale,wrong_answers,forged_account,forged_own,"
-                   "equivocating,bandwidth,weight,leader_equivocation,handshake_flood,waiting_flood")
+                   "equivocating,withheld_forgery,bandwidth,weight,leader_equivocation,"
+                   "handshake_flood,waiting_flood")
 
 
 # --- pure parts -------------------------------------------------------------------------------------

@@ -119,6 +119,8 @@ class RunEngine(RoundTaking, CatchingUp):
         self._reports: list[PeerProgress] = []
         self._received: dict[str, float] = {}
         self._target_reached: tuple[Head, float] | None = None
+        # when our last round at this head failed in part (the others may have stepped on it)
+        self._failed_in_part: tuple[Head, float] | None = None
         # the trainers seen at the run's head so far, and when that set last grew (policy: a
         # first grid round waits for it to settle)
         self._head_seen: tuple[Head, frozenset[str], float] | None = None
@@ -269,7 +271,9 @@ class RunEngine(RoundTaking, CatchingUp):
                       max_group_size=self.averaging.max_group_size,
                       knows_round_members=bool(self._grid_cells()), head_grew_at=grew_at,
                       ready_at=reached[1] if reached is not None and reached[0] == run.head else None,
-                      roster_published=self._roster_seen == run.head)
+                      roster_published=self._roster_seen == run.head,
+                      failed_part_at=self._failed_in_part[1] if self._failed_in_part is not None
+                      and self._failed_in_part[0] == self.head else None)
         if self.schedule.epochs is not None and self.role == "trainer" \
                 and p.epoch >= self.schedule.epochs and self._finished_at is None:
             self._finished_at = now
@@ -284,7 +288,7 @@ class RunEngine(RoundTaking, CatchingUp):
             if self._on_finished is not None:
                 self._on_finished()
         view = View(local, run, self.schedule, now, self.timing, blocked, self._finished_at,
-                    self._averaged)
+                    self._averaged, self.averaging.refused(run.donors))
         return view, read
 
     def _note_disbelieved(self, run: GlobalProgress) -> None:

@@ -26,7 +26,13 @@ The rules, one each:
   can then never both step, so no two states of one epoch and lineage differ; a lone fast
   trainer never runs away from a peer that is catching up; and the step is confirmed as soon as
   its members report it. A trainer whose round failed keeps its gradients and joins the next
-  round of the same head. Without such a majority at the head, a trainer waits for it.
+  round of the same head, at once; but where only a part of it failed (a reducer's answer it
+  refused, or one withheld from it alone), the others may have stepped: it looks at the run
+  for `Timing.failed_part_wait` first, and catches up if they did (before, it went back to a
+  round of the old head that nobody came to, and waited it out: 11 s on loopback). Without
+  such a majority at the head, a trainer waits for it. A peer banned here does not count
+  toward `min_peers` or the peers a round expects (it would be refused from it), only
+  toward the quorum.
 - **A first grid round waits for the view to settle.** A round of more peers than one group
   holds is a grid round (grid.py), whose layout every peer computes from the trainers it sees at
   the head; after the first round the cells go to that round's members, which every peer that
@@ -109,6 +115,7 @@ class Timing:
     linger: float = 120.0
     linger_poll: float = 1.0
     settle: float = 10.0  # a first grid round: the trainers seen at the head unchanged this long
+    failed_part_wait: float = 2.0  # after a round that failed in part: look for the others' step
     max_settle: float = 30.0  # ... but no longer than this after the run reached its target
 
 
@@ -132,6 +139,9 @@ class Local:
     head_grew_at: float | None = None
     ready_at: float | None = None
     roster_published: bool = False  # the round at the head has a roster: it has begun
+    # when this peer's last round at its head failed in part (a reducer's answer refused or
+    # withheld): the other members may well have stepped on it (see "A round that failed")
+    failed_part_at: float | None = None
 
     @property
     def head(self) -> Head:
@@ -152,6 +162,9 @@ class View:
     blocked: str | None = None
     finished_at: float | None = None
     averaged: Head | None = None
+    # peers this peer's averaging refuses (banned here): a trainer at the head that will not be
+    # in our round does not make one worth starting (the quorum still counts it)
+    refused: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -211,12 +224,13 @@ def decide(view: View) -> Action:
         return _finished(view)
     look = next_report_delay(run, local.samples_per_second, min_delay=timing.min_look,
                              max_delay=timing.max_look)
+    here = run.trainers_at_epoch - len(view.refused.intersection(run.donors))
     if local.role == "aux":
-        if run.ready and run.trainers_at_epoch >= schedule.min_peers and view.averaged != run.head:
-            settling = _settling(view, run.trainers_at_epoch + run.live_aux)
+        if run.ready and here >= schedule.min_peers and view.averaged != run.head:
+            settling = _settling(view, here + run.live_aux)
             if settling is not None:
                 return settling
-            return Average(run.head, run.trainers_at_epoch + run.live_aux, run.trainers_at_epoch)
+            return Average(run.head, here + run.live_aux, run.trainers_at_epoch)
         return Wait(now + look, "following the run")
     if local.head == run.head:
         if run.ready and local.accumulated < local.promised:
@@ -225,19 +239,27 @@ def decide(view: View) -> Action:
             return Train(local.promised - local.accumulated, timing.max_chunk)
         if run.ready and local.accumulated == 0:  # one batch first: every trainer contributes
             return Train(1, timing.min_look)
+        if run.ready and local.failed_part_at is not None \
+                and now < local.failed_part_at + timing.failed_part_wait:
+            return Wait(min(now + timing.max_chunk, local.failed_part_at + timing.failed_part_wait),
+                        "a part of our round failed: looking whether the others stepped on it")
         if run.ready:
             base = quorum_base(run)
-            here = run.trainers_at_epoch
             if here >= schedule.min_peers and 2 * here > base:
                 settling = _settling(view, here + run.live_aux)
                 if settling is not None:
                     return settling
                 return Average(run.head, here + run.live_aux, base)
-            # too few here for a round that may be stepped on: wait for them (a batch is enough)
+            # too few here for a round that may be stepped on: wait for them (a batch is enough;
+            # before, a peer banned here but at the head made the others start rounds it was
+            # refused from, failing each at once: about three a second)
+            refused = run.trainers_at_epoch - here
+            who = f"{here} of {base} at the head" + (f" ({refused} more banned here)" if refused
+                                                    else "")
             return Wait(now + timing.max_chunk,
-                        f"waiting for trainers: {here} of {base} at the head, {schedule.min_peers}"
-                        " needed" if here < schedule.min_peers else
-                        f"waiting for trainers: {here} of {base} at the head, a majority needed")
+                        f"waiting for trainers: {who}, {schedule.min_peers} needed"
+                        if here < schedule.min_peers else
+                        f"waiting for trainers: {who}, a majority needed")
         wanted = min(schedule.target_batch_size - local.accumulated, run.remaining)
         return Train(_chunk(local, wanted, look), look)
     if local.epoch <= run.epoch:  # behind, or at the head's epoch on another lineage

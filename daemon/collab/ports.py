@@ -71,6 +71,9 @@ class RoundAverager(Protocol):
         go to a roster drawn from them (roster.py). The round's report, or None if no round
         could run; RoundSatOut (errors.py) for a peer a grid round has no room for."""
 
+    def refused(self, peers: Collection[str]) -> frozenset[str]:
+        """Those of `peers` this peer's averaging refuses to average with (banned here)."""
+
     async def roster_published(self, key: str, trainers: Collection[str], *,
                                timeout: float) -> bool:
         """Whether a grid round of `key` has begun: one of its first writers, as this peer's

@@ -159,6 +159,9 @@ class RoundTaking:
                                                          len(report.failed_parts))
         if report is None or not step_allowed(result, action, self.schedule):
             p.failed_rounds += 1
+            if report is not None and report.failed_parts and sum(
+                    end - start for start, end in report.failed_parts) < sum(report.shares):
+                self._failed_in_part = (head, timebase.now())  # (policy: Local.failed_part_at)
             self._schedule_look(0.0)
             self._log.warning("averaging_round_failed_no_step", epoch=p.epoch,
                               group_size=report and report.group_size,

@@ -63,6 +63,9 @@ class NetworkRounds:
     def max_group_size(self) -> int:
         return self.grid.max_group_size
 
+    def refused(self, peers: Collection[str]) -> frozenset[str]:
+        return frozenset(p for p in peers if self.averager.bans.banned(p) is not None)
+
     async def prepare(self) -> None:
         """Load the load balancer before the first round needs it."""
         await self.averager.prepare()
@@ -171,6 +174,9 @@ class SoloRounds:
 
     def __init__(self, peer_id: str) -> None:
         self.peer_id = peer_id
+
+    def refused(self, peers: Collection[str]) -> frozenset[str]:
+        return frozenset()
 
     async def roster_published(self, key: str, trainers: Collection[str], *,
                                timeout: float) -> bool:

@@ -70,6 +70,9 @@ class GridAverager:
         self.engine.stop()
         return None
 
+    def refused(self, peers: object) -> frozenset[str]:
+        return frozenset()
+
     async def roster_published(self, key: str, trainers: Collection[str], *,
                                timeout: float) -> bool:
         now = asyncio.get_running_loop().time()

@@ -344,6 +344,45 @@ def test_too_few_trainers_for_min_peers_wait_with_their_batch() -> None:
     assert action.reason == "waiting for trainers: 1 of 1 at the head, 2 needed"
 
 
+def test_a_trainer_banned_here_makes_no_round_worth_starting() -> None:
+    """A peer this one banned (a reducer proven to forge, say) still reports itself at the
+    head, and will be refused from our round: with it counted, three honest trainers of a run
+    with min_peers 4 started rounds of three, failed each at once (fewer senders than min_peers)
+    and started the next: about three a second (benchmarks/hostile.py, forged_account: 85
+    failed rounds per peer in 16 s). Without it they wait; the quorum still counts it."""
+    own = peer("me", samples=300)
+    others = [peer("a", samples=300), peer("b", samples=300), peer("bad", samples=300)]
+    schedule = Schedule(TARGET, min_peers=4)
+    assert decide(view(own, others, schedule=schedule)) == Average(Head(1, L1), 4, 4)
+    action = decide(view(own, others, schedule=schedule, refused=frozenset({"bad", "gone"})))
+    assert isinstance(action, Wait)
+    assert action.reason == "waiting for trainers: 3 of 4 at the head (1 more banned here), 4 needed"
+    # with min_peers met, the round goes on without it, and the others it expects are those left
+    assert decide(view(own, others, refused=frozenset({"bad"}))) == Average(Head(1, L1), 3, 4)
+    aux = peer("x", samples=0, total=0, sps=0.0, role="aux")
+    assert isinstance(decide(view(aux, others, schedule=schedule, refused=frozenset({"bad"}))),
+                      Wait)
+
+
+def test_after_a_round_that_failed_in_part_a_trainer_looks_whether_the_others_stepped() -> None:
+    """A part of the round failed here only (a reducer's answer refused or withheld): the others
+    may have stepped. The trainer looks at the run for a while; once they report the step, it
+    catches up; if they did not, it averages at the head again."""
+    own = peer("me", samples=500)
+    others = [peer("a", samples=500), peer("b", samples=500)]
+    waiting = decide(view(own, others))  # (Local built with no failure: averages)
+    assert isinstance(waiting, Average)
+    local = Local("trainer", 1, L1, 500, 10.0, failed_part_at=NOW - 0.5)
+    run = run_of(others, own)
+    action = decide(View(local, run, Schedule(TARGET), NOW))
+    assert isinstance(action, Wait) and "whether the others stepped" in action.reason
+    assert action.until == NOW + 0.5  # (looks again within a training chunk's time)
+    later = decide(View(local, run, Schedule(TARGET), NOW + 2.0))
+    assert isinstance(later, Average)
+    stepped = run_of([peer("a", 2, L2, samples=0), peer("b", 2, L2, samples=0)], own)
+    assert isinstance(decide(View(local, stepped, Schedule(TARGET), NOW)), CatchUp)
+
+
 def test_a_peer_is_not_extrapolated_past_its_plan() -> None:
     """Peers train only what the run still needs (or are in a round): extrapolating them at full
     speed would start a round short of the target."""

@@ -56,6 +56,9 @@ class NoRounds:
     async def average(self, vector: np.ndarray, key: str, **options: object) -> AveragingReport | None:
         raise AssertionError("no round in this test")
 
+    def refused(self, peers: object) -> frozenset[str]:
+        return frozenset()
+
     async def roster_published(self, key: str, trainers: object, *, timeout: float) -> bool:
         return False
 
