@@ -227,7 +227,7 @@ def decide(view: View) -> Action:
     here = run.trainers_at_epoch - len(view.refused.intersection(run.donors))
     if local.role == "aux":
         if run.ready and here >= schedule.min_peers and view.averaged != run.head:
-            settling = _settling(view, here + run.live_aux)
+            settling = _settling(view, run.trainers_at_epoch + run.live_aux)  # (as the grid lays out)
             if settling is not None:
                 return settling
             return Average(run.head, here + run.live_aux, run.trainers_at_epoch)
@@ -246,7 +246,7 @@ def decide(view: View) -> Action:
         if run.ready:
             base = quorum_base(run)
             if here >= schedule.min_peers and 2 * here > base:
-                settling = _settling(view, here + run.live_aux)
+                settling = _settling(view, run.trainers_at_epoch + run.live_aux)  # (as the grid lays out)
                 if settling is not None:
                     return settling
                 return Average(run.head, here + run.live_aux, base)
