@@ -52,7 +52,9 @@ async def test_a_volunteer_joins_from_the_pasted_line_and_the_owner_restarts_its
     status = await wait_until(joined, timeout=120)
     started = await _run(owner, "pasted")
     assert started is not None and status["fingerprint"] == started["fingerprint"]
-    assert _events(volunteer, "run_autojoined")
+    # (the run is running once run.start has set it so; autojoin logs it after that call has
+    # returned: a moment later, longer on a loaded machine, where CI once read the log between)
+    await wait_until(lambda: _logged(volunteer, "run_autojoined"), timeout=60, interval=0.1)
 
     # The owner's daemon, restarted with the manifest file, starts its run again by itself.
     assert await owner.terminate() == 0
