@@ -111,23 +111,35 @@ async def test_wrong_average_is_not_applied_and_its_reducer_is_banned(
     await the_honest_three_average_without_it(daemons, bad, "wrong/1", compression, tolerance)
 
 
-async def misstated_round(daemons: list[DaemonProcess], key: str) -> tuple[str, int]:
-    """One round in which the reducer's account misstates the sender of weight 3 (the victim):
-    the victim's part from it fails and keeps its own values, the two others applied its zeros.
-    The reducer's peer id and the victim's index."""
+async def misstated_round(daemons: list[DaemonProcess], key: str) -> tuple[str, int, set[int]]:
+    """One round in which the reducer's account misstates the sender of largest weight among
+    the contributions of each chunk (the victim, weight 3): the victim refuses (or is denied)
+    the reducer's part and keeps its own values there; the others applied the zeros. The
+    reducer's peer id, the victim's index and the members that refused a part of it: once the
+    victim has refused and left the reducer's chunks, the next chunks' largest sender is
+    another member (weight 2), which may refuse those too (a loaded machine averages the later
+    chunks after the victim left)."""
     bad = (await daemons[3].call("node.info"))["peer_id"]
     reports, results, vectors = await average(daemons, key, 0, "none")
     assert all(r["group_size"] == 4 for r in reports), reports
     start, end = bad_part(reports, bad)
     victim = WEIGHTS.index(3.0)
+    refused = {i for i in range(3) if reports[i]["failed_parts"]}
+    assert victim in refused, reports
     for index in range(3):
+        failed = reports[index]["failed_parts"]
         if index == victim:  # refused (or skipped): its own values kept
-            assert reports[index]["failed_parts"] == [[start, end]], reports[index]
+            assert failed == [[start, end]], reports[index]
             np.testing.assert_array_equal(results[index][start:end], vectors[index][start:end])
+        elif failed:  # (see above) the chunks it refused are the reducer's, the rest zeros
+            assert index == WEIGHTS.index(2.0) and len(failed) == 1, reports[index]
+            (a, b), = failed
+            assert start <= a < b <= end, (failed, start, end)
+            np.testing.assert_array_equal(results[index][a:b], vectors[index][a:b])
+            assert not results[index][start:a].any()
         else:  # nothing in the answer contradicts what they can check themselves: applied
-            assert not reports[index]["failed_parts"], reports[index]
             assert not results[index][start:end].any()
-    return bad, victim
+    return bad, victim, refused
 
 
 async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_reducer_banned(
@@ -138,16 +150,16 @@ async def test_a_forged_account_is_proven_by_the_sender_it_misstates_and_its_red
     applied the zeros already (the accusation comes after), find the account misstated it, and
     ban the reducer. The next round averages the honest three to their exact weighted mean."""
     daemons = await swarm(daemon_factory, "forge")
-    bad, victim = await misstated_round(daemons, "forged/0")
+    bad, _, refused = await misstated_round(daemons, "forged/0")
     await banned_by_the_honest_three(daemons, bad)
     for index, daemon in enumerate(daemons[:3]):
         counters = (await daemon.call("node.info"))["counters"]
-        if index == victim:
+        if index in refused:
             assert counters["averaging.offences_wrong_average"] == 1, counters
             assert counters["averaging.allreduce.accusations_sent"] == 2, counters
         else:
-            assert counters["averaging.offences_forged_account"] == 1, counters
-            assert counters["averaging.allreduce.forged_accounts"] == 1, counters
+            assert counters["averaging.offences_forged_account"] >= 1, counters
+            assert counters["averaging.allreduce.forged_accounts"] >= 1, counters
         assert counters.get("averaging.allreduce.accusations_false", 0) == 0, counters
 
     await the_honest_three_average_without_it(daemons, bad, "forged/1")
@@ -161,7 +173,8 @@ async def test_a_forged_account_withheld_from_the_sender_it_misstates_is_proven_
     (withheld.py), finds its own entry misstated under the reducer's signature, bans it and
     shows the others, who ban it too."""
     daemons = await swarm(daemon_factory, "forge_skip")
-    bad, victim = await misstated_round(daemons, "withheld/0")
+    bad, victim, refused = await misstated_round(daemons, "withheld/0")
+    assert refused == {victim}  # (skipped: it sends the reducer all it has, and stays)
     await banned_by_the_honest_three(daemons, bad)
     for index, daemon in enumerate(daemons[:3]):
         counters = (await daemon.call("node.info"))["counters"]
