@@ -666,9 +666,9 @@ class Matchmaker:
                 self._bans.offence(ctx.peer_id, "group", refusal)
             raise MatchmakingError(f"refused the group: {refusal}")
         if not gathering.group.done():
-            gathering.group.set_result(dataclasses.replace(
+            gathering.group.set_result(dataclasses.replace(  # (the signature checked above)
                 group, leader=ctx.peer_id,
-                leader_signature=signature if isinstance(signature, str) else ""))
+                leader_signature=signature if self._identity is not None else ""))
         return Message({})
 
     async def _on_coming(self, ctx: RequestContext, message: Message) -> Message:

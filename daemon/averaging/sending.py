@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
 
 from ..identity import Identity
 from ..net import (
@@ -55,6 +54,7 @@ from .signatures import (
     ROUND_KEY,
     SIGNATURE_KEY,
     account_digest,
+    account_json,
     answer_digests_signed_by,
     check_round_tag,
     contribution_digest,
@@ -277,7 +277,8 @@ class PartSender:
         parts = segments(b - a, senders)
         entries, errors = parse_account(account, senders, len(parts))
         digest = answer_digest(self.group.group_id, j, c, meta, payload, [e.digest for e in entries])
-        told = account_digest(account)
+        encoded = account_json(account)  # (kept below: encoded once)
+        told = account_digest(account, encoded)
         if not answer_digests_signed_by(members[j].peer_id, self.round_name, j, c, digest, told,
                                         signature):
             raise WrongAverage("the answer and its account are not signed by their reducer")
@@ -307,4 +308,4 @@ class PartSender:
                                         account, digest, signature) from None
         self.applied[(j, c)] = Applied(tuple(entries), digest, tuple(parts))
         self.told[(j, c)] = (digest, told, signature)
-        self.accounts[(j, c)] = orjson.dumps(account)  # (half the memory of the parsed list)
+        self.accounts[(j, c)] = encoded  # (half the memory of the parsed list)

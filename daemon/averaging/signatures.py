@@ -140,9 +140,16 @@ def sign(identity: Identity, round_: str, reducer: int, chunk: int, digest: byte
     return identity.sign(_signed_bytes("contribution", round_, reducer, chunk, digest)).hex()
 
 
-def account_digest(account: Any) -> bytes:
-    """The digest of an answer's account as JSON carries it (keys sorted)."""
-    return blake3(orjson.dumps(account, option=orjson.OPT_SORT_KEYS), max_threads=1).digest()
+def account_json(account: Any) -> bytes:
+    """An answer's account as JSON, keys sorted: what its digest is of (and what a member keeps
+    of it, withheld.py)."""
+    return orjson.dumps(account, option=orjson.OPT_SORT_KEYS)
+
+
+def account_digest(account: Any, encoded: bytes | None = None) -> bytes:
+    """The digest of an answer's account as JSON carries it (keys sorted; `encoded`: that JSON,
+    where the caller has it already)."""
+    return blake3(account_json(account) if encoded is None else encoded, max_threads=1).digest()
 
 
 def sign_answer(identity: Identity, round_: str, reducer: int, chunk: int, answer: bytes,

@@ -210,5 +210,9 @@ async def test_the_account_most_members_claim_is_asked_first(monkeypatch: pytest
     service.applied("round-1", "peer-c", [(1, 0, b"\1" * 32)])
     service.applied("round-1", "peer-d", [(1, 0, b"\1" * 32)])
     service.withheld("round-1", {(1, 0): (np.ones(CHUNK, np.float32), {})})
-    await asyncio.sleep(0.05)
+
+    async def asked() -> bool:
+        return bool(transport.calls)
+
+    await wait_until(asked, timeout=60, interval=0.01)
     assert transport.calls[0][0] in ("peer-c", "peer-d")

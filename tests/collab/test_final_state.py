@@ -20,7 +20,7 @@ from dedloc.daemon.collab.progress import PeerProgress
 from dedloc.daemon.collab.state_sync import StateSharing, download_state
 from dedloc.daemon.identity import Identity
 from dedloc.sim.clock import SkewedClock
-from dedloc.sim.loop import run_virtual
+from dedloc.sim.loop import VirtualClockLoop, run_virtual
 from dedloc.sim.network import SimNetwork, SimTransport
 from dedloc.sim.trainer import ArrayBuffer
 
@@ -98,6 +98,8 @@ def test_it_stops_serving_when_its_time_is_up(tmp_path: Path) -> None:
     final = FinalState.write(tmp_path, _exported(np.ones(10, dtype=np.float32)))
 
     async def main() -> None:
+        # (the sleeps below are virtual: no wall-clock wait, nothing a loaded machine delays)
+        assert isinstance(asyncio.get_running_loop(), VirtualClockLoop)
         timebase.use(SkewedClock(asyncio.get_running_loop()))
         board = RecordingBoard()
         donor = FinishedDonor(final, peer_id="me", board=board, progress=RunProgress(),
