@@ -28,6 +28,7 @@ from ..net import PeerTransport
 from . import corruption
 from .aggregation import Aggregation
 from .allreduce import AllReduceError, AllReduceReport, AllReduceService, check_finite
+from .avoided_leaders import leader_failed_us
 from .bandwidth import BandwidthEstimator, PeerRates, measured_rates
 from .bans import BanList
 from .claims import OVERCLAIM_FACTOR, leader_plan, narrower_link
@@ -207,6 +208,7 @@ class Averager:
                                               max_represents=options.max_represents)
             self._learn_bandwidth(report)
             self._learn_peer_rates(group, report)
+            self._judge_leader(group, report, options.min_trainers)
         finished = timebase.now()
         summary = self._summarise(options, group, report, started, matched, finished,
                                   group.bounded_weights(budget, options.max_represents))
@@ -222,6 +224,16 @@ class Averager:
         log.info("averaging_round", key=options.key, group_size=summary.group_size,
                  seconds=summary.seconds, failed_parts=len(summary.failed_parts))
         return summary
+
+    def _judge_leader(self, group: Group, report: AllReduceReport, min_trainers: int) -> None:
+        """Count a round its leader failed us in; two in a row and matchmaking ranks that
+        leader last for a while (avoided_leaders.py: the hostage attack)."""
+        if not group.leader or group.leader == self.peer_id:
+            return
+        if not leader_failed_us(group, report, min_trainers):
+            self.matchmaker.leader_served(group)
+            return
+        self.matchmaker.leader_failed(group)  # (logs and counts those it now avoids)
 
     def _learn_bandwidth(self, report: AllReduceReport) -> None:
         if report.seconds > 0:
@@ -274,8 +286,11 @@ class Averager:
 
     def status(self) -> dict[str, Any]:
         bans = self.bans.status()  # first: it expires bans (and counts them)
-        counters = {**self.counters, "refused_groups": self.matchmaker.refused_groups}
+        counters = {**self.counters, "refused_groups": self.matchmaker.refused_groups,
+                    "leaders_avoided": self.matchmaker.avoided.times_avoided}
         return {"rounds": list(self.history), "counters": counters, "bans": bans,
+                # leaders matchmaking ranks last now (avoided_leaders.py)
+                "avoided_leaders": sorted(self.matchmaker.avoided.avoided(timebase.now())),
                 "screening": {"max_value": self.policy.max_value,
                               "max_norm_ratio": self.policy.max_norm_ratio,
                               "robust_aggregation": self.policy.robust,

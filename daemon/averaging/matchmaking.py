@@ -72,6 +72,7 @@ from ..net import (
 )
 from .accounts import MAX_ACCOUNT_SENDERS
 from .aggregation import Aggregation
+from .avoided_leaders import AvoidedLeaders
 from .bans import BanList
 from .claims import share_refusal
 from .corruption import equivocal_group
@@ -85,6 +86,7 @@ log = structlog.get_logger(__name__)
 # the header a frame carries (a leader set larger gathers no more)
 MAX_GROUP_MEMBERS = MAX_ACCOUNT_SENDERS
 SEEN_GROUPS = 8192  # group ids remembered, to refuse one used again
+INTRODUCED_GROUPS = 64  # groups whose leader we were redirected to, remembered until judged
 JOIN = "avg.join"
 GROUP = "avg.group"
 REDIRECT = "avg.redirect"
@@ -200,6 +202,10 @@ class Matchmaker:
         # no offence of it)
         self._seen_groups: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._redirecting: set[asyncio.Task[None]] = set()  # redirects sent beside a round
+        # leaders that failed us twice in a row, ranked last for a while (avoided_leaders.py),
+        # and, per group we followed, the candidates whose redirects brought us to its leader
+        self.avoided = AvoidedLeaders()
+        self._introducers: collections.OrderedDict[str, tuple[str, ...]] = collections.OrderedDict()
         transport.add_unary_handler(JOIN, self._on_join)
         transport.add_unary_handler(GROUP, self._on_group)
         transport.add_unary_handler(REDIRECT, self._on_redirect)
@@ -262,12 +268,12 @@ class Matchmaker:
                 expected.add(self.peer_id)
                 first = {p for p in request.leaders if self._bans.banned(p) is None}
                 order = [*_ranked(request.key, first), *_ranked(request.key, expected - first)]
-                return await self._settle(gathering, order, expected, window_end)
+                return await self._settle_avoiding(gathering, order, expected, window_end)
             await self._announce(request, window_end)
             candidates, window_end = await self._gather(request, window_end)
             # Only a peer others can dial may lead; a peer nobody can dial only ever joins.
             leaders = _ranked(request.key, [p for p, m in candidates.items() if m.can_reduce])
-            return await self._settle(gathering, leaders, set(candidates), window_end)
+            return await self._settle_avoiding(gathering, leaders, set(candidates), window_end)
         finally:
             gathering.closed = True
             if not gathering.group.done():
@@ -333,6 +339,23 @@ class Matchmaker:
 
     # Deciding the leader -----------------------------------------------------------------
 
+    async def _settle_avoiding(self, gathering: _Gathering, leaders: list[str],
+                               candidates: set[str], window_end: float) -> Group:
+        """`_settle`, with the leaders we avoid ranked last (avoided_leaders.py). Where we then
+        averaged alone, nobody came our way: the others follow those leaders, and avoiding them
+        only keeps us out of the run's group. The avoidance ends there (one more failure
+        avoids them again, for twice as long): a flaky link to an honest leader costs a round,
+        not the avoidance's minutes."""
+        avoided = self.avoided.avoided(timebase.now()) & set(leaders)
+        group = await self._settle(gathering, self.avoided.ranked(leaders, timebase.now()),
+                                   candidates, window_end)
+        if avoided and len(group.members) == 1:
+            for peer_id in sorted(avoided):
+                self.avoided.forgive(peer_id)
+            log.info("matchmaking_avoidance_ended", key=gathering.request.key,
+                     leaders=[p[:12] for p in sorted(avoided)])
+        return group
+
     async def _settle(self, gathering: _Gathering, leaders: list[str], candidates: set[str],
                       window_end: float) -> Group:
         """Join the first of `leaders` that takes us (or lead, when we come first)."""
@@ -343,6 +366,7 @@ class Matchmaker:
             request.deadline - 3 * _grace(request)))
         tried: set[str] = set()
         asked_again: set[str] = set()
+        sent_by: dict[str, str] = {}  # a leader we were redirected to -> who sent us there
         for _ in range(8):
             options = [pid for pid in leaders if pid not in tried]
             if not options:
@@ -359,8 +383,10 @@ class Matchmaker:
                 self._join(gathering, leader),
                 *(self._send_redirect(request, peer_id, leader) for peer_id in taken))
             if isinstance(outcome, Group):
+                self._note_introducers(outcome, sent_by)
                 return outcome
             if outcome is not None and (outcome not in tried or outcome not in asked_again):
+                sent_by.setdefault(outcome, leader)
                 # a redirect to the leader's leader; one we tried already is asked once more:
                 # it refused us before it had begun (a direct round's leader that came late,
                 # after our patience), and those that follow it now say it has begun
@@ -371,6 +397,40 @@ class Matchmaker:
         if gathering.joiners:  # taken while our last leader had not answered: lead them
             return await self._lead(gathering, candidates, gone=tried)
         return self._alone(request)
+
+    def _note_introducers(self, group: Group, sent_by: dict[str, str]) -> None:
+        """Remember who redirected us to `group`'s leader (and to theirs): a round of it that
+        fails us counts against them too (`leader_failed`)."""
+        chain: list[str] = []
+        peer = group.leader
+        while peer in sent_by and len(chain) < 8:
+            peer = sent_by[peer]
+            if peer == self.peer_id or peer == group.leader or peer in chain:
+                break
+            chain.append(peer)
+        if chain:
+            self._introducers[group.group_id] = tuple(chain)
+            while len(self._introducers) > INTRODUCED_GROUPS:
+                self._introducers.popitem(last=False)
+
+    def leader_failed(self, group: Group) -> list[str]:
+        """The leader of `group` failed us (averager.py judges the round: `leader_failed_us`);
+        so did the candidates that sent us to it. Returns those now avoided."""
+        blamed = (group.leader, *self._introducers.pop(group.group_id, ()))
+        return [p for p in blamed if p and self._leader_failed_us(p)]
+
+    def leader_served(self, group: Group) -> None:
+        """The round `group`'s leader led went through for us."""
+        for peer in (group.leader, *self._introducers.pop(group.group_id, ())):
+            if peer:
+                self.avoided.served(peer)
+
+    def _leader_failed_us(self, leader: str) -> bool:
+        if not self.avoided.failed(leader, timebase.now()):
+            return False
+        log.warning("matchmaking_leader_avoided", leader=leader[:12],
+                    seconds=round(max(0.0, self.avoided.until(leader) - timebase.now()), 1))
+        return True
 
     async def _join(self, gathering: _Gathering, leader: str) -> Group | str | None:
         """Ask `leader` to take us; the group, a redirect (a peer id), or None if it failed."""
@@ -471,6 +531,7 @@ class Matchmaker:
             log.info("matchmaking_redirected", leader=leader[:12], to=redirect.result()[:12])
             return redirect.result()
         log.info("matchmaking_leader_never_sent_group", leader=leader[:12])
+        self._leader_failed_us(leader)  # (or sent none we could take: _on_group)
         return None
 
     async def _lead(self, gathering: _Gathering, candidates: set[str],

@@ -32,7 +32,14 @@ The rules, one each:
   round of the old head that nobody came to, and waited it out: 11 s on loopback). Without
   such a majority at the head, a trainer waits for it. A peer banned here does not count
   toward `min_peers` or the peers a round expects (it would be refused from it), only
-  toward the quorum.
+  toward the quorum. But where trainers it does not refuse stand ahead of the head (the most
+  of them at one head), it catches up with them instead: they stepped on a round of a majority
+  whose other members did not step (a hostile identity's part failed them, or it just did
+  not step), and wait for a quorum that only the peers left at the head can give them. Seen
+  with 3 hostile identities among 4 honest trainers (`min_peers` 4): two honest trainers stepped
+  with two of the identities, and the two left behind, having banned the identities, counted
+  too few at the head to average, for good. A head that trainers only claim to hold is tried
+  once (a donor that cannot serve it is not believed ahead for a while: estimate.py).
 - **A first grid round waits for the view to settle.** A round of more peers than one group
   holds is a grid round (grid.py), whose layout every peer computes from the trainers it sees at
   the head; after the first round the cells go to that round's members, which every peer that
@@ -250,9 +257,14 @@ def decide(view: View) -> Action:
                 if settling is not None:
                     return settling
                 return Average(run.head, here + run.live_aux, base)
-            # too few here for a round that may be stepped on: wait for them (a batch is enough;
-            # before, a peer banned here but at the head made the others start rounds it was
-            # refused from, failing each at once: about three a second)
+            # too few here for a round that may be stepped on; trainers we average with stand
+            # ahead: follow them (see the module docstring, "stranded")
+            stranded = tuple(d for d in run.ahead_donors if d not in view.refused)
+            if run.ahead is not None and stranded:
+                return CatchUp(run.ahead, stranded)
+            # else wait for them (a batch is enough; before, a peer banned here but at the head
+            # made the others start rounds it was refused from, failing each at once: about
+            # three a second)
             refused = run.trainers_at_epoch - here
             who = f"{here} of {base} at the head" + (f" ({refused} more banned here)" if refused
                                                     else "")

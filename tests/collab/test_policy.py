@@ -364,6 +364,34 @@ def test_a_trainer_banned_here_makes_no_round_worth_starting() -> None:
                       Wait)
 
 
+def test_a_trainer_too_few_to_average_at_the_head_follows_trainers_it_trusts_that_stand_ahead(
+        ) -> None:
+    """Stranded: two honest trainers stepped on a round of four with two hostile identities,
+    which did not step. Seven trainers: the step (2 of 7) has no quorum, so the run's head
+    stays; the two honest trainers left there banned the identities, and counted too few at
+    the head to average, for good (benchmarks/hostile.py, withheld_forgery, 3 identities).
+    They follow the two ahead, whose head then has its quorum."""
+    own = peer("me", samples=TARGET)
+    behind = [peer("b", samples=TARGET), peer("h1", samples=TARGET), peer("h2", samples=TARGET),
+              peer("h3", samples=TARGET)]
+    ahead = [peer("a1", 2, L2, samples=50), peer("a2", 2, L2, samples=50)]
+    schedule = Schedule(TARGET, min_peers=4)
+    hostile = frozenset({"h1", "h2", "h3"})
+    run = run_of([*behind, *ahead], own)
+    assert run.head == Head(1, L1) and run.ahead == Head(2, L2) and run.ahead_donors == ("a1", "a2")
+    assert decide(view(own, [*behind, *ahead], schedule=schedule, refused=hostile)) \
+        == CatchUp(Head(2, L2), ("a1", "a2"))
+    # not the ones it refuses, though: with the two ahead banned here, it waits
+    action = decide(view(own, [*behind, *ahead], schedule=schedule,
+                         refused=hostile | {"a1", "a2"}))
+    assert isinstance(action, Wait) and action.reason.startswith("waiting for trainers: 2 of 7")
+    # with enough trainers at the head, it averages there as before
+    assert decide(view(own, [*behind, *ahead], schedule=schedule)) == Average(Head(1, L1), 5, 7)
+    # and once the step has its quorum (three hold it), the run's head moves there
+    run = run_of([*behind, *ahead, peer("c", 2, L2, samples=50)], own)
+    assert run.head == Head(2, L2) and run.ahead is None and run.ahead_donors == ()
+
+
 def test_after_a_round_that_failed_in_part_a_trainer_looks_whether_the_others_stepped() -> None:
     """A part of the round failed here only (a reducer's answer refused or withheld): the others
     may have stepped. The trainer looks at the run for a while; once they report the step, it
