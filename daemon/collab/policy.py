@@ -39,7 +39,10 @@ The rules, one each:
   with 3 hostile identities among 4 honest trainers (`min_peers` 4): two honest trainers stepped
   with two of the identities, and the two left behind, having banned the identities, counted
   too few at the head to average, for good. A head that trainers only claim to hold is tried
-  once (a donor that cannot serve it is not believed ahead for a while: estimate.py).
+  once (a donor that cannot serve it is not believed ahead for a while: estimate.py), and only
+  where at least `STRANDED_DONORS` (2) hold it: a state downloaded there then has a witness
+  besides its donor (state_check.py), where a lone identity claiming to be ahead would have
+  been believed on its word (a run starting with fewer than `min_peers`, say).
 - **A first grid round waits for the view to settle.** A round of more peers than one group
   holds is a grid round (grid.py), whose layout every peer computes from the trainers it sees at
   the head; after the first round the cells go to that round's members, which every peer that
@@ -155,6 +158,11 @@ class Local:
         return Head(self.epoch, self.lineage)
 
 
+#: The fewest trainers, not refused here, at a head past the run's that a trainer too few to
+#: average at the run's head follows (module docstring, "stranded").
+STRANDED_DONORS = 2
+
+
 @dataclass(frozen=True)
 class View:
     """Everything a decision depends on. `run` is the estimate (estimate_global) at `now`, with
@@ -258,9 +266,10 @@ def decide(view: View) -> Action:
                     return settling
                 return Average(run.head, here + run.live_aux, base)
             # too few here for a round that may be stepped on; trainers we average with stand
-            # ahead: follow them (see the module docstring, "stranded")
+            # ahead: follow them (see the module docstring, "stranded"; two at least, so that a
+            # state downloaded there has a witness: state_check.py)
             stranded = tuple(d for d in run.ahead_donors if d not in view.refused)
-            if run.ahead is not None and stranded:
+            if run.ahead is not None and len(stranded) >= STRANDED_DONORS:
                 return CatchUp(run.ahead, stranded)
             # else wait for them (a batch is enough; before, a peer banned here but at the head
             # made the others start rounds it was refused from, failing each at once: about

@@ -385,6 +385,10 @@ def test_a_trainer_too_few_to_average_at_the_head_follows_trainers_it_trusts_tha
     action = decide(view(own, [*behind, *ahead], schedule=schedule,
                          refused=hostile | {"a1", "a2"}))
     assert isinstance(action, Wait) and action.reason.startswith("waiting for trainers: 2 of 7")
+    # nor a lone trainer ahead: its state would have no witness (a run starting with fewer
+    # than min_peers follows no identity claiming to be ahead)
+    action = decide(view(own, [*behind, *ahead], schedule=schedule, refused=hostile | {"a2"}))
+    assert isinstance(action, Wait)
     # with enough trainers at the head, it averages there as before
     assert decide(view(own, [*behind, *ahead], schedule=schedule)) == Average(Head(1, L1), 5, 7)
     # and once the step has its quorum (three hold it), the run's head moves there
