@@ -15,14 +15,18 @@ below: its own part, its contribution, a group too small; and matchmaking's "acc
 and sent no group we could take"). After `FAILURES_TO_AVOID` in a row the leader is *avoided*:
 this peer's matchmaking ranks it after every other candidate, for `avoid_seconds`, doubling
 each time it is avoided again without a good round in between (at most `max_avoid_seconds`).
-A good round it led forgets its count. Where avoiding its leaders left this peer alone (nobody
-came its way: the others follow them), the avoidance ends (`forgive`) and the next failure
-starts it again.
+A good round it led forgets its count.
 
 An avoided leader is not refused. A candidate that follows it sends us to it (a redirect) and we
 go: that keeps an honest leader's group whole where only our link to it failed twice. A hostile
 identity can use that to send us back to an avoided accomplice, so a round that fails us counts
-against the candidates whose redirects brought us to its leader as well (matchmaking.py).
+against the candidates whose redirects brought us back to a leader we avoid as well
+(matchmaking.py). The avoidance ends early only where we then led, and nobody came: the others
+follow that leader. (Alone for any other reason, a candidate that took our join and stalled,
+say, it goes on: an identity ranked after an avoided accomplice could otherwise end the
+avoidance at will.) What the rule cannot tell apart: an honest leader whose part fails every
+follower twice in a row (an overloaded machine) is avoided by all of them, and leads alone
+until the avoidance runs out.
 """
 
 from __future__ import annotations
@@ -101,13 +105,15 @@ class AvoidedLeaders:
 def leader_failed_us(group: Group, report: AllReduceReport, min_trainers: int = 1) -> bool:
     """Whether the leader of `group` failed this member in the round `report` tells of: the
     answers for its own part did not come (or did not pass), its contribution to our part never
-    reached our reducer, or it closed its group with fewer trainers than the round needs to be
-    stepped on (`min_trainers`: a hostile leader that behaves well in a group of two that never
-    steps holds its follower as surely). Another member's failure is not the leader's."""
+    reached our reducer, or it closed a group of just itself and us, fewer trainers than the
+    round needs to be stepped on (`min_trainers`: a hostile leader that behaves well in a group
+    of two that never steps holds its follower as surely; a larger group too small is counted
+    against nobody, or every member of an honest leader's group, late peers missing, would
+    avoid it at once). Another member's failure is not the leader's."""
     if not group.leader or group.leader not in {m.peer_id for m in group.members}:
         return False
-    if sum(1 for m in group.members if m.role != "aux") < min_trainers:
-        return True
+    if len(group.members) == 2 and sum(1 for m in group.members if m.role != "aux") < min_trainers:
+        return True  # (the hostage's shape: in a larger group, every follower would blame it)
     if any(f.reducer == group.leader for f in report.failures):
         return True
     return group.members[group.index_of(group.leader)].sends \

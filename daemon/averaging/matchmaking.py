@@ -166,6 +166,7 @@ class _Gathering:
     accepted: bool = False  # the leader we follow has taken our join
     # peers whose join we refused (banned, too heavy, another vector): not waited for as leader
     refused: set[str] = field(default_factory=set)
+    stalled: bool = False  # a leader took our join and sent no group we could take
     give_up: float = 0.0  # when settling ends (moved later, up to `latest`, for a peer on its way)
     latest: float = 0.0
 
@@ -349,7 +350,10 @@ class Matchmaker:
         avoided = self.avoided.avoided(timebase.now()) & set(leaders)
         group = await self._settle(gathering, self.avoided.ranked(leaders, timebase.now()),
                                    candidates, window_end)
-        if avoided and len(group.members) == 1:
+        # (we led, and nobody joined: not alone because a candidate stalled us, which an
+        # identity ranked after an avoided accomplice could do at will to end the avoidance)
+        if avoided and len(group.members) == 1 and gathering.leader == self.peer_id \
+                and not gathering.stalled:
             for peer_id in sorted(avoided):
                 self.avoided.forgive(peer_id)
             log.info("matchmaking_avoidance_ended", key=gathering.request.key,
@@ -385,8 +389,16 @@ class Matchmaker:
             if isinstance(outcome, Group):
                 self._note_introducers(outcome, sent_by)
                 return outcome
+            if outcome is not None and self._bans.banned(outcome) is not None:
+                # (an honest peer that follows a leader it has not banned sends us on to it)
+                self._bans.refused(outcome, "redirect")
+                outcome = None
             if outcome is not None and (outcome not in tried or outcome not in asked_again):
-                sent_by.setdefault(outcome, leader)
+                if outcome in self.avoided.avoided(timebase.now()):
+                    # it sends us back to a leader we avoid: should that one fail us again, the
+                    # blame is shared (an honest peer passing on an honest leader's redirect is
+                    # blamed only where we had cause to avoid that leader)
+                    sent_by.setdefault(outcome, leader)
                 # a redirect to the leader's leader; one we tried already is asked once more:
                 # it refused us before it had begun (a direct round's leader that came late,
                 # after our patience), and those that follow it now say it has begun
@@ -531,6 +543,7 @@ class Matchmaker:
             log.info("matchmaking_redirected", leader=leader[:12], to=redirect.result()[:12])
             return redirect.result()
         log.info("matchmaking_leader_never_sent_group", leader=leader[:12])
+        gathering.stalled = True
         self._leader_failed_us(leader)  # (or sent none we could take: _on_group)
         return None
 

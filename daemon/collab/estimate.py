@@ -38,9 +38,8 @@ Pure: no I/O, time is passed in.
   peers follow them: the run starts afresh at the fresh peers' head. When no head has a quorum
   otherwise, the head most hold (then the highest epoch). With no trainer live, the same over
   the aux peers.
-  `highest_epoch` is the highest epoch any live trainer reports, confirmed or not; `ahead` is
-  the head past the run's that the most of them hold (believed ones only), with its holders
-  (`ahead_donors`).
+  `highest_epoch` is the highest epoch any live trainer reports, confirmed or not; `ahead`
+  lists the heads past the run's that believed trainers hold, with their holders.
 - **Samples.** Only trainers at exactly the run's head count: peers behind or on another lineage
   will catch up, peers ahead are unconfirmed. A counted trainer contributes its reported samples
   plus `samples_per_second * elapsed` (elapsed clamped to [0, stale_after]), at most what it
@@ -120,11 +119,10 @@ class GlobalProgress:
     donors: tuple[str, ...] = ()  # live trainers at the head, other than `own`
     beyond_pace: tuple[str, ...] = ()  # live peers whose epoch is past `max_epoch`: no head
     unserved_ahead: tuple[str, ...] = ()  # `unserved` peers reporting an epoch ahead of ours: no head
-    # the head past the run's that the most live trainers hold (believed: not beyond pace, not
-    # unserved), unconfirmed, and its holders other than `own` (policy.py: where a trainer that
-    # cannot average at the run's head goes instead)
-    ahead: Head | None = None
-    ahead_donors: tuple[str, ...] = ()
+    # the heads past the run's that live trainers hold (believed: not beyond pace, not unserved;
+    # unconfirmed), each with its holders other than `own`, lowest epoch first (policy.py: where
+    # a trainer that cannot average at the run's head may go instead)
+    ahead: tuple[tuple[Head, tuple[str, ...]], ...] = ()
 
     @property
     def head(self) -> Head:
@@ -242,8 +240,11 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
     else:
         eta = None
     own_id = None if own is None else own.peer_id
-    above = {h: n for h, n in holders.items() if h.epoch > head.epoch}
-    ahead = min(above, key=lambda h: (-above[h], -h.epoch, h.lineage or "")) if above else None
+    above: dict[Head, list[str]] = {}
+    for r in base:
+        if r.epoch > head.epoch and r.role == "trainer" and r.peer_id not in unbelieved \
+                and r.peer_id != own_id:
+            above.setdefault(Head(r.epoch, r.lineage), []).append(r.peer_id)
     return GlobalProgress(
         epoch=head.epoch,
         lineage=head.lineage,
@@ -266,10 +267,8 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         donors=tuple(sorted(r.peer_id for r in at_head if r.peer_id != own_id)),
         beyond_pace=beyond,
         unserved_ahead=ahead_unserved,
-        ahead=ahead,
-        ahead_donors=() if ahead is None else tuple(sorted(
-            r.peer_id for r in base if Head(r.epoch, r.lineage) == ahead
-            and r.peer_id not in unbelieved and r.peer_id != own_id and r.role == "trainer")),
+        ahead=tuple((h, tuple(sorted(above[h])))
+                    for h in sorted(above, key=lambda h: (h.epoch, h.lineage or ""))),
         live_peers=[{"peer_id": peer_id, "role": r.role, "epoch": r.epoch, "lineage": r.lineage,
                      "samples_per_second": r.samples_per_second, "total_samples": r.total_samples,
                      "started_at": r.started_at, "reported_at": r.time, "stepped": r.stepped}

@@ -32,17 +32,19 @@ The rules, one each:
   round of the old head that nobody came to, and waited it out: 11 s on loopback). Without
   such a majority at the head, a trainer waits for it. A peer banned here does not count
   toward `min_peers` or the peers a round expects (it would be refused from it), only
-  toward the quorum. But where trainers it does not refuse stand ahead of the head (the most
-  of them at one head), it catches up with them instead: they stepped on a round of a majority
-  whose other members did not step (a hostile identity's part failed them, or it just did
-  not step), and wait for a quorum that only the peers left at the head can give them. Seen
-  with 3 hostile identities among 4 honest trainers (`min_peers` 4): two honest trainers stepped
-  with two of the identities, and the two left behind, having banned the identities, counted
-  too few at the head to average, for good. A head that trainers only claim to hold is tried
-  once (a donor that cannot serve it is not believed ahead for a while: estimate.py), and only
-  where at least `STRANDED_DONORS` (2) hold it: a state downloaded there then has a witness
-  besides its donor (state_check.py), where a lone identity claiming to be ahead would have
-  been believed on its word (a run starting with fewer than `min_peers`, say).
+  toward the quorum. **Stranded**: where it lacks them only for the peers it refuses (with
+  them it would average) and trainers it does not refuse stand one epoch ahead of a confirmed
+  head (the most of them at one head, at least `STRANDED_DONORS`), it catches up with them
+  instead: they stepped on a round of a majority whose other members did not step (a hostile
+  identity's part failed them, or it just did not step), and wait for a quorum that only the
+  peers left at the head can give them. Seen with 3 hostile identities among 4 honest
+  trainers (`min_peers` 4): two honest trainers stepped with two of the identities, and the two
+  left behind, having banned the identities, counted too few at the head to average, for good.
+  Two at least, so that a state downloaded there has a witness besides its donor
+  (state_check.py); a head that trainers only claim to hold is tried once (a donor that cannot
+  serve it is not believed ahead for a while: estimate.py); and only for want of refused peers,
+  one epoch ahead, at a confirmed head, so that two identities claiming the next epoch draw
+  nobody while honest peers are merely behind or the run is starting afresh.
 - **A first grid round waits for the view to settle.** A round of more peers than one group
   holds is a grid round (grid.py), whose layout every peer computes from the trainers it sees at
   the head; after the first round the cells go to that round's members, which every peer that
@@ -265,12 +267,11 @@ def decide(view: View) -> Action:
                 if settling is not None:
                     return settling
                 return Average(run.head, here + run.live_aux, base)
-            # too few here for a round that may be stepped on; trainers we average with stand
-            # ahead: follow them (see the module docstring, "stranded"; two at least, so that a
-            # state downloaded there has a witness: state_check.py)
-            stranded = tuple(d for d in run.ahead_donors if d not in view.refused)
-            if run.ahead is not None and len(stranded) >= STRANDED_DONORS:
-                return CatchUp(run.ahead, stranded)
+            # too few here for a round that may be stepped on, for want of the peers we refuse:
+            # follow trainers we do not refuse that stepped ahead (module docstring, "stranded")
+            stranded = _stranded(view, base)
+            if stranded is not None:
+                return stranded
             # else wait for them (a batch is enough; before, a peer banned here but at the head
             # made the others start rounds it was refused from, failing each at once: about
             # three a second)
@@ -290,6 +291,23 @@ def decide(view: View) -> Action:
         return Wait(now + look, "waiting for a trainer at the run's head")
     # ahead: our step is not confirmed yet; what we accumulate counts once it is
     return Train(_chunk(local, schedule.target_batch_size - local.accumulated, look), look)
+
+
+def _stranded(view: View, base: int) -> CatchUp | None:
+    """Where a trainer too few to average at the run's head, for want of the peers it refuses,
+    goes instead: the head one epoch past the run's that the most trainers it does not refuse
+    hold, at least `STRANDED_DONORS` of them (module docstring, "stranded")."""
+    run, schedule = view.run, view.schedule
+    if not view.refused or not run.confirmed or run.trainers_at_epoch < schedule.min_peers \
+            or 2 * run.trainers_at_epoch <= base:
+        return None  # (the peers it refuses are not what it lacks: a round here waits for others)
+    options = [(head, tuple(d for d in holders if d not in view.refused))
+               for head, holders in run.ahead if head.epoch == run.epoch + 1]
+    options = [(head, donors) for head, donors in options if len(donors) >= STRANDED_DONORS]
+    if not options:
+        return None
+    head, donors = min(options, key=lambda o: (-len(o[1]), o[0].lineage or ""))
+    return CatchUp(head, donors)
 
 
 def _settling(view: View, expected: int) -> Wait | None:

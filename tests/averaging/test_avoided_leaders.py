@@ -23,8 +23,9 @@ from dedloc.daemon.averaging.avoided_leaders import (
 )
 from dedloc.daemon.averaging.bans import BanList
 from dedloc.daemon.averaging.group import Group, Member
-from dedloc.daemon.averaging.matchmaking import Matchmaker, RoundRequest, _ranked
+from dedloc.daemon.averaging.matchmaking import JOIN, Matchmaker, RoundRequest, _ranked
 from dedloc.daemon.averaging.report import AllReduceReport, PartFailure
+from dedloc.daemon.net import Message
 
 from .test_matchmaking import equal_split
 
@@ -87,10 +88,11 @@ def test_free_identities_do_not_grow_what_is_remembered() -> None:
     assert f"id-{3 * MAX_REMEMBERED - 1}" in avoided.avoided(0.0)
 
 
-def _group(leader: str) -> Group:
-    members = tuple(Member(p, "trainer", 1.0, 1e7, 1e7) for p in ("a", "b", "c"))
-    return Group("g" * 64, "k", members, 300, ((0, 100), (100, 200), (200, 300)), 50, "none",
-                 1e12, leader=leader)
+def _group(leader: str, peers: str = "abc") -> Group:
+    members = tuple(Member(p, "trainer", 1.0, 1e7, 1e7) for p in peers)
+    bounds = tuple((100 * i, 100 * i + 100) for i in range(len(peers)))
+    return Group("g" * 64, "k", members, 100 * len(peers), bounds, 50, "none", 1e12,
+                 leader=leader)
 
 
 def _report(failures: tuple[PartFailure, ...] = (), excluded: dict[str, str] | None = None
@@ -106,9 +108,11 @@ def test_what_counts_as_the_leader_failing_us() -> None:
     assert not leader_failed_us(_group("a"), _report((PartFailure(100, 200, "b", "timeout"),),
                                                      {"c": "no chunks"}))
     assert not leader_failed_us(_group("a"), _report())
-    # a group too small to be stepped on (a well-behaved hostage taker) fails us too
-    assert leader_failed_us(_group("a"), _report(), min_trainers=4)
-    assert not leader_failed_us(_group("a"), _report(), min_trainers=3)
+    # a group of just the leader and us, too small to be stepped on (a well-behaved hostage
+    # taker), fails us too; a larger group too small is nobody's fault (late peers)
+    assert leader_failed_us(_group("a", "ab"), _report(), min_trainers=3)
+    assert not leader_failed_us(_group("a", "ab"), _report(), min_trainers=2)
+    assert not leader_failed_us(_group("a"), _report(), min_trainers=4)
     assert not leader_failed_us(_group(""), _report((PartFailure(0, 100, "a", "skip"),)))
     assert not leader_failed_us(_group("z"), _report((PartFailure(0, 100, "z", "skip"),)))
 
@@ -150,10 +154,13 @@ async def _round(makers: list[Matchmaker], key: str) -> dict[str, set[str]]:
     return {m.peer_id: {x.peer_id for x in g.members} for m, g in zip(makers, groups, strict=True)}
 
 
+@pytest.mark.parametrize("victim_ranks_second", [True, False])
 async def test_a_follower_avoiding_the_leader_that_failed_it_joins_the_honest_peers_group(
-        swarm: Swarm) -> None:
+        swarm: Swarm, victim_ranks_second: bool) -> None:
     """The hostage: the others banned the first-ranked identity; its follower, which has not,
-    went to it every round. Having avoided it, it averages with the others."""
+    went to it every round. Having avoided it, it averages with the others. (Ranked second, it
+    had sent the others on to the identity they banned, and they went: a redirect to a peer
+    banned here is now refused.)"""
     bans = [BanList() for _ in swarm.transports]
     makers = [Matchmaker(t, n, equal_split, bans=b)
               for t, n, b in zip(swarm.transports, swarm.nodes, bans, strict=True)]
@@ -162,7 +169,8 @@ async def test_a_follower_avoiding_the_leader_that_failed_it_joins_the_honest_pe
     for ban in bans[2:]:
         ban.offence(hostile.peer_id, "answer", "proved", conclusive=True)
     for n in range(2):
-        key = _key_ranking(ids, hostile.peer_id)
+        key = _key_ranking(ids, hostile.peer_id, victim.peer_id if victim_ranks_second else None,
+                           not_second=None if victim_ranks_second else victim.peer_id)
         before = await _round(makers, key)
         if n == 0:  # held hostage: in the hostile leader's group, apart from the others
             assert before[victim.peer_id] == {hostile.peer_id, victim.peer_id}
@@ -217,3 +225,27 @@ async def test_the_peer_that_sent_us_to_a_leader_that_failed_us_shares_the_blame
     # now avoided too
     assert me.leader_failed(mine) == [second]
     assert me.avoided.avoided(timebase.now()) == {leader.peer_id, second}
+
+
+async def test_a_candidate_that_stalls_us_does_not_end_the_avoidance_of_its_accomplice(
+        swarm: Swarm) -> None:
+    """An identity ranked right after the avoided one takes our join and never sends a group:
+    we end the round alone, but not because the others follow the avoided leader, so it stays
+    avoided (and the staller has failed us once)."""
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports[:3], swarm.nodes[:3],
+                                                            strict=True)]
+    staller = swarm.transports[3]
+
+    async def take_and_stall(ctx: object, message: Message) -> Message:
+        return Message({"accepted": True})
+
+    staller.add_unary_handler(JOIN, take_and_stall)
+    ids = [*(m.peer_id for m in makers), staller.peer_id]
+    hostile, me = makers[0], makers[1]
+    for _ in range(FAILURES_TO_AVOID):
+        me.avoided.failed(hostile.peer_id, timebase.now())
+    key = _key_ranking(ids, hostile.peer_id, staller.peer_id)
+    group = await me.form_group(_direct(me.peer_id, key, ids))
+    assert len(group.members) == 1
+    assert me.avoided.avoided(timebase.now()) == {hostile.peer_id}
+    assert me.avoided._failures[staller.peer_id] == 1

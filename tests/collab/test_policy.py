@@ -378,9 +378,13 @@ def test_a_trainer_too_few_to_average_at_the_head_follows_trainers_it_trusts_tha
     schedule = Schedule(TARGET, min_peers=4)
     hostile = frozenset({"h1", "h2", "h3"})
     run = run_of([*behind, *ahead], own)
-    assert run.head == Head(1, L1) and run.ahead == Head(2, L2) and run.ahead_donors == ("a1", "a2")
+    assert run.head == Head(1, L1) and run.ahead == ((Head(2, L2), ("a1", "a2")),)
     assert decide(view(own, [*behind, *ahead], schedule=schedule, refused=hostile)) \
         == CatchUp(Head(2, L2), ("a1", "a2"))
+    # identities it refuses, claiming a head of their own beside it, hide nothing
+    decoys = [peer("h4", 2, "0" * 32), peer("h5", 2, "0" * 32)]  # (sorts first)
+    assert decide(view(own, [*behind, *decoys, *ahead], schedule=schedule,
+                       refused=hostile | {"h4", "h5"})) == CatchUp(Head(2, L2), ("a1", "a2"))
     # not the ones it refuses, though: with the two ahead banned here, it waits
     action = decide(view(own, [*behind, *ahead], schedule=schedule,
                          refused=hostile | {"a1", "a2"}))
@@ -393,7 +397,28 @@ def test_a_trainer_too_few_to_average_at_the_head_follows_trainers_it_trusts_tha
     assert decide(view(own, [*behind, *ahead], schedule=schedule)) == Average(Head(1, L1), 5, 7)
     # and once the step has its quorum (three hold it), the run's head moves there
     run = run_of([*behind, *ahead, peer("c", 2, L2, samples=50)], own)
-    assert run.head == Head(2, L2) and run.ahead is None and run.ahead_donors == ()
+    assert run.head == Head(2, L2) and run.ahead == ()
+
+
+def test_two_identities_claiming_the_next_epoch_draw_no_trainer_that_only_waits_for_honest_peers(
+        ) -> None:
+    """Not stranded: the trainers it lacks at the head are honest ones on their way (behind,
+    catching up), not peers it refuses. Two identities at the next epoch on a lineage of their
+    own (fewer than the third that moves the run's head) draw nobody; nor does a head two epochs
+    ahead, nor one the run's head is not confirmed against (a run starting afresh)."""
+    own = peer("me", samples=TARGET)
+    here = [peer(name, samples=TARGET) for name in ("a", "b", "c")]
+    late = [peer("d", 0, L0), peer("e", 0, L0)]
+    liars = [peer("x1", 2, LIE), peer("x2", 2, LIE)]
+    schedule = Schedule(TARGET, min_peers=6)
+    assert isinstance(decide(view(own, [*here, *late, *liars], schedule=schedule)), Wait)
+    assert isinstance(decide(view(own, [*here, *late, *liars], schedule=schedule,
+                                  refused=frozenset({"zz"}))), Wait)
+    # refused peers at the head make up the shortfall, but the ones ahead are two epochs on
+    banned = [peer("h1", samples=TARGET), peer("h2", samples=TARGET)]
+    far = [peer("x1", 3, LIE), peer("x2", 3, LIE)]
+    assert isinstance(decide(view(own, [*here, *banned, *far], schedule=schedule,
+                                  refused=frozenset({"h1", "h2"}))), Wait)
 
 
 def test_after_a_round_that_failed_in_part_a_trainer_looks_whether_the_others_stepped() -> None:
