@@ -121,9 +121,6 @@ class RunEngine(RoundTaking, CatchingUp):
         self._target_reached: tuple[Head, float] | None = None
         # when our last round at this head failed in part (the others may have stepped on it)
         self._failed_in_part: tuple[Head, float] | None = None
-        # the lineages that members stepping on our failed rounds at this head hold (policy:
-        # Local.failed_successors)
-        self._failed_successors: tuple[Head, tuple[str, ...]] | None = None
         # the trainers seen at the run's head so far, and when that set last grew (policy: a
         # first grid round waits for it to settle)
         self._head_seen: tuple[Head, frozenset[str], float] | None = None
@@ -276,10 +273,7 @@ class RunEngine(RoundTaking, CatchingUp):
                       ready_at=reached[1] if reached is not None and reached[0] == run.head else None,
                       roster_published=self._roster_seen == run.head,
                       failed_part_at=self._failed_in_part[1] if self._failed_in_part is not None
-                      and self._failed_in_part[0] == self.head else None,
-                      failed_successors=self._failed_successors[1]
-                      if self._failed_successors is not None
-                      and self._failed_successors[0] == self.head else ())
+                      and self._failed_in_part[0] == self.head else None)
         if self.schedule.epochs is not None and self.role == "trainer" \
                 and p.epoch >= self.schedule.epochs and self._finished_at is None:
             self._finished_at = now

@@ -45,15 +45,6 @@ The rules, one each:
   serve it is not believed ahead for a while: estimate.py); and only for want of refused peers,
   one epoch ahead, at a confirmed head, so that two identities claiming the next epoch draw
   nobody while honest peers are merely behind or the run is starting afresh.
-- **Stepped without us.** A trainer whose round at its head failed for it, while trainers it
-  does not refuse hold the head that round leads to (its lineage: our head's chained with the
-  round's group id, which only the round's members know), follows them at once, confirmed or
-  not: they stepped on it. At least `STRANDED_DONORS` of them: a member of the round (a hostile
-  one knows the group id too) alone at that head would serve a state no witness checks. Seen
-  with 3 hostile identities among 4 honest trainers: one honest trainer stepped on a round of
-  five whose answers an identity withheld from the three other honest members; they stayed at
-  the old head, too few there once they had banned the identities, and it waited ahead for a
-  quorum, for good (with one ahead, that case stays open: docs/security.md).
 - **A first grid round waits for the view to settle.** A round of more peers than one group
   holds is a grid round (grid.py), whose layout every peer computes from the trainers it sees at
   the head; after the first round the cells go to that round's members, which every peer that
@@ -163,10 +154,6 @@ class Local:
     # when this peer's last round at its head failed in part (a reducer's answer refused or
     # withheld): the other members may well have stepped on it (see "A round that failed")
     failed_part_at: float | None = None
-    # the lineages of the heads that members of our failed rounds at this head would hold had
-    # they stepped on them (next_lineage of our head and each round's group id: see "stepped
-    # without us")
-    failed_successors: tuple[str, ...] = ()
 
     @property
     def head(self) -> Head:
@@ -263,9 +250,6 @@ def decide(view: View) -> Action:
             return Average(run.head, here + run.live_aux, run.trainers_at_epoch)
         return Wait(now + look, "following the run")
     if local.head == run.head:
-        followed = _stepped_without_us(view)
-        if followed is not None:
-            return followed
         if run.ready and local.accumulated < local.promised:
             # the others counted on what we said we would have: keep the word, or the round's
             # batch falls short of the target
@@ -307,22 +291,6 @@ def decide(view: View) -> Action:
         return Wait(now + look, "waiting for a trainer at the run's head")
     # ahead: our step is not confirmed yet; what we accumulate counts once it is
     return Train(_chunk(local, schedule.target_batch_size - local.accumulated, look), look)
-
-
-def _stepped_without_us(view: View) -> CatchUp | None:
-    """Trainers we do not refuse hold the head one of our failed rounds at this head led to
-    (its lineage is our head's chained with that round's group id, which only its members
-    know): they stepped on it where it failed for us. We follow them, confirmed or not, where
-    at least `STRANDED_DONORS` hold it (module docstring, "stepped without us")."""
-    local, run = view.local, view.run
-    if not local.failed_successors:
-        return None
-    for head, holders in run.ahead:
-        donors = tuple(d for d in holders if d not in view.refused)
-        if head.epoch == local.epoch + 1 and head.lineage in local.failed_successors \
-                and len(donors) >= STRANDED_DONORS:
-            return CatchUp(head, donors)
-    return None
 
 
 def _stranded(view: View, base: int) -> CatchUp | None:

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["HISTORY", "RoundTaking"]
 
 HISTORY = 200  # epochs kept in `epoch_history` (and losses in `RunProgress.epoch_losses`)
-FAILED_SUCCESSORS = 8  # failed rounds at one head whose stepping members a trainer may follow
 
 
 class RoundTaking:
@@ -80,8 +79,6 @@ class RoundTaking:
     _weight_cap: float | None
     _stop: asyncio.Event
     _target_reached: tuple[Head, float] | None
-    _failed_in_part: tuple[Head, float] | None
-    _failed_successors: tuple[Head, tuple[str, ...]] | None
     _head_group: tuple[str, ...]
     _stepped_in: Head | None
     _aux_group: tuple[Head | None, tuple[str, ...]]
@@ -162,8 +159,6 @@ class RoundTaking:
                                                          len(report.failed_parts))
         if report is None or not step_allowed(result, action, self.schedule):
             p.failed_rounds += 1
-            if report is not None and report.group_size > 1:
-                self._note_failed_round(head, report.group_id)
             if report is not None and report.failed_parts and sum(
                     end - start for start, end in report.failed_parts) < sum(report.shares):
                 self._failed_in_part = (head, timebase.now())  # (policy: Local.failed_part_at)
@@ -261,14 +256,6 @@ class RoundTaking:
             return ()
         return tuple(sorted({p["peer_id"] for p in run.live_peers if p["role"] == "aux"}
                             - {self.peer_id}))
-
-    def _note_failed_round(self, head: Head, group_id: str) -> None:
-        """Keep the lineage that members who stepped on this failed round of ours hold
-        (`FAILED_SUCCESSORS` of them per head): policy.py follows them there."""
-        kept = self._failed_successors[1] if self._failed_successors is not None \
-            and self._failed_successors[0] == head else ()
-        successor = next_lineage(head.lineage or "", group_id)
-        self._failed_successors = (head, (*kept, successor)[-FAILED_SUCCESSORS:])
 
     def _stepped(self, report: AveragingReport) -> None:
         p = self.progress

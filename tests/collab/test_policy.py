@@ -400,34 +400,6 @@ def test_a_trainer_too_few_to_average_at_the_head_follows_trainers_it_trusts_tha
     assert run.head == Head(2, L2) and run.ahead == ()
 
 
-def test_a_trainer_follows_those_that_stepped_on_a_round_that_failed_for_it() -> None:
-    """Stepped without us: an identity withheld the answers of a round of six from three of its
-    honest members; the two others stepped on it. The three hold the lineage that round leads
-    to, and follow them there at once, though the step has no quorum (two of eight), whatever
-    they could do at the head. One holder is not enough (no witness for its state), a lineage
-    of another round is not that round's, and a holder refused here is no donor."""
-    from dedloc.daemon.collab.lineage import next_lineage
-
-    successor = next_lineage(L1, "round-of-six")
-    own = peer("me", samples=TARGET)
-    others = [peer("b", samples=TARGET), peer("c", samples=TARGET),
-              peer("h1", samples=TARGET), peer("h2", samples=TARGET), peer("h3", samples=TARGET),
-              peer("a1", 2, successor, samples=10), peer("a2", 2, successor, samples=10)]
-
-    def decided(holders: list[PeerProgress], successors: tuple[str, ...],
-                refused: frozenset[str] = frozenset()) -> object:
-        run = run_of([*others[:5], *holders], own)
-        local = Local("trainer", 1, L1, TARGET, 10.0, failed_successors=successors)
-        return decide(View(local, run, Schedule(TARGET, min_peers=4), NOW, refused=refused))
-
-    assert decided(others[5:], (next_lineage(L1, "earlier"), successor)) \
-        == CatchUp(Head(2, successor), ("a1", "a2"))
-    assert isinstance(decided(others[5:], ()), Average)  # (as before: the head's round)
-    assert isinstance(decided(others[5:], (next_lineage(L1, "another"),)), Average)
-    assert isinstance(decided(others[5:6], (successor,)), Average)
-    assert isinstance(decided(others[5:], (successor,), refused=frozenset({"a2"})), Average)
-
-
 def test_two_identities_claiming_the_next_epoch_draw_no_trainer_that_only_waits_for_honest_peers(
         ) -> None:
     """Not stranded: the trainers it lacks at the head are honest ones on their way (behind,
