@@ -204,7 +204,7 @@ class Matchmaker:
         self._seen_groups: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._redirecting: set[asyncio.Task[None]] = set()  # redirects sent beside a round
         # leaders that failed us twice in a row, ranked last for a while (avoided_leaders.py),
-        # and, per group we followed, the candidates whose redirects brought us to its leader
+        # and, per group we followed, the candidates that sent us back to its (avoided) leader
         self.avoided = AvoidedLeaders()
         self._introducers: collections.OrderedDict[str, tuple[str, ...]] = collections.OrderedDict()
         transport.add_unary_handler(JOIN, self._on_join)
@@ -343,10 +343,10 @@ class Matchmaker:
     async def _settle_avoiding(self, gathering: _Gathering, leaders: list[str],
                                candidates: set[str], window_end: float) -> Group:
         """`_settle`, with the leaders we avoid ranked last (avoided_leaders.py). Where we then
-        averaged alone, nobody came our way: the others follow those leaders, and avoiding them
-        only keeps us out of the run's group. The avoidance ends there (one more failure
-        avoids them again, for twice as long): a flaky link to an honest leader costs a round,
-        not the avoidance's minutes."""
+        led and nobody came our way, the others follow those leaders, and avoiding them only
+        keeps us out of the run's group. The avoidance ends there (one more failure avoids them
+        again, for twice as long): a flaky link to an honest leader costs a round, not the
+        avoidance's minutes."""
         avoided = self.avoided.avoided(timebase.now()) & set(leaders)
         group = await self._settle(gathering, self.avoided.ranked(leaders, timebase.now()),
                                    candidates, window_end)
