@@ -66,8 +66,11 @@ class AveragingApi:
     @rpc_method("averaging.status", errors=(ErrorCode.NOT_JOINED,))
     async def status(self) -> Annotated[dict[str, Any], "rounds (the last ones, newest last), "
                                         "counters (offences, bans, refused_banned, ...), bans "
-                                        "(active: peer_id, until, reason; offenders), screening "
-                                        "(the rules in force), bandwidth (measured bytes per "
+                                        "(active: peer_id, until, reason; offenders), "
+                                        "avoided_leaders (peers this daemon's matchmaking ranks "
+                                        "last for a while: rounds they led failed it twice in a "
+                                        "row; counted in `leaders_avoided`), screening (the "
+                                        "rules in force), bandwidth (measured bytes per "
                                         "second)."]:
         """The last averaging rounds: group size, shares, bytes, seconds, failures; the peers
         banned for bad contributions; and bandwidth."""

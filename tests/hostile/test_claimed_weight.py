@@ -69,14 +69,21 @@ async def test_a_member_claiming_1e15_samples_averages_with_nobody(attacker_lead
         if attacker_leads:
             assert sum(m.refused_groups for m in honest) == 3
             # the round fails and runs again under the same key, the attacker first again: each
-            # refusal is an offence, and after the third the honest three ban it and meet
-            for _ in range(2):
-                await asyncio.gather(*(form(m) for m in honest),
-                                     attacker.form_group(request(attacker, 1e15, None)))
-            assert all(m._bans.banned(attacker.peer_id) for m in honest)
+            # refusal is an offence; after the second, the honest three avoid it (it sent them no
+            # group they could take, twice: avoided_leaders.py) and meet without it
+            await asyncio.gather(*(form(m) for m in honest),
+                                 attacker.form_group(request(attacker, 1e15, None)))
+            assert all(m.avoided.avoided(timebase.now()) == {attacker.peer_id} for m in honest)
+            assert all(m._bans.counters["offences_group"] == 2 for m in honest)
             again = await asyncio.gather(*(form(m) for m in honest),
                                          attacker.form_group(request(attacker, 1e15, None)))
             assert len({g.group_id for g in again[:3]}) == 1 and len(again[0].members) == 3
+            assert attacker.peer_id not in {m.peer_id for m in again[0].members}
+            # once the avoidance runs out it leads them again: a third offence, and the ban
+            await asyncio.sleep(honest[0].avoided.avoid_seconds)
+            await asyncio.gather(*(form(m) for m in honest),
+                                 attacker.form_group(request(attacker, 1e15, None)))
+            assert all(m._bans.banned(attacker.peer_id) for m in honest)
         else:  # the honest three found each other (one group, not three averaging alone)
             assert len({g.group_id for g in honest_groups}) == 1
             assert len(honest_groups[0].members) == 3
