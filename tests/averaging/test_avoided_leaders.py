@@ -249,3 +249,23 @@ async def test_a_candidate_that_stalls_us_does_not_end_the_avoidance_of_its_acco
     assert len(group.members) == 1
     assert me.avoided.avoided(timebase.now()) == {hostile.peer_id}
     assert me.avoided._failures[staller.peer_id] == 1
+
+
+def test_the_averager_tells_matchmaking_how_each_round_its_leader_led_went() -> None:
+    """averager.py's glue: a round led by another peer is judged (failed or served, with the
+    round's min_trainers); a round we led, or one without a leader, is not."""
+    from types import SimpleNamespace
+
+    from dedloc.daemon.averaging.averager import Averager
+
+    calls: list[tuple[str, str]] = []
+    maker = SimpleNamespace(leader_failed=lambda g: calls.append(("failed", g.leader)),
+                            leader_served=lambda g: calls.append(("served", g.leader)))
+    me = SimpleNamespace(peer_id="b", matchmaker=maker)
+    failing = _report((PartFailure(0, 100, "a", "skip"),))
+    Averager._judge_leader(me, _group("a"), failing, 1)  # type: ignore[arg-type]
+    Averager._judge_leader(me, _group("a"), _report(), 1)  # type: ignore[arg-type]
+    Averager._judge_leader(me, _group("a", "ab"), _report(), 3)  # type: ignore[arg-type]
+    Averager._judge_leader(me, _group("b"), failing, 1)  # type: ignore[arg-type]  (ours)
+    Averager._judge_leader(me, _group(""), failing, 1)  # type: ignore[arg-type]
+    assert calls == [("failed", "a"), ("served", "a"), ("failed", "a")]
