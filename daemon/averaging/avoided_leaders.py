@@ -41,6 +41,8 @@ __all__ = ["FAILURES_TO_AVOID", "MAX_REMEMBERED", "AvoidedLeaders", "leader_fail
 
 FAILURES_TO_AVOID = 2  # rounds in a row a leader failed us before we avoid it
 MAX_REMEMBERED = 1024  # leaders whose failures are remembered (identities are free)
+INTRODUCED_GROUPS = 64  # groups whose leader we were redirected to, remembered until judged
+MAX_CHAIN = 8  # redirects followed back from a group's leader to those that sent us there
 
 
 @dataclass
@@ -54,6 +56,38 @@ class AvoidedLeaders:
     _failures: collections.OrderedDict[str, int] = field(default_factory=collections.OrderedDict)
     _avoidances: dict[str, int] = field(default_factory=dict)
     _until: dict[str, float] = field(default_factory=dict)
+    # per group we followed: the candidates that sent us back to its (avoided) leader
+    _introducers: collections.OrderedDict[str, tuple[str, ...]] = field(
+        default_factory=collections.OrderedDict)
+
+    def note_introducers(self, group: Group, sent_by: dict[str, str], own_id: str) -> None:
+        """Remember who redirected us to `group`'s leader (and to theirs; `sent_by`: a leader we
+        were redirected to -> who sent us there): a round of it that fails us counts against
+        them too (`group_failed`)."""
+        chain: list[str] = []
+        peer = group.leader
+        while peer in sent_by and len(chain) < MAX_CHAIN:
+            peer = sent_by[peer]
+            if peer == own_id or peer == group.leader or peer in chain:
+                break
+            chain.append(peer)
+        if chain:
+            self._introducers[group.group_id] = tuple(chain)
+            while len(self._introducers) > INTRODUCED_GROUPS:
+                self._introducers.popitem(last=False)
+
+    def group_failed(self, group: Group, now: float) -> list[str]:
+        """`group`'s leader failed us (`leader_failed_us`), and so did the candidates that sent
+        us to it; returns those this makes avoided now."""
+        blamed = (group.leader, *self._introducers.pop(group.group_id, ()))
+        return [p for p in blamed if p and self.failed(p, now)]
+
+    def group_served(self, group: Group) -> None:
+        """The round `group`'s leader led went through for us: it and those that sent us to it
+        are forgiven their failures."""
+        for peer in (group.leader, *self._introducers.pop(group.group_id, ())):
+            if peer:
+                self.served(peer)
 
     def failed(self, leader: str, now: float) -> bool:
         """A round `leader` led (or sent us to) failed us; True if that makes it avoided now."""

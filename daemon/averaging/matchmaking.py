@@ -40,6 +40,9 @@ without a leader that never comes, moves on at once when a leader that said it w
 it no longer is, and once accepted waits for its group as long as its leader may wait. A peer
 that is not on its way (crashed, or not in the round) says so, and nobody waits for it past the
 window. Other direct rounds close at their window as before.
+
+What a round asks for, and what a follower checks of the group its leader sends, are in
+round_request.py; the leaders this peer ranks last after they failed it, in avoided_leaders.py.
 """
 
 from __future__ import annotations
@@ -63,35 +66,39 @@ from ..dht import DHTNode
 from ..net import (
     HandshakeError,
     Message,
-    PeerAddress,
     PeerTransport,
     PeerUnreachableError,
     RemoteError,
     RequestContext,
     TransportError,
 )
-from .accounts import MAX_ACCOUNT_SENDERS
-from .aggregation import Aggregation
 from .avoided_leaders import AvoidedLeaders
 from .bans import BanList
-from .claims import share_refusal
 from .corruption import equivocal_group
 from .errors import LeaderComing, MatchmakingError, NotGathering
 from .group import Group, Member
+from .round_request import (
+    EXTEND_WINDOWS,
+    JOIN_ACK_SECONDS,
+    MAX_ADDRESSES,
+    MAX_GROUP_MEMBERS,
+    RoundRequest,
+    group_refusal,
+)
+from .round_request import ack_seconds as _ack_seconds
+from .round_request import grace as _grace
+from .round_request import latest_after as _latest_after
+from .round_request import member_from as _member_from
+from .round_request import ranked as _ranked
 from .signatures import group_signed_by, round_name, sign_group
 
 log = structlog.get_logger(__name__)
 
-# the most members a group may list: as many as an answer's account (accounts.py) can name in
-# the header a frame carries (a leader set larger gathers no more)
-MAX_GROUP_MEMBERS = MAX_ACCOUNT_SENDERS
 SEEN_GROUPS = 8192  # group ids remembered, to refuse one used again
-INTRODUCED_GROUPS = 64  # groups whose leader we were redirected to, remembered until judged
 JOIN = "avg.join"
 GROUP = "avg.group"
 REDIRECT = "avg.redirect"
 COMING = "avg.coming"
-JOIN_ACK_SECONDS = 3.0  # at most this long for a leader to acknowledge a join, else it is skipped
 DHT_PREFIX = "averaging/"
 POLL_SECONDS = (0.01, 0.2)  # between DHT reads while gathering: first, and at most (backing off)
 # Each read returns every announcement so far: with n peers polling, gathering costs n^2 entries
@@ -100,56 +107,11 @@ POLL_SECONDS = (0.01, 0.2)  # between DHT reads while gathering: first, and at m
 # stored on all of them): 64 peers polling every 0.2 s all 8 replicas saturated two cores.
 MAX_POLL_SECONDS = 1.0
 READ_REPLICAS = 3
-MAX_ADDRESSES = 8  # addresses an announcement gives, at most
-MAX_ADDRESS_CHARS = 512
 JOIN_ATTEMPTS = 4  # avg.join to a leader that refused the connection at once (see _call_leader)
 PATIENCE_WINDOWS = 1.0  # how long a direct round waits for its leader to begin, in windows
-EXTEND_WINDOWS = 4  # gathering lasts at most this many windows while too few trainers are seen
 
 # Given the members and the vector, the leader's choice of part ranges (the load balancer).
 Planner = Callable[[tuple[Member, ...], int, int], tuple[tuple[int, int], ...]]
-
-
-@dataclass(frozen=True)
-class RoundRequest:
-    """One peer's wish to average under `key`."""
-
-    key: str
-    member: Member
-    size: int  # float32 elements
-    chunk_elements: int
-    compression: str
-    window: float  # seconds to gather peers
-    deadline: float  # unix time by which the whole round ends
-    expected: int | None = None  # stop gathering once this many peers (with us) are seen
-    max_group_size: int = 64
-    # Fewer trainers than this make a useless round: gathering goes on past the window for them
-    # (up to `EXTEND_WINDOWS` windows, within the deadline) instead of forming a group that
-    # will not be stepped on (a peer that is late on a loaded machine still makes it).
-    min_trainers: int = 1
-    # The peers the caller expects in the round (a run's engine knows them from the progress
-    # board): with them, matchmaking needs no DHT at all (see the module docstring).
-    peers: tuple[str, ...] = ()
-    # Who may lead, in the caller's words: the members of the round that made the run's head
-    # (they all know the same list, while views of who is at the head differ a little); the
-    # others of `peers` come after them.
-    leaders: tuple[str, ...] = ()
-    # The most weight any member may claim (None: no bound): what an honest peer of the round
-    # can have (a run's target batch). A leader refuses a joiner that claims more, a follower a
-    # group that lists one (weight 1e15 with a normal vector made the average that vector).
-    max_weight: float | None = None
-    # A stage of a grid round (with `peers`): members may be on their way from an earlier stage,
-    # and the leader asks the missing ones whether they come (see the module docstring); other
-    # direct rounds close at their window as before.
-    staged: bool = False
-    # How the group's reducers combine contributions (aggregation.py); the members check it. A
-    # peer of an earlier version states none: it averages by the mean.
-    aggregation: Aggregation = "mean"
-
-    def compatible(self, other: dict[str, Any]) -> bool:
-        return (other.get("size") == self.size and other.get("compression") == self.compression
-                and other.get("chunk_elements") == self.chunk_elements
-                and other.get("aggregation", "mean") == self.aggregation)
 
 
 @dataclass
@@ -203,10 +165,9 @@ class Matchmaker:
         # no offence of it)
         self._seen_groups: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._redirecting: set[asyncio.Task[None]] = set()  # redirects sent beside a round
-        # leaders that failed us twice in a row, ranked last for a while (avoided_leaders.py),
-        # and, per group we followed, the candidates that sent us back to its (avoided) leader
+        # leaders that failed us twice in a row, ranked last for a while, and the candidates
+        # that sent us back to them (avoided_leaders.py)
         self.avoided = AvoidedLeaders()
-        self._introducers: collections.OrderedDict[str, tuple[str, ...]] = collections.OrderedDict()
         transport.add_unary_handler(JOIN, self._on_join)
         transport.add_unary_handler(GROUP, self._on_group)
         transport.add_unary_handler(REDIRECT, self._on_redirect)
@@ -387,7 +348,7 @@ class Matchmaker:
                 self._join(gathering, leader),
                 *(self._send_redirect(request, peer_id, leader) for peer_id in taken))
             if isinstance(outcome, Group):
-                self._note_introducers(outcome, sent_by)
+                self.avoided.note_introducers(outcome, sent_by, self.peer_id)
                 return outcome
             if outcome is not None and self._bans.banned(outcome) is not None:
                 # (an honest peer that follows a leader it has not banned sends us on to it)
@@ -410,39 +371,21 @@ class Matchmaker:
             return await self._lead(gathering, candidates, gone=tried)
         return self._alone(request)
 
-    def _note_introducers(self, group: Group, sent_by: dict[str, str]) -> None:
-        """Remember who redirected us to `group`'s leader (and to theirs): a round of it that
-        fails us counts against them too (`leader_failed`)."""
-        chain: list[str] = []
-        peer = group.leader
-        while peer in sent_by and len(chain) < 8:
-            peer = sent_by[peer]
-            if peer == self.peer_id or peer == group.leader or peer in chain:
-                break
-            chain.append(peer)
-        if chain:
-            self._introducers[group.group_id] = tuple(chain)
-            while len(self._introducers) > INTRODUCED_GROUPS:
-                self._introducers.popitem(last=False)
-
     def leader_failed(self, group: Group) -> list[str]:
         """The leader of `group` failed us (averager.py judges the round: `leader_failed_us`);
         so did the candidates that sent us to it. Returns those now avoided."""
-        blamed = (group.leader, *self._introducers.pop(group.group_id, ()))
-        return [p for p in blamed if p and self._leader_failed_us(p)]
+        avoided = self.avoided.group_failed(group, timebase.now())
+        for leader in avoided:
+            self._log_avoided(leader)
+        return avoided
 
     def leader_served(self, group: Group) -> None:
         """The round `group`'s leader led went through for us."""
-        for peer in (group.leader, *self._introducers.pop(group.group_id, ())):
-            if peer:
-                self.avoided.served(peer)
+        self.avoided.group_served(group)
 
-    def _leader_failed_us(self, leader: str) -> bool:
-        if not self.avoided.failed(leader, timebase.now()):
-            return False
+    def _log_avoided(self, leader: str) -> None:
         log.warning("matchmaking_leader_avoided", leader=leader[:12],
                     seconds=round(max(0.0, self.avoided.until(leader) - timebase.now()), 1))
-        return True
 
     async def _join(self, gathering: _Gathering, leader: str) -> Group | str | None:
         """Ask `leader` to take us; the group, a redirect (a peer id), or None if it failed."""
@@ -544,7 +487,8 @@ class Matchmaker:
             return redirect.result()
         log.info("matchmaking_leader_never_sent_group", leader=leader[:12])
         gathering.stalled = True
-        self._leader_failed_us(leader)  # (or sent none we could take: _on_group)
+        if self.avoided.failed(leader, timebase.now()):  # (or sent none we could take: _on_group)
+            self._log_avoided(leader)
         return None
 
     async def _lead(self, gathering: _Gathering, candidates: set[str],
@@ -769,81 +713,6 @@ class Matchmaker:
         if not gathering.redirect.done():
             gathering.redirect.set_result(leader)
         return Message({})
-
-
-def _ranked(key: str, peers: Iterable[str]) -> list[str]:
-    """Peers in the order they are asked to lead a round of `key`: by a hash of the key and the
-    peer id, so that every peer that sees the same candidates picks the same leader, and no peer
-    can choose an id that makes it lead (the key holds the run's lineage, unknown in advance)."""
-    return sorted(set(peers), key=lambda peer: hashlib.sha256(f"{key}\0{peer}".encode()).digest())
-
-
-def _ack_seconds(request: RoundRequest) -> float:
-    return min(JOIN_ACK_SECONDS, max(0.5, 0.5 * request.window))
-
-
-def group_refusal(group: Group, request: RoundRequest, now: float) -> str | None:
-    """Why a follower refuses the group its leader sent (None: it takes it). A leader is just
-    another peer: its group must be the round the follower asked for (vector, chunking,
-    compression, and aggregation: the rule the answers are checked against), hold the follower
-    as it joined (its weight, role and links unchanged: a leader that rewrote them would get
-    honest members banned for a stream that does not match), name each member once, fit the
-    size asked for, and end no later than twice the time the follower was prepared to give the
-    round (a deadline of 1e308 would freeze it), and give no member more of the vector than the
-    public rule on bandwidth claims allows (claims.py: at most SHARE_MULTIPLE equal shares, one
-    chunk more for rounding), which every honest leader's split keeps by construction."""
-    if (group.size, group.chunk_elements, group.compression, group.aggregation) != (
-            request.size, request.chunk_elements, request.compression, request.aggregation):
-        return (f"it averages {group.size} elements in chunks of {group.chunk_elements} with "
-                f"{group.compression!r} by {group.aggregation!r}, not what was asked")
-    ids = [m.peer_id for m in group.members]
-    if len(set(ids)) != len(ids):
-        return "it names a member twice"
-    if len(ids) > MAX_GROUP_MEMBERS:  # (not our own max_group_size: leaders may be set larger)
-        return f"{len(ids)} members, more than any group holds ({MAX_GROUP_MEMBERS})"
-    heaviest = max(m.weight for m in group.members)
-    if request.max_weight is not None and heaviest > request.max_weight:
-        return f"a member claims a weight of {heaviest:g}, more than the round's {request.max_weight:g}"
-    mine = next(m for m in group.members if m.peer_id == request.member.peer_id)
-    if mine != request.member:
-        return "it changed this peer's own entry (weight, role or bandwidth)"
-    if not now < group.deadline <= request.deadline + max(0.0, request.deadline - now):
-        return f"its deadline is {group.deadline - now:.3g} s away, out of bounds"
-    return share_refusal(group)
-
-
-def _latest_after(request: RoundRequest) -> float:
-    """How long after its start a direct round may gather at most (for peers on their way)."""
-    return EXTEND_WINDOWS * request.window + _grace(request)
-
-
-def _grace(request: RoundRequest) -> float:
-    """How long after the window settling may take: room to skip two silent leaders."""
-    return max(0.5, 0.25 * request.window) + 2 * _ack_seconds(request)
-
-
-def _member_from(value: bytes, sub_key: str, request: RoundRequest
-                 ) -> tuple[Member, list[PeerAddress]] | None:
-    """An announcement's member and the addresses it gives (at most MAX_ADDRESSES, each one
-    parsed; malformed ones are left out)."""
-    try:
-        info = orjson.loads(value)
-        member = Member.from_json(info)
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-        return None
-    if member.peer_id != sub_key or not request.compatible(info):
-        return None
-    addresses: list[PeerAddress] = []
-    raw = info.get("addresses")
-    for text in raw[:MAX_ADDRESSES] if isinstance(raw, list) else ():
-        if isinstance(text, str) and len(text) <= MAX_ADDRESS_CHARS:
-            try:
-                address = PeerAddress.parse(text)
-            except ValueError:
-                continue
-            if address.target in (None, sub_key):
-                addresses.append(address)
-    return member, addresses
 
 
 def _poll_cap(seen: int) -> float:
