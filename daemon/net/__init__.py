@@ -15,7 +15,8 @@ from .errors import (
     UnknownMethod,
 )
 from .interface import LinkInfo, Message, PeerTransport, RequestContext, Stream
-from .link import LinkLimits, LinkStream
+from .link import LinkLimits
+from .link_stream import LinkStream
 from .transport import LinkEvent, TlsTransport, TransportLimits
 
 __all__ = [

@@ -10,13 +10,14 @@ sleeper to recompute its wait with the new rate: it takes effect at once. Rate 0
 of tasks of one event loop may share a bucket; sleepers sleep (no polling) for exactly the time
 their mark needs, or until woken.
 
-`Bandwidth` is one daemon's pair of buckets, shared by all its links (link.py): every path kind
-(direct TCP, hole-punched TCP, WebRTC) meters the bytes of its frames there, except relayed links,
-whose bytes already pass through the link to the relay (metered once, on that link). Control
-frames (PING/PONG, CREDIT, ...) are booked without waiting and go out while data waits (keepalive
-answers never queue behind a quota); data is booked in quanta of ~`QUANTUM_SECONDS` of the cap.
-Downloads are metered after each socket read, and the next read waits for the debt: the kernel's
-receive buffer fills and TCP (or the link's flow control, on WebRTC) slows the sender.
+`Bandwidth` is one daemon's pair of buckets, shared by all its links (link_writer.py and
+link_reader.py): every path kind (direct TCP, hole-punched TCP, WebRTC) meters the bytes of its
+frames there, except relayed links, whose bytes already pass through the link to the relay
+(metered once, on that link). Control frames (PING/PONG, CREDIT, ...) are booked without waiting
+and go out while data waits (keepalive answers never queue behind a quota); data is booked in
+quanta of ~`QUANTUM_SECONDS` of the cap. Downloads are metered after each socket read, and the
+next read waits for the debt: the kernel's receive buffer fills and TCP (or the link's flow
+control, on WebRTC) slows the sender.
 """
 
 from __future__ import annotations

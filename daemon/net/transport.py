@@ -48,8 +48,10 @@ from .errors import (
     TransportError,
 )
 from .handshake import Handshaken, client_handshake, server_handshake
+from .inbound import InboundBudget
 from .interface import LinkInfo, Message, StreamHandler, UnaryHandler
-from .link import Dispatcher, InboundBudget, Link, LinkLimits, LinkStream
+from .link import Dispatcher, Link, LinkLimits
+from .link_stream import LinkStream
 from .ratelimit import Bandwidth
 from .tls import Certificate, client_context, server_context
 

@@ -24,7 +24,8 @@ from dedloc.daemon.dht import DHTNode
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import LinkLimits, Message, RequestContext, TransportClosed
 from dedloc.daemon.net.frames import F_MORE, Frame, FrameDecoder, FrameType
-from dedloc.daemon.net.link import Dispatcher, Link, LinkStream
+from dedloc.daemon.net.link import Dispatcher, Link
+from dedloc.daemon.net.link_stream import LinkStream
 from dedloc.daemon.net.memory import MemoryNetwork
 
 LIMITS = LinkLimits(max_payload=4096, chunk_bytes=1024, max_message_bytes=16384, stream_window=8192,
@@ -145,7 +146,7 @@ async def run_session(served: Served, parts: list[bytes]) -> tuple[Link, FuzzPip
     # A hang is a failure (wait_until times out); unary handlers answer (or fail) quickly.
     await wait_until(lambda: link.closed or any(f.type == FrameType.PONG and bytes(f.payload) == SYNC
                                                 for f in pipe.sent), timeout=10)
-    await wait_until(lambda: link.closed or not link._served, timeout=10)
+    await wait_until(lambda: link.closed or not link._unary.served, timeout=10)
     return link, pipe
 
 

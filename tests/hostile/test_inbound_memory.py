@@ -18,7 +18,8 @@ from fuzz.test_link_fuzz import PEER_IDS, FuzzPipe
 
 from dedloc.daemon.net import LinkLimits
 from dedloc.daemon.net.frames import F_MORE, FrameType
-from dedloc.daemon.net.link import LAZY_BUFFER_BYTES, Dispatcher, InboundBudget, Link, inbound_buffer
+from dedloc.daemon.net.inbound import LAZY_BUFFER_BYTES, InboundBudget, inbound_buffer
+from dedloc.daemon.net.link import Dispatcher, Link
 
 pytestmark = pytest.mark.virtual_time
 MESSAGE = 16384

@@ -26,7 +26,7 @@ from dedloc.daemon.net import (
     TransportLimits,
     UnknownMethod,
 )
-from dedloc.daemon.net.link import LinkStream
+from dedloc.daemon.net.link_stream import LinkStream
 
 MiB = 1024 * 1024
 
@@ -380,3 +380,21 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+async def test_a_request_header_that_cannot_be_encoded_fails_its_call_and_leaves_none_open(
+        make_transport: Any) -> None:
+    # (registered before its header was encoded, such a call stayed open for the link's life: a
+    # draining link then waited its whole grace to close)
+    a, b = await pair(make_transport, tls=False)
+    try:
+        assert await b.connect(a.listen_addresses()[0], timeout=5) == a.peer_id
+        with pytest.raises(TypeError):
+            await b.call(a.peer_id, "echo", Message({"x": object()}, b""), timeout=5)
+        (link,) = b._links[a.peer_id]
+        assert link.active() == 0
+        reply = await b.call(a.peer_id, "echo", Message({"x": 1}, b"ok"), timeout=5)
+        assert bytes(reply.payload) == b"ok"  # the link is fine
+    finally:
+        await b.close()
+        await a.close()
