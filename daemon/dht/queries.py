@@ -1,0 +1,136 @@
+"""A DHTNode's queries of other nodes: iterative lookups of nodes and values (lookup.py's
+algorithm over real RPCs), reads at a key's remembered route (routes.py), and the checks on the
+records that replies bring.
+
+A reply that cannot be read is counted (`malformed_replies`) and its sender taken for failed. A
+record is checked before it is used: one that expired on its way is dropped
+(`expired_in_transit`); a forged one drops its sender's whole reply and bans the sender
+(`forged_records`, bans.py); one under a closed run's key without its writer's membership proof
+is dropped (`unproven_records`).
+
+Functions of a `DHTNode`, bound as its methods (`DHTNode._lookup`, `_checked`, `_ask_route`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..net.errors import TransportError
+from ..net.interface import Message
+from . import protocol
+from .errors import DHTError, InvalidRecord, MalformedMessage
+from .lookup import LookupResult, Query, QueryReply, iterative_lookup
+from .peers import IN_CALL
+from .protocol import Contact
+from .records import Entry, validate
+
+if TYPE_CHECKING:
+    from .node import DHTNode
+
+
+async def lookup(node: DHTNode, target: int, deadline: float, *, key: str | None = None,
+                 stop: Callable[[LookupResult], bool] | None = None,
+                 count: int | None = None, min_expiration: float | None = None) -> LookupResult:
+    """The nodes closest to `target` (and, given `key`, the key's entries they hold)."""
+    if IN_CALL.get():  # see IN_CALL
+        node.stats["nested_lookups_refused"] += 1
+        return LookupResult([], {}, False, 0, 0)
+    header = node._caller_header()
+
+    async def find_node(contact: Contact) -> QueryReply:
+        message = Message({**header, "target": protocol.encode_target(target)})
+        reply = await node._call(contact, protocol.FIND_NODE, message, node._rpc_timeout(deadline))
+        return QueryReply(protocol.decode_contacts(reply.header.get("nodes", [])))
+
+    query = find_node if key is None else _value_query(node, key, deadline, min_expiration)
+    result = await iterative_lookup(
+        target, node._nearest(target), _counts_malformed(node, query),
+        k=count or node.config.k, alpha=node.config.alpha, deadline=deadline,
+        exclude=frozenset({node.peer_id, *node._bans}), stop=stop)
+    node.routing_table.touch(target, asyncio.get_running_loop().time())
+    return result
+
+
+def _value_query(node: DHTNode, key: str, deadline: float, min_expiration: float | None) -> Query:
+    request: dict[str, Any] = {**node._caller_header(), "key": key, "accept": protocol.ACCEPT}
+    token = None if node.access is None else node.access.credential(key)
+    if token is not None:
+        request["token"] = token
+    if min_expiration is not None:
+        request["min_expiration"] = min_expiration
+
+    async def find_value(contact: Contact) -> QueryReply:
+        reply = await node._call(contact, protocol.FIND_VALUE, Message(request),
+                                 node._rpc_timeout(deadline))
+        entries, contacts = protocol.decode_values(key, reply)
+        return QueryReply(contacts, node._checked(contact.peer_id, entries))
+
+    return find_value
+
+
+def _counts_malformed(node: DHTNode, query: Query) -> Query:
+    """A reply that cannot be read is counted; the lookup counts its sender as failed."""
+
+    async def counted(contact: Contact) -> QueryReply:
+        try:
+            return await query(contact)
+        except MalformedMessage as exc:
+            node.stats["malformed_replies"] += 1
+            node._log.info("dht_malformed_reply", sender=contact.peer_id[:12], error=str(exc)[:200])
+            raise
+
+    return counted
+
+
+async def ask_route(node: DHTNode, route: list[Contact], key: str, deadline: float,
+                    min_expiration: float | None) -> list[Entry] | None:
+    """find_value at the remembered closest nodes of `key`; None if any of them failed."""
+    query = _value_query(node, key, deadline, min_expiration)
+
+    async def ask(contact: Contact) -> list[Entry] | None:
+        try:
+            return (await query(contact)).entries
+        except (TransportError, MalformedMessage, TimeoutError):
+            return None
+
+    replies = await asyncio.gather(*(ask(c) for c in route))
+    if any(reply is None for reply in replies):
+        return None
+    return [entry for reply in replies if reply is not None for entry in reply]
+
+
+def checked(node: DHTNode, peer_id: str, entries: list[Entry]) -> list[Entry]:
+    """The entries that pass validation; a peer that returns a forged one leaves our table,
+    and none of its reply is used."""
+    now, good = node._clock(), []
+    for entry in entries:
+        if entry.expiration <= now:
+            # It expired on its way here (the sender checked it at its own "now"): an honest
+            # race, not a forgery. Drop it without blaming the sender.
+            node.stats["expired_in_transit"] += 1
+            continue
+        try:
+            validate(entry, now, node.config.limits)
+        except InvalidRecord as exc:
+            # the rest of its reply is dropped unchecked (a reply of a thousand forged entries
+            # would cost a thousand signature checks and log lines)
+            node.stats["forged_records"] += 1
+            node._log.warning("dht_invalid_record_received", sender=peer_id[:12], key=entry.key,
+                              sub_key=entry.sub_key, reason=type(exc).__name__, error=str(exc))
+            _ban(node, peer_id)
+            return []
+        if node.access is not None:
+            try:  # a closed run's record needs its writer's membership proof, read or stored
+                node.access.authorize_write(entry.signer, entry.key, entry.proof)
+            except DHTError:  # (dropped, the sender not blamed: a node that knows
+                node.stats["unproven_records"] += 1  # no closed runs may store anything)
+                continue
+        good.append(entry)
+    return good
+
+
+def _ban(node: DHTNode, peer_id: str) -> None:
+    node.routing_table.remove(peer_id)
+    node._bans.ban(peer_id, asyncio.get_running_loop().time() + node.config.ban_seconds)
