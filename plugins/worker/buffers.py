@@ -67,6 +67,15 @@ def attach(name: str, numel: int) -> Iterator[torch.Tensor]:
             log.warning("shared_buffer_view_outlived_call", buffer=bare)
 
 
+def check_finite(view: torch.Tensor, buffer: str, what: str) -> None:
+    """SharedBufferError unless every element of `view` (mapped from `buffer`) is finite: a
+    vector of `what` with a NaN or Inf is refused before anything takes it."""
+    if not bool(torch.isfinite(view).all()):
+        bad = int((~torch.isfinite(view)).sum())
+        raise SharedBufferError(f"buffer {buffer!r} holds {bad} NaN or Inf values; the {what} were "
+                                "not applied and nothing changed", {"buffer": buffer, "non_finite": bad})
+
+
 def _map(name: str, nbytes: int) -> tuple[mmap.mmap | memoryview, Callable[[], None]]:
     if SHM_DIR.is_dir():
         mapping = _map_dev_shm(name, nbytes)

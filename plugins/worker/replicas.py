@@ -47,7 +47,8 @@ import torch.distributed as dist
 from ..catalog import CatalogEntry, WorkloadCatalog
 from ..errors import PluginError, WorkloadError
 from .layout import gather, pack, scatter_views
-from .session import Kind, Session, position_scheduler
+from .scheduler_position import position_scheduler
+from .session import Kind, Session
 
 log = structlog.get_logger(__name__)
 

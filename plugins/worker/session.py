@@ -9,44 +9,37 @@ batch instead; `export("gradients")` hands out the pseudo-gradient (outer minus 
 parameters), `apply("gradients")` takes one outer step with the averaged one and puts the model
 back on the new outer parameters, and `zero_grad` drops the inner steps taken since the last one.
 Each inner step runs at the workload's learning rate times the run's `inner_lr_scale`, applied
-for that step only (`_scaled_lr`; outer.py says why).
+for that step only (learning_rate.py's `scaled_lr`; outer.py says why).
+
+The full state's vector and meta are built and loaded in state.py, a checkpoint's contents in
+checkpoint.py, and the learning-rate schedule is put at the run's global step by
+scheduler_position.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import threading
 import time
-import warnings
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import structlog
 import torch
-from torch.optim import lr_scheduler
 
 from ..catalog import CatalogEntry
-from ..errors import CheckpointError, PluginError, SharedBufferError, WorkloadError
+from ..errors import PluginError, SharedBufferError, WorkloadError
 from . import buffers, checkpoint
-from .layout import (
-    Slot,
-    gather,
-    optimizer_state,
-    pack,
-    rebuild_optimizer_state,
-    scatter_views,
-    slots_from_meta,
-    to_json,
-)
+from .layout import gather, optimizer_state, pack, scatter_views
+from .learning_rate import check_scalable, scaled_lr
 from .outer import LocalUpdates, OuterState, cpu_norm
+from .scheduler_position import position_scheduler, scheduler_start
+from .state import apply_state, state_pieces
 
 log = structlog.get_logger(__name__)
 
 Kind = Literal["gradients", "parameters", "state", "residual"]
-OUTER_MOMENTUM = "outer.momentum"  # the slot of a local-update run's state after everything else
 MAX_TASK_FINGERPRINT = 128
 # batches in a row whose loss or gradients are NaN or Inf before training fails: one such batch
 # (an fp16 overflow, a bad sample) is skipped; this many means the model itself has diverged
@@ -107,7 +100,7 @@ class Session:
         self.inner_step = 0
         self.inner_lr: float | None = None  # a local-update run: the last inner step's (scaled) rate
         if local is not None and local.inner_lr_scale != 1.0:
-            _check_scalable(self.optimizer, self.workload.name)
+            check_scalable(self.optimizer, self.workload.name)
         # Counted when the optimizer state changes, so that describe never reads it mid-step.
         self.state_numel = self._count_state_numel()
 
@@ -285,7 +278,7 @@ class Session:
         for a batch of `batch_size`; its schedule does not step (`_position_inner_schedule`)."""
         assert self.local is not None
         scale = self.local.lr_scale(batch_size)
-        with _scaled_lr(self.optimizer, scale) as lr, self._guard("optimizer.step"):
+        with scaled_lr(self.optimizer, scale) as lr, self._guard("optimizer.step"):
             self.inner_lr = lr
             self.optimizer.step()
         self.inner_step += 1
@@ -334,7 +327,7 @@ class Session:
         if what == "residual":
             self._local_only(what)
         if what == "state":
-            slots, tensors, meta = self._state_pieces()
+            slots, tensors, meta = state_pieces(self)
         else:
             slots, tensors = self.slots, [p.detach() for p in self.params]
             meta = {"step": self.step}
@@ -368,45 +361,6 @@ class Session:
         return [(name, b) for name, b in self.model.named_buffers()
                 if b.is_floating_point() and b.dim() > 0]
 
-    def _state_pieces(self) -> tuple[list[Slot], list[torch.Tensor], dict[str, Any]]:
-        keys, opt_tensors, scalars = optimizer_state(self.optimizer)
-        model_buffers = self._float_buffers()
-        param_slots = self.slots
-        opt_slots = pack(((f"{index}:{key}", t.shape) for (index, key), t in zip(keys, opt_tensors,
-                                                                                strict=True)),
-                         param_slots[-1].end)
-        buffer_slots = pack(((name, b.shape) for name, b in model_buffers),
-                            (opt_slots or param_slots)[-1].end)
-        slots = [*param_slots, *opt_slots, *buffer_slots]
-        # a local-update run's state is its outer parameters (never the drifted local ones) and
-        # the outer momentum, after everything else
-        outer = self.outer
-        outer_slots = [] if outer is None else pack([(OUTER_MOMENTUM, (outer.numel,))],
-                                                    slots[-1].end)
-        slots += outer_slots
-        groups = self.optimizer.state_dict()["param_groups"]
-        meta = {
-            "workload": self.workload.name,
-            "step": self.step,
-            "numel": slots[-1].end,
-            "layout": {
-                "parameters": [s.to_json() for s in param_slots],
-                "optimizer": [{**s.to_json(), "param": index, "key": key}
-                              for s, (index, key) in zip(opt_slots, keys, strict=True)],
-                "buffers": [s.to_json() for s in buffer_slots],
-                **({} if outer is None else {"outer": [s.to_json() for s in outer_slots]}),
-            },
-            **({} if outer is None else {"outer": {"step_norm": outer.step_norm}}),
-            "optimizer": {"param_groups": to_json(groups, "optimizer param_groups"),
-                          "scalars": scalars},
-            "scheduler": (None if self.scheduler is None
-                          else to_json(self.scheduler.state_dict(), "scheduler state")),
-        }
-        params = [p.detach() for p in self.params] if outer is None \
-            else scatter_views(param_slots, outer.params)
-        extra = [] if outer is None else [outer.momentum]
-        return slots, [*params, *opt_tensors, *(b for _, b in model_buffers), *extra], meta
-
     # --- apply ----------------------------------------------------------------------------------
 
     def apply(self, what: Kind, buffer: str, numel: int, meta: Mapping[str, Any] | None
@@ -414,7 +368,7 @@ class Session:
         """Take gradients (and step), parameters or full state from shared-memory `buffer`."""
         meta = dict(meta or {})
         if what == "state":
-            return self._apply_state(buffer, numel, meta)
+            return apply_state(self, buffer, numel, meta)
         if what == "residual":
             self._local_only(what)
         if numel != self.total_numel:
@@ -429,7 +383,7 @@ class Session:
             raise SharedBufferError(f"meta.step must be a non-negative integer, not {new_step!r}",
                                     {"key": "meta.step", "value": repr(new_step)})
         with buffers.attach(buffer, numel) as view:
-            _check_finite(view, buffer, what)
+            buffers.check_finite(view, buffer, what)
             if self.outer is not None and what in ("gradients", "residual"):
                 # a local-update run's vectors stay float32 whatever the model's dtype, and the
                 # outer step's guard reads them here, on the CPU (outer.py: the same on every peer)
@@ -508,326 +462,12 @@ class Session:
                 position_scheduler(self.scheduler, self.step * self.local.inner_steps,
                                    self._scheduler_start)
 
-    def _apply_state(self, buffer: str, numel: int, meta: dict[str, Any]) -> dict[str, Any]:
-        layout = meta.get("layout")
-        if not isinstance(layout, dict):
-            raise SharedBufferError("applying state needs the meta that worker.export returned with it "
-                                    "(meta.layout is missing)")
-        param_slots = slots_from_meta(layout.get("parameters"), "parameters", 0)
-        if [(s.name, s.shape) for s in param_slots] != [(s.name, s.shape) for s in self.slots]:
-            raise SharedBufferError("meta.layout.parameters does not match this model's parameters "
-                                    "(names or shapes differ)")
-        opt_items = layout.get("optimizer")
-        opt_slots = slots_from_meta(opt_items, "optimizer", param_slots[-1].end)
-        buffer_slots = slots_from_meta(layout.get("buffers"), "buffers", (opt_slots or param_slots)[-1].end)
-        model_buffers = self._float_buffers()
-        if [(s.name, s.shape) for s in buffer_slots] != [(n, tuple(b.shape)) for n, b in model_buffers]:
-            raise SharedBufferError("meta.layout.buffers does not match this model's buffers")
-        total = (buffer_slots or opt_slots or param_slots)[-1].end
-        outer_slots: list[Slot] = []
-        if self.outer is not None or "outer" in layout:
-            if self.outer is None:
-                raise SharedBufferError("this state is of a local-update run (meta.layout.outer); "
-                                        "this worker trains a gradients run")
-            outer_slots = slots_from_meta(layout.get("outer"), "outer", total)
-            if [(s.name, s.shape) for s in outer_slots] != [(OUTER_MOMENTUM, (self.total_numel,))]:
-                raise SharedBufferError("a local-update run's state needs meta.layout.outer: one "
-                                        f"{OUTER_MOMENTUM!r} slot of {self.total_numel} elements")
-            total = outer_slots[-1].end
-            outer_meta = meta.get("outer")
-            if outer_meta is not None and not isinstance(outer_meta, dict):
-                raise SharedBufferError("meta.outer must be an object")
-            step_norm = _step_norm(None if outer_meta is None else outer_meta.get("step_norm"))
-        if numel != total or meta.get("numel", total) != total:
-            raise SharedBufferError(f"the state layout in meta holds {total} float32 elements, got "
-                                    f"numel={numel}", {"buffer": buffer, "needed": total, "given": numel})
-        entries = []
-        for item in opt_items:
-            if not isinstance(item.get("param"), int) or not isinstance(item.get("key"), str):
-                raise SharedBufferError("every meta.layout.optimizer item needs an int 'param' and a "
-                                        "str 'key'")
-            entries.append((item["param"], item["key"]))
-        opt_meta = meta.get("optimizer")
-        if not isinstance(opt_meta, dict) or not isinstance(opt_meta.get("param_groups"), list):
-            raise SharedBufferError("meta.optimizer.param_groups is missing")
-        step = meta.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise SharedBufferError(f"meta.step must be a non-negative integer, not {step!r}")
-        with buffers.attach(buffer, numel) as view:
-            _check_finite(view, buffer, "state")
-            copied = view.clone()
-            del view
-        params_in = scatter_views(param_slots, copied)
-        opt_state = rebuild_optimizer_state(entries, scatter_views(opt_slots, copied),
-                                            dict(opt_meta.get("scalars") or {}), opt_meta["param_groups"])
-        try:
-            self.optimizer.load_state_dict(opt_state)
-            if self.scheduler is not None and meta.get("scheduler") is not None:
-                self.scheduler.load_state_dict(meta["scheduler"])
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise SharedBufferError(f"the optimizer state in meta does not fit this optimizer: {exc}",
-                                    {"buffer": buffer}) from exc
-        with torch.no_grad():
-            for param, value in zip(self.params, params_in, strict=True):
-                param.copy_(value)
-            for (_, model_buffer), value in zip(model_buffers, scatter_views(buffer_slots, copied),
-                                                strict=True):
-                model_buffer.copy_(value)
-        if self.outer is not None:  # the state's parameters are the outer ones
-            self.outer.take(self.params)
-            self.outer.load(self.outer.params, scatter_views(outer_slots, copied)[0])
-            self.outer.step_norm = step_norm
-        self.step = step
-        self.zero_grad()
-        self.state_numel = self._count_state_numel()
-        return {"step": self.step}
-
     # --- checkpoints ----------------------------------------------------------------------------
 
     def save_checkpoint(self, path: str) -> dict[str, Any]:
-        payload = {
-            "workload": self.workload.name,
-            "workload_version": self.workload.version,
-            "config": self.config,
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-        }
-        if self.outer is not None:  # the model's parameters may have drifted: the outer ones count
-            payload["outer"] = {"parameters": self.outer.params.detach().cpu(),
-                                "momentum": self.outer.momentum.detach().cpu(),
-                                "residual": self.outer.residual.detach().cpu(),
-                                "step_norm": self.outer.step_norm}
-        size = checkpoint.save(path, payload)
-        return {"path": str(Path(path).absolute()), "bytes": size, "step": self.step}
+        """Write this session's checkpoint to `path` (checkpoint.py says what it holds)."""
+        return checkpoint.save_session(self, path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        document = checkpoint.load(path)
-        where = {"path": path}
-        if document.get("workload") != self.workload.name:
-            raise CheckpointError(f"{path} is a checkpoint of workload {document.get('workload')!r}, "
-                                  f"the loaded workload is {self.workload.name!r}", where)
-        if document.get("config") != self.config:
-            differing = sorted(key for key in set(self.config) | set(document.get("config") or {})
-                               if (document.get("config") or {}).get(key) != self.config.get(key))
-            raise CheckpointError(f"{path} was saved with another config of {self.workload.name!r} "
-                                  f"(keys that differ: {', '.join(differing)})",
-                                  {**where, "keys": differing})
-        model_state = document.get("model")
-        current = self.model.state_dict()
-        if (not isinstance(model_state, dict) or set(model_state) != set(current)
-                or any(tuple(model_state[k].shape) != tuple(v.shape) for k, v in current.items())):
-            raise CheckpointError(f"{path}: the model tensors do not match this model", where)
-        outer = document.get("outer")
-        if self.outer is not None and not (
-                isinstance(outer, dict)
-                and all(isinstance(outer.get(k), torch.Tensor)
-                        and tuple(outer[k].shape) == (self.total_numel,)
-                        for k in ("parameters", "momentum"))):
-            raise CheckpointError(f"{path} holds no outer parameters and momentum of "
-                                  f"{self.total_numel} elements; it is not a checkpoint of this "
-                                  "local-update run", where)
-        try:
-            self.optimizer.load_state_dict(document["optimizer"])
-            if self.scheduler is not None and document.get("scheduler") is not None:
-                self.scheduler.load_state_dict(document["scheduler"])
-            self.model.load_state_dict(model_state)
-        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-            raise CheckpointError(f"{path} does not fit the loaded workload: {exc}", where) from exc
-        if self.outer is not None:
-            residual = outer.get("residual")
-            self.outer.load(outer["parameters"], outer["momentum"],
-                            residual if isinstance(residual, torch.Tensor)
-                            and tuple(residual.shape) == (self.total_numel,) else None)
-            try:
-                self.outer.step_norm = _step_norm(outer.get("step_norm"))
-            except SharedBufferError:
-                self.outer.step_norm = None  # the guard starts over (from the parameters' norm)
-        self.step = int(document.get("step", 0))
-        self.zero_grad()  # (a local-update run: back on the outer parameters)
-        self.state_numel = self._count_state_numel()
-        return {"step": self.step}
-
-
-def _check_scalable(optimizer: torch.optim.Optimizer, workload: str) -> None:
-    """WorkloadError unless every parameter group has a numeric learning rate (a local-update
-    run's inner steps scale it by inner_lr_scale)."""
-    for index, group in enumerate(optimizer.param_groups):
-        lr = group.get("lr")
-        if isinstance(lr, bool) or not isinstance(lr, int | float | torch.Tensor):
-            raise WorkloadError(f"workload {workload!r}: its optimizer's parameter group {index} "
-                                f"has lr {lr!r:.40}, not a number, so inner_lr_scale cannot scale "
-                                "it; give the local-update run inner_lr_scale 1 (the workload's "
-                                "rate unchanged)")
-
-
-@contextlib.contextmanager
-def _scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[float | None]:
-    """Every parameter group's learning rate times `scale` inside the block, put back exactly
-    after it (the optimizer's state and a scheduler never see a scaled rate); yields the first
-    group's rate as scaled (None if it has no numeric one: then `scale` is 1, see
-    `_check_scalable`)."""
-    groups = optimizer.param_groups
-    saved = [_copy_lr(group["lr"]) for group in groups]
-    try:
-        if scale != 1.0:
-            for group in groups:
-                if isinstance(group["lr"], torch.Tensor):
-                    group["lr"].mul_(scale)
-                else:
-                    group["lr"] = group["lr"] * scale
-        first = groups[0]["lr"]
-        yield float(first) if isinstance(first, int | float | torch.Tensor) \
-            and not isinstance(first, bool) else None
-    finally:
-        for group, lr in zip(groups, saved, strict=True):
-            if isinstance(group["lr"], torch.Tensor) and isinstance(lr, torch.Tensor):
-                group["lr"].copy_(lr)
-            else:
-                group["lr"] = lr
-
-
-def _step_norm(value: Any) -> float | None:
-    """A state's or checkpoint's outer-step norm (outer.py's guard): null or a finite number >= 0."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or value < 0:
-        raise SharedBufferError(f"meta.outer.step_norm must be null or a finite number >= 0, not "
-                                f"{value!r:.40}")
-    return float(value)
-
-
-def _check_finite(view: torch.Tensor, buffer: str, what: str) -> None:
-    if not bool(torch.isfinite(view).all()):
-        bad = int((~torch.isfinite(view)).sum())
-        raise SharedBufferError(f"buffer {buffer!r} holds {bad} NaN or Inf values; the {what} were "
-                                "not applied and nothing changed", {"buffer": buffer, "non_finite": bad})
-
-
-# --- learning-rate schedule at a global step ------------------------------------------------------
-
-SchedulerStart = tuple[dict[str, Any], list[Any]]
-
-
-def scheduler_start(optimizer: torch.optim.Optimizer,
-                    scheduler: lr_scheduler.LRScheduler | None) -> SchedulerStart | None:
-    """A copy of a fresh scheduler's state and its optimizer's learning rates (None if not copyable)."""
-    if scheduler is None:
-        return None
-    try:
-        state = copy.deepcopy(scheduler.state_dict())
-    except Exception:  # a custom scheduler whose state cannot be copied: no rewinding by replay
-        log.warning("scheduler_state_not_copyable", scheduler=type(scheduler).__name__)
-        return None
-    return state, [_copy_lr(group["lr"]) for group in optimizer.param_groups]
-
-
-def position_scheduler(scheduler: lr_scheduler.LRScheduler, step: int,
-                       start: SchedulerStart | None = None) -> None:
-    """Set `scheduler` (and its optimizer's learning rates) as if it had been stepped `step` times.
-
-    The next optimizer step then uses the schedule's learning rate at `step`, and the scheduler's
-    next `step()` moves on to `step + 1`. Schedulers with a closed form are set directly:
-    LambdaLR (base_lr * lambda(step)), MultiplicativeLR (base_lr * the product of lambda(1..step)),
-    those with `_get_closed_form_lr` (StepLR, MultiStepLR, ConstantLR, LinearLR, ExponentialLR,
-    PolynomialLR, CosineAnnealingLR) and those whose get_lr only reads `last_epoch` (OneCycleLR,
-    CyclicLR, which also set the momentum). Any other (SequentialLR, ChainedScheduler, whose count
-    is its first scheduler's, CosineAnnealingWarmRestarts, a custom one) is stepped forward to
-    `step`, after rewinding to `start` (see scheduler_start) when it is past `step`.
-    ReduceLROnPlateau follows a metric, not a step count, and is left alone.
-    """
-    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
-        return
-    epoch = _scheduler_epoch(scheduler)
-    if epoch is None:
-        log.warning("scheduler_not_positioned", scheduler=type(scheduler).__name__, step=step,
-                    reason="it does not count its steps (no last_epoch)")
-        return
-    if epoch == step:
-        return
-    optimizer = scheduler.optimizer
-    lrs = _closed_form_lrs(scheduler, step)
-    if lrs is None:
-        _replay(scheduler, step, start)
-        return
-    scheduler.last_epoch = step
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        _set_lr(group, lr)
-    scheduler._last_lr = [_copy_lr(group["lr"]) for group in optimizer.param_groups]
-
-
-def _closed_form_lrs(scheduler: lr_scheduler.LRScheduler, step: int) -> list[Any] | None:
-    kind = type(scheduler)
-    if isinstance(scheduler, lr_scheduler.LambdaLR) and kind.get_lr is lr_scheduler.LambdaLR.get_lr:
-        return [base_lr * lmbda(step)
-                for lmbda, base_lr in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
-    multiplicative = lr_scheduler.MultiplicativeLR
-    if isinstance(scheduler, multiplicative) and kind.get_lr is multiplicative.get_lr:
-        lrs = []
-        for lmbda, base_lr in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True):
-            lr = base_lr
-            for epoch in range(1, step + 1):  # the initial step keeps base_lr; step k multiplies
-                lr = lr * lmbda(epoch)
-            lrs.append(lr)
-        return lrs
-    closed_form = getattr(scheduler, "_get_closed_form_lr", None)
-    # Their get_lr reads only last_epoch and the base and max learning rates.
-    closed_get_lr = kind.get_lr in (lr_scheduler.OneCycleLR.get_lr, lr_scheduler.CyclicLR.get_lr)
-    if closed_form is None and not closed_get_lr:
-        return None
-    previous = scheduler.last_epoch
-    scheduler.last_epoch = step
-    try:
-        if closed_form is not None:
-            return list(closed_form())
-        with warnings.catch_warnings():  # "use get_last_lr()": we do want the lr at last_epoch
-            warnings.simplefilter("ignore", UserWarning)
-            return list(scheduler.get_lr())
-    finally:
-        scheduler.last_epoch = previous
-
-
-def _scheduler_epoch(scheduler: Any) -> int | None:
-    """How many times `scheduler` was stepped: its last_epoch, or its first chained scheduler's."""
-    epoch = getattr(scheduler, "last_epoch", None)
-    if isinstance(epoch, int) and not isinstance(epoch, bool):
-        return epoch
-    children = getattr(scheduler, "_schedulers", None)
-    return _scheduler_epoch(children[0]) if children else None
-
-
-def _replay(scheduler: lr_scheduler.LRScheduler, step: int, start: SchedulerStart | None) -> None:
-    epoch = _scheduler_epoch(scheduler)
-    if epoch is not None and step < epoch:
-        if start is None:
-            log.warning("scheduler_not_positioned", scheduler=type(scheduler).__name__, step=step,
-                        reason=f"it is at step {epoch} and cannot be rewound")
-            return
-        state, start_lrs = start
-        scheduler.load_state_dict(copy.deepcopy(state))
-        for group, lr in zip(scheduler.optimizer.param_groups, start_lrs, strict=True):
-            _set_lr(group, lr)
-        epoch = _scheduler_epoch(scheduler)
-    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()" and the like
-        warnings.simplefilter("ignore", UserWarning)
-        while epoch is not None and epoch < step:
-            scheduler.step()
-            after = _scheduler_epoch(scheduler)
-            if after is None or after <= epoch:  # a custom scheduler that does not count its steps
-                log.warning("scheduler_not_positioned", scheduler=type(scheduler).__name__, step=step,
-                            reason="its step() does not advance last_epoch")
-                return
-            epoch = after
-
-
-def _copy_lr(lr: Any) -> Any:
-    return lr.clone() if isinstance(lr, torch.Tensor) else lr
-
-
-def _set_lr(group: dict[str, Any], lr: Any) -> None:
-    if isinstance(group["lr"], torch.Tensor):
-        group["lr"].fill_(float(lr))
-    else:
-        group["lr"] = float(lr) if isinstance(lr, torch.Tensor) else lr
+        """Take the model, optimizer, scheduler and step from the checkpoint at `path`."""
+        return checkpoint.load_session(self, path)

@@ -17,7 +17,7 @@ import pytest_asyncio
 import torch
 from torch.optim import lr_scheduler
 
-from dedloc.plugins.worker.session import position_scheduler, scheduler_start
+from dedloc.plugins.worker.scheduler_position import position_scheduler, scheduler_start
 from dedloc.rpc import ErrorCode, JsonRpcClient, RpcCallError
 
 LR = 0.01

@@ -11,7 +11,7 @@ import torch
 from dedloc.plugins.albert import ALBERT, PRESETS
 from dedloc.plugins.albert.workload import albert_config, autocast_dtype, linear_schedule, settings
 from dedloc.plugins.optim import Lamb
-from dedloc.plugins.worker.session import position_scheduler
+from dedloc.plugins.worker.scheduler_position import position_scheduler
 
 CPU = torch.device("cpu")
 

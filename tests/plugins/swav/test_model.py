@@ -22,7 +22,7 @@ from dedloc.plugins.swav.workload import (
     lr_factor,
     metrics,
 )
-from dedloc.plugins.worker.session import position_scheduler
+from dedloc.plugins.worker.scheduler_position import position_scheduler
 
 CPU = torch.device("cpu")
 
