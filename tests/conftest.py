@@ -28,13 +28,42 @@ settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+# The modules whose tests take longest (30-130 s each on 2 shared cores: swarm scenarios, real
+# daemons with torch workers, the NAT lab), heaviest first. They are handed out first, so the
+# suite does not end with one process still busy with a long test that began last while the
+# others sit idle (collected in file order, the simulator's and the top-level files' tests came
+# last).
+HEAVY_FIRST = (
+    "tests/sim/test_scenarios.py",
+    "tests/collab/test_chaos.py",
+    "tests/net/test_network_faults.py",
+    "tests/test_demo.py",
+    "tests/collab/test_restart.py",
+    "tests/test_benchmark_workloads.py",
+    "tests/test_benchmark_local_updates.py",
+    "tests/collab/test_local_updates.py",
+    "tests/collab/test_leave.py",
+    "tests/test_benchmark_hostile.py",
+    "tests/plugins/swav/test_model.py",
+    "tests/collab/test_autojoin.py",
+    "tests/collab/test_join.py",
+    "tests/collab/test_equivalence.py",
+    "tests/test_cli.py",
+    "tests/collab/test_workload_runs.py",
+    "tests/daemon/test_collaboration.py",
+    "tests/plugins/albert/test_albert_data.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`make test` runs the suite in a few processes (pytest-xdist, `--dist loadgroup`): the NAT
     lab's tests share the root namespace's bridges, NAT rules and conntrack table, so they run
-    one after another in one process."""
+    one after another in one process. The heaviest modules go first (`HEAVY_FIRST`)."""
     for item in items:
         if "natlab" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("natlab"))
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # (stable)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
