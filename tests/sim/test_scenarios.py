@@ -17,7 +17,10 @@ import pytest
 from dedloc.daemon.collab.board import DHT_TIMEOUT as BOARD_READ_DEADLINE
 from dedloc.sim.scenarios import Result, run_scenario
 
-pytestmark = pytest.mark.virtual_time
+# Swarm scenarios on virtual time: no timeout inside them can expire because the machine is
+# loaded; the safety net against a hang is set wide, since each takes 20-75 s of CPU (a suite run
+# beside three other jobs on 2 cores took the churn test past the default 300 s)
+pytestmark = [pytest.mark.virtual_time, pytest.mark.timeout(900)]
 
 
 def _healthy(result: Result) -> None:
