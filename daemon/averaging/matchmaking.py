@@ -4,7 +4,7 @@
    (only it can write that), holding its `Member` info, expiring when its window closes.
 2. It reads the key until the window closes, or until it has seen `expected` peers.
 3. The leader is the first reachable candidate in an order by a hash of the key and the peer id
-   (`_ranked`: the same for every peer that sees the same candidates, and not for sale by
+   (`ranked`: the same for every peer that sees the same candidates, and not for sale by
    grinding peer ids, since the key is not known in advance). A follower asks the leader to
    let it join (`avg.join`, acknowledged at once, so a silent leader is skipped quickly); the
    leader waits for joins until its window closes (or every candidate it saw has joined), then
@@ -32,7 +32,7 @@ announcements to spread: with a hundred peers, gathering through the DHT took mo
 Stages of a grid round (`RoundRequest.staged`). A peer registers the keys of its stages while
 its own stages run (`coming`). Its slice's peers that reach a stage first then learn that it is
 on its way (`LeaderComing`, and `avg.coming` for a leader to ask a member that has not joined at
-its window's end) and wait for it up to the round's latest gathering (`_latest_after`: 4 windows
+its window's end) and wait for it up to the round's latest gathering (`latest_after`: 4 windows
 and a grace) instead of giving up after one window: in a 128-peer grid, the first stage's slices
 ended up to 11 s apart, and the peers of a quick slice gave up on their next leader just as it
 came (they averaged alone; the round failed). A follower keeps a grace at the end to regroup
@@ -83,13 +83,13 @@ from .round_request import (
     MAX_ADDRESSES,
     MAX_GROUP_MEMBERS,
     RoundRequest,
+    ack_seconds,
+    grace,
     group_refusal,
+    latest_after,
+    member_from,
+    ranked,
 )
-from .round_request import ack_seconds as _ack_seconds
-from .round_request import grace as _grace
-from .round_request import latest_after as _latest_after
-from .round_request import member_from as _member_from
-from .round_request import ranked as _ranked
 from .signatures import group_signed_by, round_name, sign_group
 
 log = structlog.get_logger(__name__)
@@ -229,12 +229,12 @@ class Matchmaker:
                 expected = {p for p in request.peers if self._bans.banned(p) is None}
                 expected.add(self.peer_id)
                 first = {p for p in request.leaders if self._bans.banned(p) is None}
-                order = [*_ranked(request.key, first), *_ranked(request.key, expected - first)]
+                order = [*ranked(request.key, first), *ranked(request.key, expected - first)]
                 return await self._settle_avoiding(gathering, order, expected, window_end)
             await self._announce(request, window_end)
             candidates, window_end = await self._gather(request, window_end)
             # Only a peer others can dial may lead; a peer nobody can dial only ever joins.
-            leaders = _ranked(request.key, [p for p, m in candidates.items() if m.can_reduce])
+            leaders = ranked(request.key, [p for p, m in candidates.items() if m.can_reduce])
             return await self._settle_avoiding(gathering, leaders, set(candidates), window_end)
         finally:
             gathering.closed = True
@@ -251,7 +251,7 @@ class Matchmaker:
                 "addresses": [str(a) for a in self._transport.listen_addresses()[:MAX_ADDRESSES]]}
         try:
             await self._dht.store(DHT_PREFIX + request.key, orjson.dumps(info),
-                                  window_end + 2 * _grace(request), sub_key=self.peer_id,
+                                  window_end + 2 * grace(request), sub_key=self.peer_id,
                                   timeout=max(0.5, window_end - timebase.now()))
         except (TransportError, TimeoutError) as exc:
             log.warning("matchmaking_announce_failed", key=request.key, error=str(exc))
@@ -263,7 +263,7 @@ class Matchmaker:
         seen: dict[str, Member] = {self.peer_id: request.member}
         pause = POLL_SECONDS[0]
         latest = min(window_end + (EXTEND_WINDOWS - 1) * request.window,
-                     request.deadline - 4 * _grace(request))
+                     request.deadline - 4 * grace(request))
         while True:
             remaining = window_end - timebase.now()
             if remaining <= 0:
@@ -284,7 +284,7 @@ class Matchmaker:
             # (only sub-keys written by the peer they name: anyone may write "1", "11", ...,
             # which would sort first and use up the attempts to settle)
             for sub_key, entry in (record.own_sub_keys.items() if record is not None else ()):
-                found = _member_from(entry.value, sub_key, request)
+                found = member_from(entry.value, sub_key, request)
                 if found is not None:
                     member, addresses = found
                     if sub_key not in seen and addresses:
@@ -325,10 +325,10 @@ class Matchmaker:
                       window_end: float) -> Group:
         """Join the first of `leaders` that takes us (or lead, when we come first)."""
         request = gathering.request
-        gathering.give_up = window_end + _grace(request)
+        gathering.give_up = window_end + grace(request)
         gathering.latest = max(gathering.give_up, min(
-            window_end - request.window + _latest_after(request),
-            request.deadline - 3 * _grace(request)))
+            window_end - request.window + latest_after(request),
+            request.deadline - 3 * grace(request)))
         tried: set[str] = set()
         asked_again: set[str] = set()
         sent_by: dict[str, str] = {}  # a leader we were redirected to -> who sent us there
@@ -398,7 +398,7 @@ class Matchmaker:
         access = self._dht.access  # a closed run's rounds need our membership token
         if access is not None and (token := access.credential(request.key)) is not None:
             header["token"] = token
-        timeout = min(_ack_seconds(request), gathering.give_up - timebase.now())
+        timeout = min(ack_seconds(request), gathering.give_up - timebase.now())
         if timeout <= 0:
             return None
         redirect = gathering.redirect = asyncio.get_running_loop().create_future()
@@ -429,7 +429,7 @@ class Matchmaker:
                     # (a grace left at the end: should it not come after all, we regroup)
                     coming = True
                     gathering.give_up = max(gathering.give_up, gathering.latest)
-                    patience = max(patience, gathering.latest - _grace(gathering.request))
+                    patience = max(patience, gathering.latest - grace(gathering.request))
                 elif exc.kind == NotGathering.__name__ and coming:
                     raise  # it said it was coming, and now it is not in the round: move on
                 if exc.kind not in (NotGathering.__name__, LeaderComing.__name__) \
@@ -474,10 +474,10 @@ class Matchmaker:
         # wait past its window for members on their way (`_still_coming`), at most until its
         # latest gathering, which began no later than now: we wait that long (leaving earlier,
         # we would be in its group without sending, and the round would fail for all)
-        until = gathering.give_up + _grace(request)
+        until = gathering.give_up + grace(request)
         if request.staged and request.peers:
-            until = max(until, min(request.deadline - 2 * _grace(request),
-                                   timebase.now() + _latest_after(request) + _grace(request)))
+            until = max(until, min(request.deadline - 2 * grace(request),
+                                   timebase.now() + latest_after(request) + grace(request)))
         await asyncio.wait([gathering.group, redirect], return_when=asyncio.FIRST_COMPLETED,
                            timeout=max(0.0, until - timebase.now()))
         if gathering.group.done() and not gathering.group.cancelled():
@@ -533,7 +533,7 @@ class Matchmaker:
         left = gathering.latest - timebase.now()
         if left <= 0:
             return False
-        timeout = min(_ack_seconds(request), left)
+        timeout = min(ack_seconds(request), left)
         header: dict[str, Any] = {"key": request.key}
         access = self._dht.access  # a closed run's members answer members only
         if access is not None and (token := access.credential(request.key)) is not None:

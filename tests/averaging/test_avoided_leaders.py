@@ -23,8 +23,9 @@ from dedloc.daemon.averaging.avoided_leaders import (
 )
 from dedloc.daemon.averaging.bans import BanList
 from dedloc.daemon.averaging.group import Group, Member
-from dedloc.daemon.averaging.matchmaking import JOIN, Matchmaker, RoundRequest, _ranked
+from dedloc.daemon.averaging.matchmaking import JOIN, Matchmaker, RoundRequest
 from dedloc.daemon.averaging.report import AllReduceReport, PartFailure
+from dedloc.daemon.averaging.round_request import ranked
 from dedloc.daemon.net import Message
 
 from .test_matchmaking import equal_split
@@ -141,7 +142,7 @@ def _key_ranking(ids: list[str], first: str, second: str | None = None, *,
     """A round key under which `first` ranks first (and `second` second, or `not_second` not)."""
     for i in itertools.count():
         key = f"run/grad/{i}/x"
-        order = _ranked(key, ids)
+        order = ranked(key, ids)
         if order[0] == first and (second is None or order[1] == second) \
                 and (not_second is None or order[1] != not_second):
             return key
@@ -216,7 +217,7 @@ async def test_the_peer_that_sent_us_to_a_leader_that_failed_us_shares_the_blame
     for _ in range(FAILURES_TO_AVOID):
         me.avoided.failed(leader.peer_id, timebase.now())
     key = _key_ranking(ids, leader.peer_id, not_second=me.peer_id)
-    second = _ranked(key, ids)[1]
+    second = ranked(key, ids)[1]
     me.avoided.failed(second, timebase.now())  # (it failed us once before)
     groups = await asyncio.gather(*(m.form_group(_direct(m.peer_id, key, ids)) for m in makers))
     mine = groups[1]

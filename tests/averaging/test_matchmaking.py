@@ -12,7 +12,8 @@ from dht.swarm import Swarm
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.aggregation import Aggregation
 from dedloc.daemon.averaging.group import Group, Member
-from dedloc.daemon.averaging.matchmaking import COMING, Matchmaker, RoundRequest, _ranked
+from dedloc.daemon.averaging.matchmaking import COMING, Matchmaker, RoundRequest
+from dedloc.daemon.averaging.round_request import ranked
 from dedloc.daemon.net import Message, RemoteError
 
 pytestmark = pytest.mark.virtual_time  # windows and timeouts on virtual time, whatever the load
@@ -116,7 +117,7 @@ async def test_a_peer_still_asking_a_silent_leader_takes_the_joins_sent_to_it(sw
     # each), and the round split: it led one group, the third-ranked another.
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:6]
     key = "run/round-4"
-    order = _ranked(key, [m.peer_id for m in makers])
+    order = ranked(key, [m.peer_id for m in makers])
     by_id = {m.peer_id: m for m in makers}
     silent, second = by_id[order[0]], by_id[order[1]]
     await silent._announce(request(silent.peer_id, key, window=2.0), timebase.now() + 2.0)
@@ -142,7 +143,7 @@ async def test_joins_taken_while_the_last_leader_is_silent_are_led_not_stranded(
     # them, and they waited out their window for a group that never came (all three alone)
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)]
     key = "run/round-5"
-    order = _ranked(key, [m.peer_id for m in makers])
+    order = ranked(key, [m.peer_id for m in makers])
     by_id = {m.peer_id: m for m in makers}
     silent, (b, c, d) = order[7], (by_id[p] for p in order[8:11])
     await by_id[silent]._announce(request(silent, key, window=2.0), timebase.now() + 2.0)
@@ -190,7 +191,7 @@ async def test_a_direct_round_waits_for_its_leader_only_while_it_is_on_its_way(
     # an earlier stage of the round they wait for it; a leader that says nothing is skipped
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
     key, ids = "run/grid/m1/0.x", [m.peer_id for m in makers[:4]]
-    leader = next(m for m in makers if m.peer_id == _ranked(key, ids)[0])
+    leader = next(m for m in makers if m.peer_id == ranked(key, ids)[0])
     others = [m for m in makers if m is not leader]
     groups = await asyncio.gather(_late(leader, 6.0, direct(leader.peer_id, key, ids), on_its_way),
                                   *(m.form_group(direct(m.peer_id, key, ids)) for m in others))
@@ -211,7 +212,7 @@ async def test_a_slice_waits_for_a_leader_still_agreeing_on_its_grid_rounds_rost
     # the simulator: one peer of a slice alone, the round's slices stepped 1.7e-4 apart)
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
     key, ids = "run/grid/m0/x.0", [m.peer_id for m in makers]
-    leader = next(m for m in makers if m.peer_id == _ranked(key, ids)[0])
+    leader = next(m for m in makers if m.peer_id == ranked(key, ids)[0])
     others = [m for m in makers if m is not leader]
 
     async def late() -> Group:
@@ -244,8 +245,8 @@ async def test_a_follower_whose_patience_ran_out_joins_a_late_leader_the_others_
     # one peer of a grid cell alone, the cell's average off by 1.5e-4)
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
     key, ids = "run/grid/m0/x.2", [m.peer_id for m in makers]
-    ranked = [next(m for m in makers if m.peer_id == p) for p in _ranked(key, ids)]
-    leader, middle, first = ranked[0], ranked[1:3], ranked[3]
+    order = [next(m for m in makers if m.peer_id == p) for p in ranked(key, ids)]
+    leader, middle, first = order[0], order[1:3], order[3]
     groups = await asyncio.gather(
         _late(leader, 2.2, direct(leader.peer_id, key, ids, staged=False), False),
         *(_late(m, 1.0, direct(m.peer_id, key, ids, staged=False), False) for m in middle),
@@ -261,8 +262,8 @@ async def test_a_leader_waits_past_its_window_only_for_a_member_on_its_way(
         swarm: Swarm, on_its_way: bool) -> None:
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
     key, ids = "run/grid/m1/3.x", [m.peer_id for m in makers[:4]]
-    ranked = _ranked(key, ids)
-    late = next(m for m in makers if m.peer_id == ranked[-1])  # a member, not the leader
+    order = ranked(key, ids)
+    late = next(m for m in makers if m.peer_id == order[-1])  # a member, not the leader
     others = [m for m in makers if m is not late]
     # 9 s: past what the members that joined at once would wait for a group without it (window,
     # grace and grace again: 7 s), within the round's latest gathering (10.5 s)
@@ -283,7 +284,7 @@ async def test_a_leader_that_said_it_was_coming_and_never_comes_costs_one_regrou
     # gathering (a hostile peer): the others go on without it as one group, with time to regroup
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
     key, ids = "run/grid/m1/5.x", [m.peer_id for m in makers]
-    leader = next(m for m in makers if m.peer_id == _ranked(key, ids)[0])
+    leader = next(m for m in makers if m.peer_id == ranked(key, ids)[0])
     others = [m for m in makers if m is not leader]
     started = timebase.now()
     _, *groups = await asyncio.gather(
@@ -299,7 +300,7 @@ async def test_a_direct_round_that_is_no_grid_stage_waits_for_nobody_past_its_wi
         swarm: Swarm) -> None:
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
     key, ids = "run/grad/3", [m.peer_id for m in makers]
-    late = next(m for m in makers if m.peer_id == _ranked(key, ids)[-1])
+    late = next(m for m in makers if m.peer_id == ranked(key, ids)[-1])
     others = [m for m in makers if m is not late]
     groups = await asyncio.gather(
         _late(late, 9.0, direct(late.peer_id, key, ids, staged=False), True),

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from support import DaemonProcess, average_in_shared_memory, swarm_with_odd_one
 
-from dedloc.daemon.averaging.matchmaking import _ranked
+from dedloc.daemon.averaging.round_request import ranked
 
 CHUNK = 16 << 10  # elements (64 KiB chunks): several per part
 LENGTH = 4 * 4 * CHUNK + 1234
@@ -42,7 +42,7 @@ async def average(daemons: list[DaemonProcess], key: str, seed: int
 def keys(ids: list[str], liar: str, liar_leads: bool) -> itertools.islice[str]:
     """Round keys whose leader (the first by matchmaking's order) is, or is not, the liar."""
     return itertools.islice((k for k in (f"claims/{n}" for n in range(10_000))
-                             if (_ranked(k, ids)[0] == liar) == liar_leads), 3)
+                             if (ranked(k, ids)[0] == liar) == liar_leads), 3)
 
 
 @pytest.mark.parametrize("claim", [1e12, 1.0])

@@ -14,7 +14,8 @@ from dht.swarm import Swarm
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.group import Group, Member
-from dedloc.daemon.averaging.matchmaking import Matchmaker, RoundRequest, _ranked, group_refusal
+from dedloc.daemon.averaging.matchmaking import Matchmaker, RoundRequest
+from dedloc.daemon.averaging.round_request import group_refusal, ranked
 
 from .test_hostile_leader import NOW, REQUEST, _group, _halves
 
@@ -45,7 +46,7 @@ async def test_a_member_claiming_1e15_samples_averages_with_nobody(attacker_lead
         *honest, attacker = makers
         ids = [m.peer_id for m in makers]
         key = next(k for k in (f"run/grad/{n}" for n in range(1000))
-                   if (_ranked(k, ids)[0] == attacker.peer_id) == attacker_leads)
+                   if (ranked(k, ids)[0] == attacker.peer_id) == attacker_leads)
 
         def request(maker: Matchmaker, weight: float, limit: float | None) -> RoundRequest:
             member = Member(maker.peer_id, "trainer", weight, 1e7, 1e7, True)

@@ -20,14 +20,14 @@ from hostile.test_wrong_average import (
 )
 from support import swarm_with_odd_one
 
-from dedloc.daemon.averaging.matchmaking import _ranked
+from dedloc.daemon.averaging.round_request import ranked
 
 
 def led_by(peer_id: str, peers: list[str], prefix: str) -> str:
     """A round key under which `peer_id` ranks first to lead among `peers` (leaders are ranked
     by a hash of the key and the peer id: about one key in len(peers))."""
     return next(key for key in (f"{prefix}/{n}" for n in range(10_000))
-                if _ranked(key, peers)[0] == peer_id)
+                if ranked(key, peers)[0] == peer_id)
 
 
 async def test_a_leader_that_tells_members_different_groups_is_banned_by_every_member(
