@@ -9,6 +9,7 @@ after round (docs/security.md). The matchmaking scenarios run on a MemoryNetwork
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 
 import pytest
@@ -17,6 +18,8 @@ from dht.swarm import Swarm
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.avoided_leaders import (
     FAILURES_TO_AVOID,
+    INTRODUCED_GROUPS,
+    MAX_CHAIN,
     MAX_REMEMBERED,
     AvoidedLeaders,
     leader_failed_us,
@@ -94,6 +97,32 @@ def _group(leader: str, peers: str = "abc") -> Group:
     bounds = tuple((100 * i, 100 * i + 100) for i in range(len(peers)))
     return Group("g" * 64, "k", members, 100 * len(peers), bounds, 50, "none", 1e12,
                  leader=leader)
+
+
+def test_those_that_sent_us_to_a_failing_leader_share_its_blame_along_a_bounded_chain() -> None:
+    avoided = AvoidedLeaders()
+    group = _group("a", "abcdefghijklmnopqrs")
+    # a sent by b, b by c, c back by b (a cycle), and a chain longer than is followed
+    avoided.note_introducers(group, {"a": "b", "b": "c", "c": "b"}, own_id="z")
+    for _ in range(FAILURES_TO_AVOID):
+        now_avoided = avoided.group_failed(group, 0.0)
+        avoided.note_introducers(group, {"a": "b", "b": "c", "c": "b"}, own_id="z")
+    assert sorted(now_avoided) == ["a", "b", "c"]
+    long_chain = {chr(ord("a") + i): chr(ord("a") + i + 1) for i in range(17)}
+    other = dataclasses.replace(group, group_id="h" * 64)
+    fresh = AvoidedLeaders()
+    fresh.note_introducers(other, long_chain, own_id="z")
+    assert len(fresh._introducers[other.group_id]) == MAX_CHAIN
+    # our own id ends the chain (we do not blame ourselves), and a served round forgives all
+    fresh.note_introducers(other, {"a": "b", "b": "z", "z": "c"}, own_id="z")
+    assert fresh._introducers[other.group_id] == ("b",)
+    avoided.group_served(group)
+    assert avoided.avoided(0.0) == frozenset()
+    # the groups remembered are bounded whatever ids the redirects name
+    for i in range(3 * INTRODUCED_GROUPS):
+        fresh.note_introducers(dataclasses.replace(group, group_id=f"{i:064x}"), {"a": f"x{i}"},
+                               own_id="z")
+    assert len(fresh._introducers) == INTRODUCED_GROUPS
 
 
 def _report(failures: tuple[PartFailure, ...] = (), excluded: dict[str, str] | None = None
