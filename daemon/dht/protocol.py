@@ -13,7 +13,14 @@ added to routing tables) and `addresses` (where the caller can be dialed). Metho
                      expire at or after it (a reader that holds the older ones asks for changes);
                      with `accept` naming zlib, a payload over COMPRESS_OVER bytes is compressed
                      (`encoding`), and the reader inflates it to at most MAX_VALUES_BYTES;
-                     at most MAX_ENTRIES_IN_REPLY entries
+                     at most MAX_ENTRIES_IN_REPLY entries. With `"nodes": false` the reply
+                     carries no contacts (a reader at a key's remembered nodes needs none). With
+                     `"summary": true` it carries no entries either: `"summary": <count>`,
+                     payload = per entry the first SUMMARY_DIGEST bytes of the SHA-256 of its
+                     sub-key (`sub_key_digest`) and its expiration (float64, big-endian): a
+                     reader that asks several nodes reads one in full and the others'
+                     summaries, then asks them only for what they hold newer.
+                     `"want": [<hex digest>, ...]` limits the entries to those sub-keys.
 - `dht.store`       {"key", "sub_key", "expiration", "signer", "signature": <hex>, "proof"?: str},
                      payload = value                  -> {"stored": bool} (False: already held)
 
@@ -34,6 +41,7 @@ store raises at the server, so the caller gets a RemoteError whose `kind` is the
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import re
 import struct
@@ -66,6 +74,8 @@ MAX_VALUES_BYTES = 4 * 1024 * 1024
 # a node holds at most this many entries of a key: a reply with more is junk (and each entry costs
 # its reader a signature check)
 MAX_ENTRIES_IN_REPLY = RecordLimits.max_sub_keys
+SUMMARY_DIGEST = 8  # bytes of a sub-key's SHA-256 that name it in a summary and a `want`
+_SUMMARY_ITEM = struct.Struct(f">{SUMMARY_DIGEST}sd")
 _HEX_DIGITS = re.compile(r"[0-9a-fA-F]*")
 
 
@@ -252,7 +262,64 @@ def decode_min_expiration(header: dict[str, Any]) -> float | None:
     return float(raw)
 
 
-def decode_values(key: str, message: Message) -> tuple[list[Entry], list[Contact]]:
+@functools.lru_cache(maxsize=8192)
+def sub_key_digest(sub_key: str | None) -> bytes:
+    """What names a sub-key (None: the plain value) in a summary and a `want`."""
+    text = b"\x00" if sub_key is None else b"\x01" + sub_key.encode()
+    return hashlib.sha256(text).digest()[:SUMMARY_DIGEST]
+
+
+def encode_summary(entries: list[Entry]) -> Message:
+    """A find_value reply that names the entries held (sub-key digest, expiration), not their values."""
+    payload = b"".join(_SUMMARY_ITEM.pack(sub_key_digest(e.sub_key), e.expiration) for e in entries)
+    return Message({"nodes": [], "entries": 0, "summary": len(entries)}, payload)
+
+
+def is_summary(message: Message) -> bool:
+    return "summary" in message.header
+
+
+def decode_summary(message: Message) -> dict[bytes, float]:
+    """A summary reply: the newest expiration held per sub-key digest."""
+    count = message.header.get("summary")
+    _expect(isinstance(count, int) and not isinstance(count, bool)
+            and 0 <= count <= MAX_ENTRIES_IN_REPLY, f"'summary' must count at most "
+            f"{MAX_ENTRIES_IN_REPLY} entries")
+    payload = bytes(message.payload)
+    _expect(len(payload) == count * _SUMMARY_ITEM.size, "a summary's payload does not match its count")
+    held: dict[bytes, float] = {}
+    for digest, expiration in _SUMMARY_ITEM.iter_unpack(payload):
+        _expect(math.isfinite(expiration), "a summary's expiration must be a number")
+        held[digest] = max(expiration, held.get(digest, expiration))
+    return held
+
+
+def encode_want(digests: list[bytes]) -> list[str]:
+    return [digest.hex() for digest in digests[:MAX_ENTRIES_IN_REPLY]]
+
+
+def decode_want(header: dict[str, Any]) -> frozenset[bytes] | None:
+    raw = header.get("want")
+    if raw is None:
+        return None
+    _expect(isinstance(raw, list) and len(raw) <= MAX_ENTRIES_IN_REPLY,
+            f"'want' must list at most {MAX_ENTRIES_IN_REPLY} digests")
+    digests = []
+    for text in raw:
+        _expect(isinstance(text, str) and len(text) == 2 * SUMMARY_DIGEST and _is_hex(text),
+                f"a 'want' digest must be {2 * SUMMARY_DIGEST} hex digits")
+        digests.append(bytes.fromhex(text))
+    return frozenset(digests)
+
+
+def decode_flag(header: dict[str, Any], name: str, default: bool) -> bool:
+    value = header.get(name, default)
+    _expect(isinstance(value, bool), f"'{name}' must be a boolean")
+    return value
+
+
+def decode_values(key: str, message: Message, *,
+                  contacts: bool = True) -> tuple[list[Entry], list[Contact]]:
     header, payload = message.header, memoryview(message.payload)
     count = header.get("entries", 0)
     _expect(isinstance(count, int) and not isinstance(count, bool) and count >= 0,
@@ -262,8 +329,9 @@ def decode_values(key: str, message: Message) -> tuple[list[Entry], list[Contact
     if encoding is not None:  # (after the cheap checks: inflating costs CPU)
         _expect(encoding == "zlib", "'encoding' must be zlib (the only one a request accepts)")
         payload = memoryview(_inflate(payload))
+    nodes = decode_contacts(header.get("nodes", [])) if contacts else []
     if count == 0 and not payload:
-        return [], decode_contacts(header.get("nodes", []))
+        return [], nodes
     _expect(len(payload) >= 4, "payload too short for its entries")
     (size,) = struct.unpack(">I", payload[:4])
     _expect(size <= len(payload) - 4, "entries' metadata longer than the payload")
@@ -280,4 +348,4 @@ def decode_values(key: str, message: Message) -> tuple[list[Entry], list[Contact
         entries.append(_decode_entry(key, meta, bytes(payload[offset : offset + size])))
         offset += size
     _expect(offset == len(payload), "payload longer than its entries")
-    return entries, decode_contacts(header.get("nodes", []))
+    return entries, nodes

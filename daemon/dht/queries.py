@@ -14,6 +14,7 @@ Functions of a `DHTNode`, bound as its methods (`DHTNode._lookup`, `_checked`, `
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -53,13 +54,18 @@ async def lookup(node: DHTNode, target: int, deadline: float, *, key: str | None
     return result
 
 
-def _value_query(node: DHTNode, key: str, deadline: float, min_expiration: float | None) -> Query:
+def _value_request(node: DHTNode, key: str, min_expiration: float | None) -> dict[str, Any]:
     request: dict[str, Any] = {**node._caller_header(), "key": key, "accept": protocol.ACCEPT}
     token = None if node.access is None else node.access.credential(key)
     if token is not None:
         request["token"] = token
     if min_expiration is not None:
         request["min_expiration"] = min_expiration
+    return request
+
+
+def _value_query(node: DHTNode, key: str, deadline: float, min_expiration: float | None) -> Query:
+    request = _value_request(node, key, min_expiration)
 
     async def find_value(contact: Contact) -> QueryReply:
         reply = await node._call(contact, protocol.FIND_VALUE, Message(request),
@@ -86,19 +92,68 @@ def _counts_malformed(node: DHTNode, query: Query) -> Query:
 
 async def ask_route(node: DHTNode, route: list[Contact], key: str, deadline: float,
                     min_expiration: float | None) -> list[Entry] | None:
-    """find_value at the remembered closest nodes of `key`; None if any of them failed."""
-    query = _value_query(node, key, deadline, min_expiration)
+    """find_value at the remembered closest nodes of `key`; None if any of them failed.
 
-    async def ask(contact: Contact) -> list[Entry] | None:
-        try:
-            return (await query(contact)).entries
-        except (TransportError, MalformedMessage, TimeoutError):
+    The first node is asked for the entries, the others for a summary of what they hold (a
+    sub-key's digest and expiration, protocol.py), then each only for the entries it holds newer
+    than the first sent: every node's news is read, and a key that hundreds of peers write (a
+    run's progress board) travels once per read, not once per node asked."""
+    request = {**_value_request(node, key, min_expiration), "nodes": False}
+    first, others = route[0], route[1:]
+    replies = await asyncio.gather(
+        _ask(node, first, key, request, deadline),
+        *(_ask(node, contact, key, {**request, "summary": True}, deadline) for contact in others))
+    entries: list[Entry] = []
+    summaries: list[tuple[Contact, dict[bytes, float]]] = []
+    for contact, reply in zip(route, replies, strict=True):
+        if reply is None:
             return None
+        if isinstance(reply, dict):
+            summaries.append((contact, reply))
+        else:  # (a node that does not know summaries sends the entries)
+            entries.extend(reply)
+    newest: dict[bytes, float] = {}
+    for entry in entries:
+        digest = protocol.sub_key_digest(entry.sub_key)
+        newest[digest] = max(entry.expiration, newest.get(digest, entry.expiration))
+    best: dict[bytes, tuple[float, int]] = {}  # digest -> (expiration, which summary)
+    for index, (_, held) in enumerate(summaries):
+        for digest, expiration in held.items():
+            if expiration > newest.get(digest, -math.inf) and expiration > best.get(
+                    digest, (-math.inf, 0))[0]:
+                best[digest] = (expiration, index)
+    wanted: dict[int, list[bytes]] = {}
+    for digest, (_, index) in best.items():
+        wanted.setdefault(index, []).append(digest)
+    if not wanted:
+        return entries
+    fetched = await asyncio.gather(*(
+        _ask(node, summaries[index][0], key, {**request, "want": protocol.encode_want(digests)},
+             deadline) for index, digests in wanted.items()))
+    for reply in fetched:
+        if reply is None or isinstance(reply, dict):
+            return None
+        entries.extend(reply)
+    node.stats["summary_fetches"] += len(wanted)
+    return entries
 
-    replies = await asyncio.gather(*(ask(c) for c in route))
-    if any(reply is None for reply in replies):
+
+async def _ask(node: DHTNode, contact: Contact, key: str, request: dict[str, Any],
+               deadline: float) -> list[Entry] | dict[bytes, float] | None:
+    """One find_value: the checked entries, or the summary; None if the node failed."""
+    try:
+        reply = await node._call(contact, protocol.FIND_VALUE, Message(request),
+                                 node._rpc_timeout(deadline))
+        if protocol.is_summary(reply):
+            return protocol.decode_summary(reply)
+        entries, _ = protocol.decode_values(key, reply, contacts=False)
+    except MalformedMessage as exc:
+        node.stats["malformed_replies"] += 1
+        node._log.info("dht_malformed_reply", sender=contact.peer_id[:12], error=str(exc)[:200])
         return None
-    return [entry for reply in replies if reply is not None for entry in reply]
+    except (TransportError, TimeoutError):
+        return None
+    return node._checked(contact.peer_id, entries)
 
 
 def checked(node: DHTNode, peer_id: str, entries: list[Entry]) -> list[Entry]:

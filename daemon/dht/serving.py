@@ -75,12 +75,20 @@ async def on_find_value(node: DHTNode, ctx: RequestContext, message: Message) ->
         except AccessDenied:
             node.stats["reads_refused"] += 1
             raise
+    header = message.header
+    since = protocol.decode_min_expiration(header)
+    want = protocol.decode_want(header)
+    summary = protocol.decode_flag(header, "summary", False)
+    contacts = protocol.decode_flag(header, "nodes", True)
     entries = node.storage.get(key, node._clock())
-    since = protocol.decode_min_expiration(message.header)
     if since is not None:
         entries = [entry for entry in entries if entry.expiration >= since]
-    return protocol.encode_values(entries, node._nearest(key_id_of(key), exclude={ctx.peer_id}),
-                                  compress=protocol.accepts_zlib(message.header))
+    if want is not None:
+        entries = [e for e in entries if protocol.sub_key_digest(e.sub_key) in want]
+    if summary:
+        return protocol.encode_summary(entries)
+    nearest = node._nearest(key_id_of(key), exclude={ctx.peer_id}) if contacts else []
+    return protocol.encode_values(entries, nearest, compress=protocol.accepts_zlib(header))
 
 
 @_counts_malformed
