@@ -92,17 +92,20 @@ def _counts_malformed(node: DHTNode, query: Query) -> Query:
 
 async def ask_route(node: DHTNode, route: list[Contact], key: str, deadline: float,
                     min_expiration: float | None) -> list[Entry] | None:
-    """find_value at the remembered closest nodes of `key`; None if any of them failed.
+    """find_value at the remembered closest nodes of `key`; None if any of them failed, sent
+    what does not read, or sent a forged entry (the caller then looks the key up).
 
     The first node is asked for the entries, the others for a summary of what they hold (a
-    sub-key's digest and expiration, protocol.py), then each only for the entries it holds newer
-    than the first sent: every node's news is read, and a key that hundreds of peers write (a
-    run's progress board) travels once per read, not once per node asked."""
+    sub-key's digest and expiration, protocol.py), then only for the entries they hold newer
+    than what came: a key that hundreds of peers write (a run's progress board) travels once
+    per read, not once per node asked. Each sub-key is asked of the node that claims its newest
+    entry; where that node does not deliver it (a lie, or an entry that did not pass the
+    checks), of the next that claims more than what came, so that a summary that lies cannot
+    hide another node's news: at most one fetch per node asked."""
     request = {**_value_request(node, key, min_expiration), "nodes": False}
-    first, others = route[0], route[1:]
     replies = await asyncio.gather(
-        _ask(node, first, key, request, deadline),
-        *(_ask(node, contact, key, {**request, "summary": True}, deadline) for contact in others))
+        _ask(node, route[0], key, request, deadline),
+        *(_ask(node, contact, key, {**request, "summary": True}, deadline) for contact in route[1:]))
     entries: list[Entry] = []
     summaries: list[tuple[Contact, dict[bytes, float]]] = []
     for contact, reply in zip(route, replies, strict=True):
@@ -113,34 +116,51 @@ async def ask_route(node: DHTNode, route: list[Contact], key: str, deadline: flo
         else:  # (a node that does not know summaries sends the entries)
             entries.extend(reply)
     newest: dict[bytes, float] = {}
-    for entry in entries:
-        digest = protocol.sub_key_digest(entry.sub_key)
-        newest[digest] = max(entry.expiration, newest.get(digest, entry.expiration))
-    best: dict[bytes, tuple[float, int]] = {}  # digest -> (expiration, which summary)
+
+    def received(found: list[Entry]) -> None:
+        for entry in found:
+            digest = protocol.sub_key_digest(entry.sub_key)
+            newest[digest] = max(entry.expiration, newest.get(digest, entry.expiration))
+
+    received(entries)
+    claims: dict[bytes, list[tuple[float, int]]] = {}  # digest -> [(expiration, summary)]
     for index, (_, held) in enumerate(summaries):
         for digest, expiration in held.items():
-            if expiration > newest.get(digest, -math.inf) and expiration > best.get(
-                    digest, (-math.inf, 0))[0]:
-                best[digest] = (expiration, index)
-    wanted: dict[int, list[bytes]] = {}
-    for digest, (_, index) in best.items():
-        wanted.setdefault(index, []).append(digest)
-    if not wanted:
-        return entries
-    fetched = await asyncio.gather(*(
-        _ask(node, summaries[index][0], key, {**request, "want": protocol.encode_want(digests)},
-             deadline) for index, digests in wanted.items()))
-    for reply in fetched:
-        if reply is None or isinstance(reply, dict):
-            return None
-        entries.extend(reply)
-    node.stats["summary_fetches"] += len(wanted)
+            if expiration > newest.get(digest, -math.inf):
+                claims.setdefault(digest, []).append((expiration, index))
+    for listed in claims.values():
+        listed.sort(key=lambda claim: (-claim[0], claim[1]))  # (ties: the node asked first)
+    asked: set[tuple[bytes, int]] = set()
+    for _ in summaries:  # (each round asks each node at most once)
+        wanted: dict[int, list[bytes]] = {}
+        for digest, listed in claims.items():
+            have = newest.get(digest, -math.inf)
+            for expiration, index in listed:
+                if expiration <= have:
+                    break
+                if (digest, index) not in asked:
+                    asked.add((digest, index))
+                    wanted.setdefault(index, []).append(digest)
+                    break
+        if not wanted:
+            break
+        node.stats["summary_fetches"] += len(wanted)
+        fetched = await asyncio.gather(*(
+            _ask(node, summaries[index][0], key,
+                 {**request, "want": protocol.encode_want(digests)}, deadline)
+            for index, digests in wanted.items()))
+        for reply in fetched:
+            if reply is None or isinstance(reply, dict):
+                return None
+            entries.extend(reply)
+            received(reply)
     return entries
 
 
 async def _ask(node: DHTNode, contact: Contact, key: str, request: dict[str, Any],
                deadline: float) -> list[Entry] | dict[bytes, float] | None:
-    """One find_value: the checked entries, or the summary; None if the node failed."""
+    """One find_value: the checked entries, or the summary; None if the node failed, sent what
+    does not read or sent a forged entry (banned: none of its reply is used)."""
     try:
         reply = await node._call(contact, protocol.FIND_VALUE, Message(request),
                                  node._rpc_timeout(deadline))
@@ -153,7 +173,9 @@ async def _ask(node: DHTNode, contact: Contact, key: str, request: dict[str, Any
         return None
     except (TransportError, TimeoutError):
         return None
-    return node._checked(contact.peer_id, entries)
+    forged = node.stats["forged_records"]
+    good = node._checked(contact.peer_id, entries)
+    return None if node.stats["forged_records"] > forged else good
 
 
 def checked(node: DHTNode, peer_id: str, entries: list[Entry]) -> list[Entry]:

@@ -11,6 +11,7 @@ the read, and a node of an older version that sends entries for a summary is rea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from collections.abc import AsyncIterator
@@ -128,6 +129,15 @@ async def test_a_hostile_summary_costs_a_fetch_and_a_malformed_one_a_lookup(swar
     record = await reader.get(KEY, replicas=3, start=0)
     assert record is not None and len(_values(record)) == WRITERS  # (the first node's)
     assert reader.stats["summary_fetches"] == 1  # one fetch, whatever the summary named
+    # it cannot hide another node's news either: what it did not deliver is asked of the next
+    writer = swarm.nodes[0]
+    newer = Entry.create(writer.identity, KEY, b"newer report", timebase.now() + 40,
+                         sub_key=writer.peer_id)
+    assert holders[2].storage.store(newer, timebase.now())
+    record = await reader.get(KEY, replicas=3, start=0)
+    assert record is not None and _values(record)[writer.peer_id] == b"newer report"
+    assert reader.stats["summary_fetches"] == 1 + 2
+    assert reader._routes.get(key_id_of(KEY), 3, 0.0) is not None  # (nothing failed: route kept)
 
     async def malformed(ctx: RequestContext, message: Message) -> Message:
         return Message({"nodes": [], "entries": 0, "summary": 3}, b"\x00" * 5)
@@ -188,3 +198,25 @@ def test_summaries_and_wants_are_bounded_and_checked() -> None:
     for bad_flag in ["yes", 1, None]:
         with pytest.raises(wire.MalformedMessage):
             wire.decode_flag({"summary": bad_flag}, "summary", False)
+
+
+async def test_a_forged_entry_in_a_fetch_drops_the_route_and_the_news_is_read(swarm: Swarm) -> None:
+    holders, reader = _holders(swarm), _reader(swarm)
+    assert await reader.get(KEY) is not None
+    writer, forger = swarm.nodes[0], holders[1]
+    newer = Entry.create(writer.identity, KEY, b"newer report", timebase.now() + 40,
+                         sub_key=writer.peer_id)
+    for holder in holders[1:]:  # (all but the first node asked)
+        assert holder.storage.store(newer, timebase.now())
+
+    async def forging(ctx: RequestContext, message: Message) -> Message:
+        if message.header.get("want"):  # the news asked for, with its value rewritten
+            return wire.encode_values([dataclasses.replace(newer, value=b"evil")], [])
+        return await forger._on_find_value(ctx, message)
+
+    swarm.transports[swarm.nodes.index(forger)].add_unary_handler(wire.FIND_VALUE, forging)
+    record = await reader.get(KEY, replicas=3, start=0)
+    # the forger is banned and the read looked the key up among the others
+    assert record is not None and _values(record)[writer.peer_id] == b"newer report"
+    assert reader.stats["forged_records"] == 1
+    assert forger.peer_id in set(reader._bans)
