@@ -24,7 +24,7 @@ errors (a hash of the answer), so by Hoeffding's inequality |<r, e>| > Z * ||e||
 probability at most 2 exp(-Z^2 / 2) (Z = 8: below 3e-14 per segment, 3e-13 per chunk) for an
 error vector e. The
 errors: the answer codec's, whose norm the reducer states in the account ("e", which must be
-within sqrt(n) times twice the codec's per-element bound, compression.py's `error_bound`
+within sqrt(n) times twice the codec's per-element bound, codec.py's `error_bound`
 evaluated on the decoded answer: a bound evaluated on values within the bound of the originals),
 and the float32 weighted mean's, at most (senders + 2) * 2^-24 * sqrt(sum_i q_i ||x_i||^2) with
 q_i = w_i / sum w; plus the float64 error of the sums themselves. What the check sees of a wrong

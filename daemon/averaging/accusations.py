@@ -55,7 +55,8 @@ from .accounts import (
     signs_of,
 )
 from .bans import BanList
-from .compression import Codec, CompressionError, get_codec
+from .codec import Codec, CompressionError
+from .compression import get_codec
 from .group import Group
 from .round_calls import RoundCalls
 from .signatures import answer_signed_by, contribution_digest, round_name

@@ -41,7 +41,8 @@ from .answers import AnswerSummaries
 from .audits import OwnAudits
 from .bans import BanList
 from .butterfly import Round
-from .compression import CODECS, CompressionError, finite_range
+from .codec import CompressionError, finite_range
+from .compression import CODECS
 from .corruption import SenderCorruption
 from .errors import AveragingError
 from .group import Group

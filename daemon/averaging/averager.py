@@ -149,7 +149,7 @@ class Averager:
 
     def coming(self, keys: Iterable[str]) -> contextlib.AbstractContextManager[None]:
         """While inside: this peer will average under `keys` soon (a grid round's later stages;
-        matchmaking.py tells the peers that wait for it there)."""
+        matchmaking_methods.py tells the peers that wait for it there)."""
         return self.matchmaker.coming(keys)
 
     def coming_under(self, prefix: str) -> contextlib.AbstractContextManager[None]:

@@ -59,7 +59,8 @@ from .answers import AnswerSummaries
 from .audits import Own, OwnAudits, commitment
 from .bans import BanList
 from .claims import stall_allowance
-from .compression import Buffer, CompressionError, Meta, get_codec, reply_codec, sparsifies
+from .codec import Buffer, CompressionError, Meta
+from .compression import get_codec, reply_codec, sparsifies
 from .corruption import forged_entries, wrong_answer
 from .group import Group
 from .jobs import ChunkJobs

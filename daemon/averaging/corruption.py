@@ -26,11 +26,11 @@ DEDLOC_TEST_CLAIMED_WEIGHT=F makes this daemon claim an averaging weight of F in
 sends in (weight > 0), whatever it accumulated, and weight its contribution by F (as if it had
 computed F samples) as far as the round's weight budget lets it (Group.bounded_weights), ignoring
 the bound its run sets on its own claim (the leaders and followers of honest peers enforce that
-bound on it: matchmaking.py).
+bound on it: matchmaking_methods.py).
 
 DEDLOC_TEST_EQUIVOCATING_LEADER=1 makes this daemon, as the leader of a group of three or more,
 send its first follower another group under the same id (its own weight halved), signed as the
-true one is (matchmaking.py), so that the members hold two groups of one id.
+true one is (leading.py), so that the members hold two groups of one id.
 
 Each switch is refused unless DEDLOC_TESTING=1 is set as well (logged as an error, and ignored):
 a production daemon never corrupts anything because of a stray variable.
@@ -49,7 +49,7 @@ import structlog
 
 from ..identity import Identity
 from .accounts import Entry
-from .compression import Buffer, Codec, Meta
+from .codec import Buffer, Codec, Meta
 from .group import Group
 from .signatures import round_name, sign_group
 

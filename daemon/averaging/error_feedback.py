@@ -28,7 +28,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import structlog
 
-from .compression import Codec, sparsifies
+from .codec import Codec
+from .compression import sparsifies
 
 log = structlog.get_logger(__name__)
 

@@ -4,7 +4,7 @@ A reducer applies them to what a sender delivered once it is decoded (so every c
 a uint8 or quantile8 payload can describe values that its sender never had):
 
 1. NaN or Inf, a payload of the wrong length, codec meta that does not parse, a chunk out of
-   order: refused by the codec and the wire parser (compression.py, wire.py).
+   order: refused by the codec and the wire parser (codec.py, wire.py).
 2. Hard cap: a chunk holding a value with |x| > `max_value` is rejected.
 3. Norm outlier: once at least `MIN_SENDERS` senders delivered a chunk, a sender whose chunk has
    an L2 norm above `max_norm_ratio` times the median norm of the *other* senders' same chunk is
@@ -36,7 +36,7 @@ from typing import Literal
 
 import numpy as np
 
-from .compression import CompressionError, NonFiniteError
+from .codec import CompressionError, NonFiniteError
 from .wire import PeerFault, ProtocolViolation
 
 MIN_SENDERS = 3

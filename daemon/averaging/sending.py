@@ -43,7 +43,7 @@ from .accounts import (
 from .aggregation import Aggregation
 from .audits import Applied
 from .bans import BanList
-from .compression import Buffer, Codec, CompressionError, Meta
+from .codec import Buffer, Codec, CompressionError, Meta
 from .corruption import SenderCorruption
 from .group import Group
 from .jobs import ChunkJobs

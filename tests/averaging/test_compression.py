@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dedloc.daemon.averaging.compression import CODECS, CompressionError, get_codec, reply_codec, sparsifies
+from dedloc.daemon.averaging.codec import CompressionError
+from dedloc.daemon.averaging.compression import CODECS, get_codec, reply_codec, sparsifies
 
 LOSSY = ["fp16", "uint8", "quantile8"]
 F32 = st.floats(width=32, allow_nan=False, allow_infinity=False)

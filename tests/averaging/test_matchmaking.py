@@ -99,7 +99,8 @@ async def test_a_silent_leader_does_not_deadlock(swarm: Swarm) -> None:
     makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)]
     by_id = sorted(makers, key=lambda m: m.peer_id)
     silent = by_id[0]  # the would-be leader announces itself, then goes silent
-    await silent._announce(request(silent.peer_id, "run/round-3", window=2.0), timebase.now() + 2.0)
+    await silent._announcements.announce(request(silent.peer_id, "run/round-3", window=2.0),
+                                         timebase.now() + 2.0)
     swarm.network.blackhole(silent.peer_id)
     others = by_id[1:6]
     started = time.monotonic()
@@ -120,7 +121,7 @@ async def test_a_peer_still_asking_a_silent_leader_takes_the_joins_sent_to_it(sw
     order = ranked(key, [m.peer_id for m in makers])
     by_id = {m.peer_id: m for m in makers}
     silent, second = by_id[order[0]], by_id[order[1]]
-    await silent._announce(request(silent.peer_id, key, window=2.0), timebase.now() + 2.0)
+    await silent._announcements.announce(request(silent.peer_id, key, window=2.0), timebase.now() + 2.0)
     swarm.network.blackhole(silent.peer_id)
     others = [by_id[p] for p in order[2:]]
 
@@ -146,7 +147,7 @@ async def test_joins_taken_while_the_last_leader_is_silent_are_led_not_stranded(
     order = ranked(key, [m.peer_id for m in makers])
     by_id = {m.peer_id: m for m in makers}
     silent, (b, c, d) = order[7], (by_id[p] for p in order[8:11])
-    await by_id[silent]._announce(request(silent, key, window=2.0), timebase.now() + 2.0)
+    await by_id[silent]._announcements.announce(request(silent, key, window=2.0), timebase.now() + 2.0)
     swarm.network.blackhole(silent)
 
     async def sees_all_before_it(req: RoundRequest, window_end: float) -> tuple[dict[str, Member], float]:
@@ -154,7 +155,7 @@ async def test_joins_taken_while_the_last_leader_is_silent_are_led_not_stranded(
         seen = {p: Member(p, "trainer", 1.0, 1e7, 1e7, True) for p in order[:8]}
         return {**seen, b.peer_id: req.member}, timebase.now()
 
-    b._gather = sees_all_before_it  # type: ignore[method-assign]
+    b._announcements.gather = sees_all_before_it  # type: ignore[method-assign]
 
     async def later(maker: Matchmaker) -> Group:
         await asyncio.sleep(0.4)
@@ -231,9 +232,9 @@ async def test_a_slice_waits_for_a_leader_still_agreeing_on_its_grid_rounds_rost
 def test_a_peer_agreeing_on_a_roster_is_coming_under_that_rounds_keys_only(swarm: Swarm) -> None:
     maker = Matchmaker(swarm.transports[0], swarm.nodes[0], equal_split)
     with maker.coming_under("run/grid/"), maker.coming_under("run/grid/"):
-        assert maker._will_gather("run/grid/m1/3.x")
-        assert not maker._will_gather("run/other/m0/x.0")
-    assert not maker._will_gather("run/grid/m1/3.x")
+        assert maker._gatherings.will_gather("run/grid/m1/3.x")
+        assert not maker._gatherings.will_gather("run/other/m0/x.0")
+    assert not maker._gatherings.will_gather("run/grid/m1/3.x")
 
 
 async def test_a_follower_whose_patience_ran_out_joins_a_late_leader_the_others_follow(

@@ -10,7 +10,8 @@ import pytest
 
 from dedloc.daemon.averaging.bans import BanList
 from dedloc.daemon.averaging.clipping import MEDIAN_BLOCK, centered_clip, coordinate_median, sorting_network
-from dedloc.daemon.averaging.compression import CompressionError, NonFiniteError, get_codec
+from dedloc.daemon.averaging.codec import CompressionError, NonFiniteError
+from dedloc.daemon.averaging.compression import get_codec
 from dedloc.daemon.averaging.corruption import SenderCorruption, from_environment
 from dedloc.daemon.averaging.reducer import PartReducer
 from dedloc.daemon.averaging.screening import (

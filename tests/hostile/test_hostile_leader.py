@@ -140,7 +140,7 @@ async def test_an_id_seen_before_is_an_offence_only_of_the_leader_that_sent_it_f
     from averaging.fake_transport import HandlerTransport
 
     from dedloc.daemon.averaging.bans import BanList
-    from dedloc.daemon.averaging.matchmaking import Matchmaker, MatchmakingError, _Gathering
+    from dedloc.daemon.averaging.matchmaking import Matchmaker, MatchmakingError
     from dedloc.daemon.net import Message, RequestContext
 
     bans = BanList()
@@ -150,10 +150,10 @@ async def test_an_id_seen_before_is_an_offence_only_of_the_leader_that_sent_it_f
     async def deliver(leader: Member, key: str, group_id: str) -> None:
         deadline = time.time() + 30
         request = dataclasses.replace(REQUEST, key=key, deadline=deadline)
-        maker._rounds[key] = _Gathering(request, leader=leader.peer_id)
+        maker._gatherings.begin(request).leader = leader.peer_id
         group = dataclasses.replace(_group(members=(leader, ME)), key=key, group_id=group_id,
                                     deadline=deadline)
-        await maker._on_group(RequestContext(leader.peer_id), Message({"group": group.to_json()}))
+        await maker._methods.on_group(RequestContext(leader.peer_id), Message({"group": group.to_json()}))
 
     await deliver(copier, "run/grad/4", "honest-id")  # the copy comes first
     with pytest.raises(MatchmakingError, match=r"seen before .*who copied whose is unknown"):
@@ -176,7 +176,7 @@ async def test_a_follower_takes_only_a_group_its_leader_signed() -> None:
     from averaging.fake_transport import HandlerTransport
 
     from dedloc.daemon.averaging.bans import BanList
-    from dedloc.daemon.averaging.matchmaking import Matchmaker, MatchmakingError, _Gathering
+    from dedloc.daemon.averaging.matchmaking import Matchmaker, MatchmakingError
     from dedloc.daemon.averaging.signatures import round_name, sign_group
     from dedloc.daemon.identity import Identity
     from dedloc.daemon.net import Message, RequestContext
@@ -191,14 +191,14 @@ async def test_a_follower_takes_only_a_group_its_leader_signed() -> None:
     async def deliver(sign: Any) -> Group:
         deadline, key = time.time() + 30, f"run/grad/{next(ids)}"
         request = dataclasses.replace(REQUEST, member=me, key=key, deadline=deadline)
-        gathering = _Gathering(request, leader=leader.peer_id)
-        maker._rounds[key] = gathering
+        gathering = maker._gatherings.begin(request)
+        gathering.leader = leader.peer_id
         group = dataclasses.replace(_group(members=(leader, me)), key=key, deadline=deadline,
                                     group_id=f"id-{key}")
         header: dict[str, Any] = {"group": group.to_json()}
         if sign is not None:
             header["signature"] = sign(group)
-        await maker._on_group(RequestContext(leader.peer_id), Message(header))
+        await maker._methods.on_group(RequestContext(leader.peer_id), Message(header))
         return gathering.group.result()
 
     with pytest.raises(MatchmakingError, match=r"not signed .*earlier dedloc"):
