@@ -7,7 +7,9 @@ eight nodes a read, each reader from its own place in their ring), two ways in o
 - `three_full`: each of the three nodes sends every entry (how reads worked before summaries;
   the requests are made directly, as the reader's DHT node made them);
 - `summaries`: `DHTNode.get` as it is now: the first node sends the entries, the other two a
-  summary (a sub-key digest and an expiration per entry), and news only they hold is fetched.
+  summary (a sub-key digest and an expiration per entry), and news only they hold is fetched;
+- `lookup`: the same read by a reader whose route to the key's nodes has expired (every 30 s):
+  an iterative lookup, whose nodes near the key each send their entries.
 
 Both decode and check the entries as a reader does (the signature cache emptied before each
 way). Bytes are the replies' headers (JSON) and payloads (deflated as the reader accepts); CPU is
@@ -78,12 +80,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for reader in readers:  # (each learns the key's nodes, as a board's first read does)
             await reader.get(KEY)
         results: dict[str, dict[str, float]] = {}
-        for way in ("three_full", "summaries"):
+        for way in ("three_full", "summaries", "lookup"):
             sent[0], entries_read, cpu = 0, 0, 0.0
             records._verified.cache_clear()  # (each way checks the signatures it reads afresh)
             for turn, reader in enumerate(readers):
                 started = time.process_time()
-                if way == "summaries":
+                if way == "lookup":
+                    reader._routes.forget(key_id_of(KEY))
+                if way in ("summaries", "lookup"):
                     record = await reader.get(KEY, replicas=READ_REPLICAS, start=turn)
                     entries_read += 0 if record is None else len(record.entries)
                 else:
