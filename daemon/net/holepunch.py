@@ -14,7 +14,7 @@ long as the first one's socket still waits. Then TLS and the hellos run as on an
 "holepunch").
 
 The punching socket. `punch` binds ("0.0.0.0", local_port) with SO_REUSEADDR and SO_REUSEPORT
-(the transport's listener sets SO_REUSEPORT too, see TlsTransport._listen). Only one socket can
+(the transport's listener sets SO_REUSEPORT too, see acceptor.py). Only one socket can
 exist per 4-tuple (a second connect on the same local port to the same remote fails with
 EADDRNOTAVAIL), so attempts are sequential: one socket stays in SYN_SENT (the kernel retransmits
 its SYN; the peer's SYN is what completes it) and only an attempt that *fails* (RST or ICMP error,
