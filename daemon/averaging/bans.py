@@ -7,7 +7,7 @@ round counts once per peer however many of its chunks were bad. `ban_after` offe
 `window` seconds ban the peer for `seconds`; a wrong average bans at once (`conclusive`). While
 banned, this daemon does not admit it to the groups it leads nor takes it as a leader
 (matchmaking_methods.py, matchmaking.py), refuses its all-reduce streams and sends it no part
-to reduce (butterfly.py). A ban expires by itself; the peer's count then starts again from zero.
+to reduce (reducing.py, butterfly.py). A ban expires by itself; the peer's count then starts again from zero.
 
 Everything is counted in the `counters` it is given (the averager's, so that node metrics show
 them): `offences`, `offences_<kind>`, `bans`, `bans_expired`, `refused_banned`. Memory is bounded:

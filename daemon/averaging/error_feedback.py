@@ -12,7 +12,7 @@ may decay the residual first, `feedback_decay`: then old mass fades on purpose).
 After `settle`, residual = prepared - conveyed, where conveyed is decode(encode(chunk)) of every
 chunk of the prepared vector, cut as the all-reduce cuts it (each part into chunks of
 `chunk_elements`): with a sparsifying codec every chunk goes through the codec, the reducer's own
-part included (butterfly.py). The residual is one float32 array of the vector's size; between
+part included (reducing.py). The residual is one float32 array of the vector's size; between
 `prepare` and `settle` the prepared vector is held too (the all-reduce overwrites the caller's).
 A vector of another size than the residual's starts from a zero residual (logged).
 
@@ -57,7 +57,7 @@ def unconveyed(codec: Codec, prepared: np.ndarray, part_bounds: Sequence[tuple[i
                chunk_elements: int, own_part: tuple[int, int]) -> np.ndarray:
     """What a round did not convey of this member's `prepared` vector (a new array): prepared
     minus what `codec` conveys of each chunk, cut as the all-reduce cut it; zero in `own_part`
-    unless the codec sparsifies (a reducer keeps its own contribution exact then: butterfly.py),
+    unless the codec sparsifies (a reducer keeps its own contribution exact then: reducing.py),
     and everywhere when `chunk_elements` is 0 (the vector was sent to nobody)."""
     if chunk_elements <= 0:
         return np.zeros_like(prepared)

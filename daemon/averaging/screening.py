@@ -22,7 +22,7 @@ a reducer that applies it keeps each contribution until the chunk settles rather
 sum (reducer.py; the cost is in docs/averaging.md). Below `MIN_SENDERS` senders no median can
 outvote anyone: only rules 1 and 2 apply.
 
-A rejected sender is left out of the round (every chunk of it not yet averaged, see butterfly.py)
+A rejected sender is left out of the round (every chunk of it not yet averaged, see reducing.py)
 and the rejection is an offence against it (bans.py).
 """
 

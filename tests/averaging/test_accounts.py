@@ -48,7 +48,7 @@ def contributions(codec_name: str, seed: int = 0) -> list[np.ndarray]:
 
 def reduce(rows: list[np.ndarray], weights: list[float], codec_name: str,
            answer: np.ndarray | None = None, chunk: int = 0) -> tuple[Any, Any, dict[str, Any]]:
-    """What an honest reducer sends (as butterfly.py computes it), or `answer` with the honest
+    """What an honest reducer sends (as answering.py computes it), or `answer` with the honest
     account."""
     reply = reply_codec(get_codec(codec_name))
     if answer is None:
