@@ -31,6 +31,11 @@ __all__ = ["UNANSWERED_RETRY_SECONDS", "CatchingUp"]
 UNANSWERED_RETRY_SECONDS = 1.0  # after a state that no witness could check, before asking again
 
 
+
+class StateContradictsReport(TrainerRefused):
+    """A donor sent a state behind, or beside, the head it reported holding: its own word against
+    it (an honest donor's state only moves on from what it reported)."""
+
 class CatchingUp:
     """Downloads and checks a state at the run's head; mixed into `RunEngine`."""
 
@@ -94,7 +99,7 @@ class CatchingUp:
                     f"allows ({bound})")
             if state.epoch < action.head.epoch or (state.epoch == action.head.epoch
                                                    and state.lineage != action.head.lineage):
-                raise TrainerRefused(  # it reports a head it does not hold (or went back)
+                raise StateContradictsReport(  # it reports a head it does not hold (or went back)
                     f"the donor reported the run's head (epoch {action.head.epoch}) but sent a "
                     f"state at epoch {state.epoch}, lineage {state.lineage}")
             verdict = await self._witnessed(state, donor, action)
@@ -112,7 +117,7 @@ class CatchingUp:
         except TrainerRefused as exc:
             p.failed_state_downloads += 1
             now = timebase.monotonic()
-            self.donors.failed(donor, now)
+            self.donors.failed(donor, now, contradicted=isinstance(exc, StateContradictsReport))
             self._log.warning("downloaded_state_refused", donor=donor[:12], error=str(exc))
             return
         finally:

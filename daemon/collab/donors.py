@@ -31,6 +31,9 @@ class DonorChoice:
     _failures: dict[str, int] = field(default_factory=dict)  # of each donor, since it last served
     _failures_in_a_row: int = 0
     _not_before: float = 0.0
+    # donors whose last failure was a state that contradicted their own report (the head they
+    # reported is not the one they sent): their own word against them, not our network
+    _contradicted: set[str] = field(default_factory=set)
 
     def pick(self, donors: list[str], now: float,
              served: Mapping[str, int] | None = None) -> str | None:
@@ -57,14 +60,25 @@ class DonorChoice:
         meanwhile)."""
         return frozenset(d for d, at in self._failed_at.items() if now - at < self._avoid(d))
 
-    def failed(self, donor: str, now: float) -> None:
+    def contradicted_lately(self, now: float) -> frozenset[str]:
+        """The donors avoided now whose last failure was a state that contradicted the head they
+        reported (estimate.py does not believe their heads ahead of a newcomer's either)."""
+        return self.failed_lately(now) & self._contradicted
+
+    def failed(self, donor: str, now: float, *, contradicted: bool = False) -> None:
         """`donor` failed us; `now`: when the attempt ended (one that stalled for a minute is
-        avoided from then on, not from when it began)."""
+        avoided from then on, not from when it began). `contradicted`: it sent a state that
+        contradicts the head it reported."""
         if donor not in self._failed_at and len(self._failed_at) >= MAX_REMEMBERED:
             # (identities are free: forget the half that failed longest ago)
             for old in sorted(self._failed_at, key=self._failed_at.__getitem__)[:len(self._failed_at) // 2]:
                 del self._failed_at[old]
                 self._failures.pop(old, None)
+                self._contradicted.discard(old)
+        if contradicted:
+            self._contradicted.add(donor)
+        else:
+            self._contradicted.discard(donor)
         self._failed_at[donor] = now
         self._failures[donor] = self._failures.get(donor, 0) + 1
         self._failures_in_a_row += 1
@@ -85,3 +99,4 @@ class DonorChoice:
         if donor is not None:
             self._failed_at.pop(donor, None)
             self._failures.pop(donor, None)
+            self._contradicted.discard(donor)

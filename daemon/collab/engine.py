@@ -254,7 +254,8 @@ class RunEngine(RoundTaking, CatchingUp):
         run = estimate_global(self._reports, target_batch_size=self.schedule.target_batch_size,
                               now=now, own=own, stale_after=STALE_AFTER, received=self._received,
                               max_epoch=self.pace.bound(timebase.monotonic()),
-                              unserved=self.donors.failed_lately(timebase.monotonic()))
+                              unserved=self.donors.failed_lately(timebase.monotonic()),
+                              contradicted=self.donors.contradicted_lately(timebase.monotonic()))
         self.global_progress = run
         self._note_disbelieved(run)
         if self.role == "aux":  # an aux peer is where it last saw the run

@@ -19,10 +19,14 @@ Pure: no I/O, time is passed in.
   Identities that claim the epoch after the run's, on a lineage of their own, pass any pace; a
   third of them made the honest trainers catch up with a head none of them could serve, again
   and again, and nobody trained. Now they are tried, then passed over (for a minute, doubling
-  with each failure, donors.py). A fresh peer (a newcomer) passes nobody over: with the heads
-  it cannot download from set aside it would take its own empty head for the run's, train from
-  scratch and, no longer fresh, count against the run's quorum (a newcomer whose downloads fail
-  for its own reasons, too little shared memory say, would have stalled a small run).
+  with each failure, donors.py). A fresh peer (a newcomer) passes over only the peers in
+  `contradicted`, whose state contradicted the head they reported (their own word against
+  them): with every head it cannot download from set aside it would take its own empty head for
+  the run's, train from scratch and, no longer fresh, count against the run's quorum (a
+  newcomer whose downloads fail for its own reasons, a flaky link say, would have stalled a
+  small run); but one identity that took a run at its start, reporting a far epoch before any
+  peer had a pace, and sending its real state when asked, held every fresh peer in a download
+  loop for ever (1 liar among 8 trainers: the run never stepped).
 - **Heads.** A peer's head is its (epoch, lineage): where its state is. Live trainers at the same
   head hold the same state and average together. Fresh trainers (epoch 0, no samples at all: a
   newcomer, or a run not started) carry no evidence and are not counted, unless no other trainer
@@ -150,11 +154,14 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
                     own: PeerProgress | None = None, stale_after: float,
                     received: Mapping[str, float] | None = None,
                     max_epoch: int | None = None,
-                    unserved: Collection[str] = ()) -> GlobalProgress:
+                    unserved: Collection[str] = (),
+                    contradicted: Collection[str] = ()) -> GlobalProgress:
     """Fold the peers' reports into the run's progress at `now` (rules in the module docstring).
     `received` maps a peer id to when (on our clock) its report was first read; `max_epoch`:
     the highest epoch this peer believes (pace.py), None: any; `unserved`: peers whose state at
-    their head this peer could not download lately (not believed ahead of `own`)."""
+    their head this peer could not download lately (not believed ahead of `own`);
+    `contradicted`: those of them that sent a state contradicting the head they reported (not
+    believed ahead of `own` even while `own` is fresh)."""
     if isinstance(target_batch_size, bool) or not isinstance(target_batch_size, int) \
             or target_batch_size < 1:
         raise ValueError(f"target_batch_size must be a positive integer, got {target_batch_size!r}")
@@ -186,8 +193,9 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         beyond = tuple(sorted(peer_id for peer_id, r in latest.items()
                               if r.epoch > max_epoch and r is not own))
     ahead_unserved: tuple[str, ...] = ()
-    if own is not None and unserved and not own.fresh:
-        ahead_unserved = tuple(sorted(peer_id for peer_id in set(unserved) & set(latest)
+    passed_over = (contradicted if own.fresh else unserved) if own is not None else ()
+    if own is not None and passed_over:
+        ahead_unserved = tuple(sorted(peer_id for peer_id in set(passed_over) & set(latest)
                                       if latest[peer_id].epoch > own.epoch
                                       and peer_id not in beyond))
     unbelieved = {*beyond, *ahead_unserved}
@@ -207,8 +215,8 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         holders[head] = holders.get(head, 0) + 1
     if holders:
         head, confirmed = _choose_head(holders, len(base), waiting)
-    else:
-        head, confirmed = Head(0, None), True
+    else:  # (every peer with a history is disbelieved: fresh peers start the run afresh)
+        head, confirmed = Head(0, None), not (history and fresh)
     if history and fresh and not confirmed:
         # no head with a history is held widely enough against the number of fresh peers (a run
         # starting while a few identities claim to be far ahead): the run starts afresh

@@ -149,3 +149,24 @@ def test_a_fresh_peer_passes_nobody_over() -> None:
     run = estimate_global(donors, target_batch_size=1000, now=NOW, stale_after=30, own=own,
                           unserved={"h0", "h1", "h2"})
     assert (run.epoch, run.lineage) == (7, "a" * 32) and run.unserved_ahead == ()
+
+
+def test_a_fresh_peer_passes_over_a_donor_whose_state_contradicted_its_report() -> None:
+    # one identity took a run at its start (every honest trainer still fresh) reporting a far
+    # epoch, and sent its real state when asked: a state behind the head it reported, its own
+    # word against it (`contradicted`, donors.py). The fresh peers tried it for ever and the run
+    # never stepped; now they pass it over and start the run afresh among themselves
+    def fresh(peer_id: str) -> PeerProgress:
+        return PeerProgress(peer_id=peer_id, epoch=0, samples_accumulated=0,
+                            samples_per_second=1.0, time=NOW, expiration=NOW + 60,
+                            role="trainer", total_samples=0)
+
+    own, others = fresh("me"), [fresh(f"f{i}") for i in range(6)]
+    liar = report("liar", 10_000, lineage="f")
+    held = estimate_global([*others, liar], target_batch_size=1000, now=NOW, stale_after=30,
+                           own=own, unserved={"liar"})
+    assert held.epoch == 10_000  # (a failure alone proves nothing: see the test above)
+    passed = estimate_global([*others, liar], target_batch_size=1000, now=NOW, stale_after=30,
+                             own=own, unserved={"liar"}, contradicted={"liar"})
+    assert passed.epoch == 0 and passed.unserved_ahead == ("liar",)
+    assert "liar" not in passed.donors

@@ -104,7 +104,22 @@ async def test_a_third_of_the_identities_claiming_the_next_epoch_do_not_stall_th
     _healthy(result)
     assert result.epochs >= 5, result.to_json()
     assert result.reports_unserved >= 7, result.to_json()  # each honest peer passed them over
-    assert result.min_round_participation >= 0.9, result.to_json()
+    # each time its avoidance of them runs out, an honest trainer tries their state once more
+    # (docs/security.md): that may cost it one round, no more (one of 7 is 0.857)
+    lowest = result.lowest_round
+    assert lowest is None or lowest["participants"] >= lowest["live"] - 1, result.to_json()
+
+
+async def test_one_identity_that_takes_a_run_at_its_start_does_not_stall_it() -> None:
+    # 1 of 8 trainers, there from the start, reports epoch +10000 and sends its real state when
+    # asked: every honest trainer was still fresh (no pace, pace.py), took its head for the
+    # run's (one holder per 10 fresh peers suffices), and downloaded its state for ever: the
+    # run never stepped. A state that contradicts its donor's report is now passed over by
+    # fresh peers too (estimate.py), and they start the run without it
+    result = await run_scenario("liars", 8, aux=1, epochs=4)
+    _healthy(result)
+    assert result.epochs >= 4, result.to_json()
+    assert result.min_round_participation == 1.0, result.to_json()
 
 
 async def test_an_identity_claiming_samples_it_never_computed_weighs_its_share_of_the_budget() -> None:
