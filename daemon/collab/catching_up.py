@@ -31,10 +31,10 @@ __all__ = ["UNANSWERED_RETRY_SECONDS", "CatchingUp"]
 UNANSWERED_RETRY_SECONDS = 1.0  # after a state that no witness could check, before asking again
 
 
-
 class StateContradictsReport(TrainerRefused):
     """A donor sent a state behind, or beside, the head it reported holding: its own word against
     it (an honest donor's state only moves on from what it reported)."""
+
 
 class CatchingUp:
     """Downloads and checks a state at the run's head; mixed into `RunEngine`."""
