@@ -121,10 +121,11 @@ async def _three_full(reader: DHTNode, turn: int) -> list[Any]:
     route = [*held[first:], *held[:first]][:READ_REPLICAS]
     request = {**reader._caller_header(), "key": KEY, "accept": wire.ACCEPT}
     entries: list[Any] = []
-    for reply in await asyncio.gather(*(reader.transport.call(
-            contact.peer_id, wire.FIND_VALUE, Message(request), timeout=10.0) for contact in route)):
+    replies = await asyncio.gather(*(reader.transport.call(
+        contact.peer_id, wire.FIND_VALUE, Message(request), timeout=10.0) for contact in route))
+    for contact, reply in zip(route, replies, strict=True):
         found, _ = wire.decode_values(KEY, reply)
-        entries.extend(reader._checked(route[0].peer_id, found))
+        entries.extend(reader._checked(contact.peer_id, found))
     return records.merge_entries(entries, time.time())
 
 

@@ -283,12 +283,10 @@ class ReducerRole:
         try:
             async with asyncio.timeout(min(self.stall_timeout, self._left())):
                 await self.reduced.wait()
-            return
-        except TimeoutError:
-            pass
-        for i, member in enumerate(self.group.members):
-            if member.sends and i != self.index and i not in self.adopted:
-                self.exclude(i, f"no stream came within {self.stall_timeout}s")
+        except TimeoutError:  # (the part is not reduced yet: who never opened a stream?)
+            for i, member in enumerate(self.group.members):
+                if member.sends and i != self.index and i not in self.adopted:
+                    self.exclude(i, f"no stream came within {self.stall_timeout}s")
 
     def exclude_banned(self) -> None:
         for i, member in enumerate(self.group.members):

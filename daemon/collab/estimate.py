@@ -193,9 +193,9 @@ def estimate_global(reports: Iterable[PeerProgress], *, target_batch_size: int, 
         beyond = tuple(sorted(peer_id for peer_id, r in latest.items()
                               if r.epoch > max_epoch and r is not own))
     ahead_unserved: tuple[str, ...] = ()
-    passed_over = (contradicted if own.fresh else unserved) if own is not None else ()
-    if own is not None and passed_over:
-        ahead_unserved = tuple(sorted(peer_id for peer_id in set(passed_over) & set(latest)
+    if own is not None:
+        passed_over = set(contradicted if own.fresh else unserved)
+        ahead_unserved = tuple(sorted(peer_id for peer_id in passed_over & set(latest)
                                       if latest[peer_id].epoch > own.epoch
                                       and peer_id not in beyond))
     unbelieved = {*beyond, *ahead_unserved}

@@ -7,7 +7,9 @@ collab/board.py), through the route its DHT node remembers; the first node asked
 entries and the others summaries. A reader whose route predates a membership change asks nodes
 that are no longer the key's closest, and a publisher whose route does stores to them: what
 users need is that every reader still sees every live node's recent report. On an in-memory
-DHT, on virtual time, with the default DHT settings of a simulated daemon.
+DHT, on virtual time, with the default DHT settings of a simulated daemon: the test's sleeps
+and the nodes' call timeouts are simulated seconds, which take no wall time and which a loaded
+machine cannot stretch (the loop's clock moves only when every task waits).
 """
 
 from __future__ import annotations

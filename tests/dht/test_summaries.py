@@ -11,6 +11,7 @@ the read, and a node of an older version that sends entries for a summary is rea
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import struct
@@ -137,7 +138,8 @@ async def test_a_hostile_summary_costs_a_fetch_and_a_malformed_one_a_lookup(swar
     record = await reader.get(KEY, replicas=3, start=0)
     assert record is not None and _values(record)[writer.peer_id] == b"newer report"
     assert reader.stats["summary_fetches"] == 1 + 2
-    assert reader._routes.get(key_id_of(KEY), 3, 0.0) is not None  # (nothing failed: route kept)
+    now = asyncio.get_running_loop().time()  # (nothing failed: the route is kept)
+    assert reader._routes.get(key_id_of(KEY), 3, now) is not None
 
     async def malformed(ctx: RequestContext, message: Message) -> Message:
         return Message({"nodes": [], "entries": 0, "summary": 3}, b"\x00" * 5)
