@@ -157,10 +157,13 @@ async def test_a_partition_heals_into_one_run_without_going_back() -> None:
 
 
 async def test_churn_replaces_trainers_and_the_run_goes_on() -> None:
-    script: dict[str, Any] = {"period": 120.0, "share": 0.25, "joiners": 6}
-    result = await run_scenario("churn", 12, aux=1, epochs=8, script=script)
+    # in grid rounds (groups of 4): newcomers beside a full roster must find slices (before the
+    # rosters said how many helpers to lay the grid out for, they sat every round out and tried
+    # again at once: `churn --peers 12 --max-group-size 4 --joiners 6` 0.611, 81 failed rounds)
+    script: dict[str, Any] = {"period": 120.0, "share": 0.25, "joiners": 5}
+    result = await run_scenario("churn", 10, aux=1, epochs=6, script=script, max_group_size=4)
     _healthy(result)
-    assert result.epochs >= 6, result.to_json()
+    assert result.epochs >= 6 and result.state_downloads > 0, result.to_json()
     assert result.newcomer_epochs_to_contribute <= 2, result.to_json()
     assert result.min_round_participation >= 0.9, result.to_json()
 
@@ -327,7 +330,7 @@ def test_one_seed_gives_one_run_bit_for_bit() -> None:
     from dedloc.sim.loop import run_virtual
     from dedloc.sim.trace import tracing
 
-    script: dict[str, Any] = {"period": 120.0, "share": 0.25, "joiners": 4}
+    script: dict[str, Any] = {"period": 90.0, "share": 0.25, "joiners": 3}
     numbered = re.compile(r"\bTask-\d+\b")  # (asyncio numbers tasks for the whole process)
 
     class Digest:
@@ -342,7 +345,7 @@ def test_one_seed_gives_one_run_bit_for_bit() -> None:
     def once() -> tuple[dict[str, Any], int, str]:
         trace = Digest()
         with tracing(trace):  # type: ignore[arg-type]  # (it only writes)
-            result = run_virtual(run_scenario("churn", 8, aux=1, epochs=5, script=script,
+            result = run_virtual(run_scenario("churn", 6, aux=1, epochs=4, script=script,
                                               max_group_size=4, average_state_every=2))
         data = result.to_json()
         for measured_on_the_machine in ("wall_seconds", "rss_per_peer_bytes", "memory_growth"):
@@ -351,9 +354,6 @@ def test_one_seed_gives_one_run_bit_for_bit() -> None:
 
     first, second = once(), once()
     assert first[0]["state_downloads"] > 0 and first[0]["epochs"] >= 4, first  # it did churn
-    # (and its newcomers, 4 beside a roster of 8 in groups of 4, found slices: before the
-    # rosters said how many helpers to lay the grid out for, they sat every round out and tried
-    # again at once: participation 0.667, 90 failed rounds)
     assert first[0]["min_round_participation"] >= 0.9, first
     assert first[0]["failed_rounds"] <= 10, first
     assert first[1] > 100_000, first[1]  # (the trace saw the whole run)

@@ -24,6 +24,13 @@ def tiny_config() -> dict[str, Any]:
     return SWAV.resolve_config(TINY)
 
 
+@pytest.fixture
+def small_crops_config() -> dict[str, Any]:
+    """The tiny setting at half its crop sizes (32 and 16 px of 40-pixel images), 20 steps."""
+    return SWAV.resolve_config({**TINY, "crop_sizes": "32,16", "synthetic_size": 40,
+                                "total_steps": 20})
+
+
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     torch.manual_seed(0)

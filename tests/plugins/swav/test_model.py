@@ -159,14 +159,17 @@ def test_optimizer_is_lars_with_a_lambda_schedule_the_worker_can_position(
     assert model.global_step() == 57  # the model reads the run's step from the scheduler
 
 
-def test_loss_falls_over_40_steps(tiny_config: dict[str, Any]) -> None:
-    """40 steps of batches of 8: the swapped-prediction loss falls from its value at the random
-    initialisation (peaked, wrong predictions) by a clear margin (observed: about 1 nat of 5)."""
-    model = build_model(tiny_config, CPU)
-    optimizer, scheduler = build_optimizer(model, tiny_config)
-    data = build_data(tiny_config, 1, "train")
+def test_loss_falls_over_20_steps(small_crops_config: dict[str, Any]) -> None:
+    """20 steps of batches of 8 at half the tiny crop sizes: the swapped-prediction loss falls
+    from its value at the random initialisation (peaked, wrong predictions) by a clear margin
+    (observed: about 1.5 nats of 5.8, first five steps against the last five; the crops are
+    small so that the test costs seconds, not a minute of a loaded CI machine)."""
+    config = small_crops_config
+    model = build_model(config, CPU)
+    optimizer, scheduler = build_optimizer(model, config)
+    data = build_data(config, 1, "train")
     losses = []
-    for _ in range(40):
+    for _ in range(20):
         batch = next(data)
         value, size = loss(model, batch, CPU)
         assert size == 8
@@ -179,11 +182,11 @@ def test_loss_falls_over_40_steps(tiny_config: dict[str, Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(value.detach()))
     assert all(math.isfinite(v) for v in losses)
-    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.3, losses
     model.eval()
     with torch.no_grad():
-        numbers = metrics(model, next(build_data(tiny_config, 1, "eval")), CPU)
+        numbers = metrics(model, next(build_data(config, 1, "eval")), CPU)
     assert set(numbers) == {"code_entropy", "prototype_usage", "prediction_entropy", "swap_agreement"}
     assert 0 <= numbers["code_entropy"] <= math.log(64) + 1e-4
     assert 0 < numbers["prototype_usage"] <= 1 and 0 <= numbers["swap_agreement"] <= 1
