@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml tests/example_plugin/pypr
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): most tests wait on real daemons, so more than the cores pay off
 # (2026-12-07, clean clone on 2 cores: 717 s with 4, 886 s with 3; the CPUs were 136 % busy).
+# Not more than 4: with 6 the suite took 982 s where 4 took 888-1008 s (its CPU is the limit:
+# 160 torch workers and 260 daemons start in it, about 3.4 and 1 CPU-seconds each).
 TEST_PROCESSES ?= 4
 
 .PHONY: demo test lint docs venv system-deps clean

@@ -20,8 +20,8 @@ to the key (kept 30 s): when it has expired, a read looks up the nodes only, not
 (`DHTNode.get(by_route=True)`: every node near the key would send all of it). In a closed run
 every publish first checks this peer's own membership (the owner's revocation list, refreshed
 every `REVOCATIONS_REFRESH` seconds): a revoked or expired token raises MembershipError, which
-ends the run. When the list names a newer generation of the run's secret than this peer holds, it learns
-it then from the owner's re-keying records (rekeying.py).
+ends the run. When the list names a newer generation of the run's secret than this peer holds,
+it learns it then from the owner's re-keying records (rekeying.py).
 """
 
 from __future__ import annotations
