@@ -157,9 +157,11 @@ async def test_a_partition_heals_into_one_run_without_going_back() -> None:
 
 
 async def test_churn_replaces_trainers_and_the_run_goes_on() -> None:
-    # in grid rounds (groups of 4): newcomers beside a full roster must find slices (before the
-    # rosters said how many helpers to lay the grid out for, they sat every round out and tried
-    # again at once: `churn --peers 12 --max-group-size 4 --joiners 6` 0.611, 81 failed rounds)
+    # in grid rounds (groups of 4), as the bit-for-bit test below: newcomers beside a roster
+    # must find slices. (The case this is meant to keep covered: before the rosters said how
+    # many helpers to lay the grid out for, newcomers sat every round out and tried again at
+    # once, `churn --peers 12 --max-group-size 4 --joiners 6` 0.611, 81 failed rounds; that
+    # this smaller run would fail without that fix was not checked.)
     script: dict[str, Any] = {"period": 120.0, "share": 0.25, "joiners": 5}
     result = await run_scenario("churn", 10, aux=1, epochs=6, script=script, max_group_size=4)
     _healthy(result)
