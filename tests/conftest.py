@@ -6,6 +6,8 @@ import asyncio
 import itertools
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
@@ -17,6 +19,7 @@ from natlab import NatLab, unavailable_reason
 from support import DaemonProcess
 
 from dedloc.daemon import timebase
+from dedloc.plugins.worker.main import ZYGOTE_ENV
 from dedloc.sim.clock import SkewedClock
 from dedloc.sim.loop import VirtualClockLoop
 
@@ -87,6 +90,37 @@ async def _virtual_clock(request: pytest.FixtureRequest) -> AsyncIterator[None]:
         yield
     finally:
         timebase.reset(token)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_zygote() -> Iterator[None]:
+    """One worker zygote per test process (plugins/worker/zygote.py): the ~160 torch workers the
+    suite starts fork from it instead of importing torch each (about 3 s of CPU a start on this
+    2-core machine's budget). Workers started before it listens start as usual. Tests that check
+    the plain start (tests/plugins/test_worker_lifecycle.py) remove the variable.
+    DEDLOC_TEST_ZYGOTE=0 runs the whole suite without it."""
+    if os.environ.get("DEDLOC_TEST_ZYGOTE", "1") == "0" or ZYGOTE_ENV in os.environ:
+        yield
+        return
+    folder = Path(tempfile.mkdtemp(prefix="dl-zygote-", dir="/tmp"))  # mode 0700
+    socket_path = folder / "zygote.sock"
+    with (folder / "zygote.log").open("wb") as log_file:
+        zygote = subprocess.Popen(
+            [sys.executable, "-m", "dedloc.plugins.worker.zygote", "--socket", str(socket_path),
+             "--parent-pid", str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file)
+    os.environ[ZYGOTE_ENV] = str(socket_path)
+    try:
+        yield
+    finally:
+        os.environ.pop(ZYGOTE_ENV, None)
+        zygote.terminate()
+        try:
+            zygote.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            zygote.kill()
+            zygote.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -45,6 +45,12 @@ async def load(client: JsonRpcClient, device: str) -> dict[str, Any]:
                              timeout=120.0)
 
 
+async def served_by(client: JsonRpcClient) -> int:
+    """The pid of the worker process that serves `client` (under a worker zygote, not the process
+    the test started: plugins/worker/zygote.py)."""
+    return int((await client.call("worker.hello"))["pid"])
+
+
 def replicas_of(pid: int) -> list[int]:
     """The replica processes of worker `pid` (its children running multiprocessing's spawn)."""
     found = []
@@ -98,10 +104,10 @@ async def test_parse_devices() -> None:
 
 async def test_two_ranks_export_the_mean_over_both_streams_and_follow_every_step(
         worker: tuple[Any, JsonRpcClient], buffers: Any) -> None:
-    process, client = worker
+    _, client = worker
     described = await load(client, "cpu,cpu")
     assert described["devices"] == ["cpu", "cpu"] and described["device"] == "cpu"
-    assert len(replicas_of(process.process.pid)) == 1
+    assert len(replicas_of(await served_by(client))) == 1
     numel = described["total_numel"]
     layout = described["parameters"]
     name, array = buffers.make(numel)
@@ -174,20 +180,20 @@ async def test_batches_every_rank_skipped_are_counted_and_give_no_samples(
 
 
 async def test_reload_on_one_device_stops_the_replicas(worker: tuple[Any, JsonRpcClient]) -> None:
-    process, client = worker
+    _, client = worker
     await load(client, "cpu,cpu")
-    assert len(replicas_of(process.process.pid)) == 1
+    assert len(replicas_of(await served_by(client))) == 1
     described = await load(client, "cpu")
     assert described["devices"] == ["cpu"]
-    assert replicas_of(process.process.pid) == []
+    assert replicas_of(await served_by(client)) == []
     trained = await client.call("worker.train", {"samples": 64})
     assert trained["samples"] == 64 and "ranks" not in trained
 
 
 async def test_a_dead_replica_fails_calls_clearly(worker: tuple[Any, JsonRpcClient]) -> None:
-    process, client = worker
+    _, client = worker
     await load(client, "cpu,cpu")
-    (replica,) = replicas_of(process.process.pid)
+    (replica,) = replicas_of(await served_by(client))
     os.kill(replica, signal.SIGKILL)
     with pytest.raises(RpcCallError) as caught:
         await client.call("worker.train", {"samples": 64}, timeout=200.0)
