@@ -96,9 +96,9 @@ async def _virtual_clock(request: pytest.FixtureRequest) -> AsyncIterator[None]:
 def _worker_zygote() -> Iterator[None]:
     """One worker zygote per test process (plugins/worker/zygote.py): the ~160 torch workers the
     suite starts fork from it instead of importing torch each (about 3 s of CPU a start on this
-    2-core machine's budget). Workers started before it listens start as usual. Tests that check
-    the plain start (tests/plugins/test_worker_lifecycle.py) remove the variable.
-    DEDLOC_TEST_ZYGOTE=0 runs the whole suite without it."""
+    2-core machine's budget). Workers started before it listens, or in a network namespace of the
+    NAT lab, start as usual. tests/plugins/test_worker_lifecycle.py removes the variable: it
+    checks the plain start. DEDLOC_TEST_ZYGOTE=0 runs the whole suite without it."""
     if os.environ.get("DEDLOC_TEST_ZYGOTE", "1") == "0" or ZYGOTE_ENV in os.environ:
         yield
         return
@@ -108,7 +108,8 @@ def _worker_zygote() -> Iterator[None]:
         zygote = subprocess.Popen(
             [sys.executable, "-m", "dedloc.plugins.worker.zygote", "--socket", str(socket_path),
              "--parent-pid", str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file,
+            start_new_session=True)  # (a Ctrl-C of pytest is not its)
     os.environ[ZYGOTE_ENV] = str(socket_path)
     try:
         yield

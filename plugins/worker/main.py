@@ -33,7 +33,7 @@ log = structlog.get_logger(__name__)
 
 PR_SET_PDEATHSIG = 1
 GPU_MEMORY_ENV = "DEDLOC_GPU_MEMORY_FRACTION"
-ZYGOTE_ENV = "DEDLOC_WORKER_ZYGOTE"  # plugins/worker/zygote.py
+ZYGOTE_ENV = "DEDLOC_WORKER_ZYGOTE"  # plugins/worker/stand_in.py
 PARENT_POLL_SECONDS = 0.5
 CLOSE_TIMEOUT_SECONDS = 30.0
 
@@ -190,16 +190,17 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`dedloc-worker`: run the worker, or have the worker zygote named by $DEDLOC_WORKER_ZYGOTE
-    fork it and stand in for it (plugins/worker/zygote.py; where none answers, run it here)."""
+    fork it and stand in for it (stand_in.py; where none forks it, run it here)."""
     zygote_socket = os.environ.get(ZYGOTE_ENV)
     if zygote_socket:
-        from .zygote import ZygoteError, run_through_zygote
+        from .stand_in import ZygoteUnavailable, note, run_through_zygote
 
         arguments = list(sys.argv[1:] if argv is None else argv)
         try:
             return run_through_zygote(zygote_socket, arguments)
-        except ZygoteError as exc:
-            sys.stderr.write(f"dedloc-worker: {exc}; starting without it\n")
+        except ZygoteUnavailable as exc:
+            if not exc.quiet:
+                note("worker_zygote_unused", f"{exc}; starting without it")
     return run(argv)
 
 

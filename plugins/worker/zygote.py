@@ -1,150 +1,87 @@
 """A worker zygote: one process that imports torch once and forks a worker for each start.
 
-Starting a worker costs about 3 s of CPU, 2.2 s of it `import torch`. A test suite or a benchmark
-that starts hundreds of workers on one machine pays that hundreds of times; forked from a process
-that has already imported torch and the workloads, a worker starts in a tenth of it and shares
-those pages with its siblings.
+Starting a worker costs 4-5 s of CPU: `import torch` (2.2 s), torch's compiler stack that the
+first optimizer imports (1.4 s) and an interpreter teardown at exit (1 s). A test suite or a
+benchmark that starts hundreds of workers on one machine pays that hundreds of times; forked from
+a process that imported all of it, a worker starts and ends in about 0.4 s and shares those pages
+with its siblings.
 
     python -m dedloc.plugins.worker.zygote --socket PATH [--parent-pid PID]
 
-With `DEDLOC_WORKER_ZYGOTE=PATH` in its environment, `dedloc-worker` hands its whole command line
-to the zygote listening there instead of running it (`run_through_zygote`) and stays as the
-worker's stand-in: the daemon still owns a child process with the worker's command line, signals
-it and reads its exit code. The stand-in passes its stdin, stdout and stderr to the zygote (the
-forked worker writes to the daemon's pipes directly), forwards SIGTERM, SIGINT and SIGHUP to the
-worker, and exits as the worker did (its code, or the same signal). When the stand-in dies (say
-SIGKILL), the zygote kills the worker. Where no zygote answers, `dedloc-worker` runs as usual.
+A `dedloc-worker` with `DEDLOC_WORKER_ZYGOTE=PATH` in its environment becomes the worker's
+stand-in (stand_in.py, which also describes the wire). The daemon never starts a zygote.
+
+What a forked worker gets from its stand-in: command line, environment, working directory, umask
+and stdio. What it keeps of the zygote's, so the zygote refuses (and the stand-in starts the
+worker itself) where they differ: the network and mount namespaces, and what is read at
+interpreter or library start (`START_UP_ENV`). Each forked worker gets its own session and fresh
+seeds from the OS for `random`, numpy's and torch's global generators, as a new process has them.
 
 Fork-safety: the zygote only imports modules (torch, the worker's modules, the installed
-workloads). It runs no torch operation and never touches CUDA, so the forked worker starts as
-torch's DataLoader workers do. Each forked worker gets its own session, its environment and
-working directory from the stand-in, and fresh seeds from the OS for `random`, numpy's and
-torch's global generators, as a new process has them (forked as they are, every worker would draw
-the same numbers).
+workloads); it runs no torch operation and refuses to fork once CUDA is initialised, so a forked
+worker starts as torch's DataLoader workers do.
 
-The socket is created with mode 0600 in a directory only its owner can enter: anyone who can
-connect can run a command as the zygote's user. The daemon never starts a zygote; it is for test
-suites and benchmarks that start many workers on one machine.
+Who may connect: the socket is made with mode 0600 and the zygote also checks each peer's uid
+(SO_PEERCRED), since whoever connects runs a command line as the zygote's user. Requests are read
+without blocking, each within `REQUEST_TIMEOUT_SECONDS`, at most `MAX_PENDING` at a time: a
+connection that sends nothing delays nobody else's start or exit.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
+import gc
 import importlib
 import os
-import random
 import selectors
 import signal
 import socket
 import struct
 import sys
+import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
 import orjson
 
-# What a zygote imports before it forks anything (names that fail to import are skipped).
-# torch._dynamo: the first optimizer a workload builds imports it (1.4 s of CPU); torchvision and
-# transformers: SwAV's and ALBERT's models.
+from .fork_order import ForkOrder, RefusedRequest, RunWorker, parse_order, run_forked
+from .stand_in import HEADER, MAX_REQUEST_BYTES, namespaces
+
+# torch._dynamo: the first optimizer a workload builds imports it; torchvision and transformers:
+# SwAV's and ALBERT's models. A module that fails to import is skipped (and named on stderr).
 PRELOAD = ("torch", "torch._dynamo", "torchvision", "transformers", "dedloc.plugins.worker.service")
-MAX_REQUEST_BYTES = 1 << 20
 REQUEST_TIMEOUT_SECONDS = 10.0
-CONNECT_TIMEOUT_SECONDS = 10.0
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_HEADER = struct.Struct(">I")
+MAX_PENDING = 32
+_UCRED = struct.Struct("3i")
 
+@dataclass
+class _Pending:
+    """A stand-in whose request is still arriving."""
 
-class ZygoteError(Exception):
-    """A zygote could not start a worker (the caller runs the worker itself)."""
-
-
-@dataclass(frozen=True)
-class ForkOrder:
-    """What a forked child runs: a worker's command line, environment and directory."""
-
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-
-
-# --------------------------------------------------------------------------- the stand-in's side
-
-
-def run_through_zygote(socket_path: str, argv: Sequence[str]) -> int:
-    """Have the zygote at `socket_path` run `dedloc-worker argv` and wait for it to end; return its
-    exit code (or die of the signal it died of). Raises ZygoteError where the zygote cannot be
-    reached or refuses, before any worker started."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(CONNECT_TIMEOUT_SECONDS)
-    try:
-        sock.connect(socket_path)
-        request = orjson.dumps({"argv": list(argv), "env": dict(os.environ), "cwd": os.getcwd()})
-        message = _HEADER.pack(len(request)) + request
-        sent = socket.send_fds(sock, [message], [0, 1, 2])
-        sock.sendall(message[sent:])
-        reader = sock.makefile("rb")
-        started = _read_message(reader)
-    except (OSError, ValueError) as exc:
-        sock.close()
-        raise ZygoteError(f"no worker zygote at {socket_path}: {exc}") from exc
-    if "pid" not in started:
-        sock.close()
-        raise ZygoteError(f"the worker zygote at {socket_path} refused: {started.get('error')}")
-    pid = int(started["pid"])
-
-    def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-    for signum in FORWARDED_SIGNALS:
-        signal.signal(signum, forward)
-    sock.settimeout(None)  # the worker runs as long as it runs; the zygote answers when it ends
-    try:
-        ended = _read_message(reader)
-    except (OSError, ValueError):
-        ended = {"signal": int(signal.SIGKILL)}  # the zygote is gone, and with it the worker
-    finally:
-        sock.close()
-    if "signal" in ended:
-        signum = int(ended["signal"])
-        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler
-            signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return 128 + signum
-    return int(ended.get("exit_code", 1))
-
-
-def _read_message(reader: Any) -> dict[str, Any]:
-    line = reader.readline(MAX_REQUEST_BYTES)
-    if not line:
-        raise ValueError("the zygote closed the connection")
-    message = orjson.loads(line)
-    if not isinstance(message, dict):
-        raise ValueError("the zygote sent something other than an object")
-    return message
-
-
-# --------------------------------------------------------------------------- the zygote's side
+    deadline: float
+    data: bytes = b""
+    fds: list[int] = field(default_factory=list)
 
 
 class Zygote:
-    """Accepts stand-ins, forks a worker for each, and reports each worker's end to its stand-in.
+    """Accepts stand-ins, forks a worker for each, and tells each stand-in how its worker ended.
+    `serve()` returns when the zygote is told to stop; a forked child never returns from it (it
+    runs `run_worker` and exits)."""
 
-    `serve()` returns in the parent only when told to stop (None); in each forked child it returns
-    that child's ForkOrder, with every descriptor of the zygote closed."""
-
-    def __init__(self, socket_path: Path) -> None:
+    def __init__(self, socket_path: Path, run_worker: RunWorker) -> None:
         self.socket_path = socket_path
+        self._run_worker = run_worker
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._wake_read, self._wake_write = socket.socketpair()
         self._selector = selectors.PollSelector()  # no kernel object shared with the children
+        self._pending: dict[socket.socket, _Pending] = {}
         self._pid_of: dict[socket.socket, int] = {}
         self._stand_in_of: dict[int, socket.socket] = {}
+        self._namespaces = namespaces()
         self._stopping = False
 
     def listen(self) -> None:
@@ -152,77 +89,167 @@ class Zygote:
         self._listener.bind(str(self.socket_path))
         os.chmod(self.socket_path, 0o600)
         self._listener.listen(64)
+        self._listener.setblocking(False)
 
-    def serve(self) -> ForkOrder | None:
+    def serve(self) -> None:
         for sock in (self._wake_read, self._wake_write):
             sock.setblocking(False)
         signal.set_wakeup_fd(self._wake_write.fileno())
         signal.signal(signal.SIGCHLD, _ignore)
         signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._selector.register(self._wake_read, selectors.EVENT_READ)
-        while not self._stopping:
-            for key, _events in self._selector.select():
-                if key.fileobj is self._wake_read:
-                    with contextlib.suppress(BlockingIOError):
-                        self._wake_read.recv(4096)
-                    self._reap()
-                elif key.fileobj is self._listener:
-                    order = self._accept()
-                    if order is not None:
-                        return order  # in the child
-                else:
-                    self._stand_in_gone(key.fileobj)  # type: ignore[arg-type]
-        self._kill_all()
-        return None
+        try:
+            while not self._stopping:
+                self._expire_pending()
+                timeout = min((p.deadline for p in self._pending.values()), default=None)
+                if timeout is not None:
+                    timeout = max(0.0, timeout - time.monotonic())
+                for key, _events in self._selector.select(timeout):
+                    sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                    try:
+                        self._handle(sock)
+                    except Exception:  # one stand-in's trouble must not end the others' workers
+                        traceback.print_exc()
+                        if sock not in (self._listener, self._wake_read):
+                            self._drop(sock)
+        finally:
+            self._kill_all()
 
     def _stop(self, _signum: int, _frame: object) -> None:
         self._stopping = True
 
-    def _accept(self) -> ForkOrder | None:
+    def _handle(self, sock: socket.socket) -> None:
+        if sock is self._wake_read:
+            with contextlib.suppress(BlockingIOError):
+                self._wake_read.recv(4096)
+            self._reap()
+        elif sock is self._listener:
+            self._accept()
+        elif sock in self._pending:
+            self._read_request(sock)
+        else:
+            self._stand_in_gone(sock)
+
+    def _accept(self) -> None:
         try:
             conn, _ = self._listener.accept()
-        except OSError:
-            return None
-        conn.settimeout(REQUEST_TIMEOUT_SECONDS)
-        fds: list[int] = []
+        except (BlockingIOError, InterruptedError):
+            return
         try:
-            order, fds = _receive_order(conn)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            conn.setblocking(False)
+            _pid, uid, _gid = _UCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        except OSError:
+            conn.close()
+            return
+        if uid != os.geteuid() or len(self._pending) >= MAX_PENDING:
+            conn.close()
+            return
+        self._pending[conn] = _Pending(time.monotonic() + REQUEST_TIMEOUT_SECONDS)
+        self._selector.register(conn, selectors.EVENT_READ)
+
+    def _read_request(self, conn: socket.socket) -> None:
+        pending = self._pending[conn]
+        try:
+            chunk, fds, _flags, _address = socket.recv_fds(conn, 65536, 3)
+        except BlockingIOError:
+            return
+        if fds and (pending.fds or pending.data):
             for fd in fds:
                 os.close(fd)
-            with contextlib.suppress(OSError):
-                conn.sendall(orjson.dumps({"error": str(exc)}) + b"\n")
-            conn.close()
+            return self._refuse(conn, "descriptors come with the request's first bytes only")
+        pending.fds += fds
+        if not chunk:
+            return self._refuse(conn, "the stand-in hung up before its request was complete")
+        pending.data += chunk
+        if len(pending.data) < HEADER.size:
             return None
+        (length,) = HEADER.unpack_from(pending.data)
+        if length > MAX_REQUEST_BYTES:
+            return self._refuse(conn, f"a request of {length} bytes is over {MAX_REQUEST_BYTES}")
+        if len(pending.data) < HEADER.size + length:
+            return None
+        try:
+            order = parse_order(pending.data[HEADER.size:], pending.fds, self._namespaces)
+        except RefusedRequest as exc:
+            return self._refuse(conn, str(exc))
+        return self._fork(conn, order)
+
+    def _refuse(self, conn: socket.socket, reason: str) -> None:
+        with contextlib.suppress(OSError):
+            conn.send(orjson.dumps({"error": reason}) + b"\n")
+        self._drop(conn)
+
+    def _fork(self, conn: socket.socket, order: ForkOrder) -> None:
+        fds = self._pending.pop(conn).fds
+        self._selector.unregister(conn)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            self._refuse(conn, f"fork failed: {exc}")
+            return
         if pid == 0:
-            self._become_child(conn, fds, order)
-            return order
+            self._child(conn, fds, order)  # never returns
         for fd in fds:
             os.close(fd)
         try:
-            conn.sendall(orjson.dumps({"pid": pid}) + b"\n")
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # it exited already: a pidfd of a zombie is still fine; gone is not
+            pidfd = None
+        try:
+            if pidfd is None:
+                raise OSError("no pidfd for the worker")
+            socket.send_fds(conn, [orjson.dumps({"pid": pid}) + b"\n"], [pidfd])
         except OSError:
             conn.close()
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            return None
+            return  # (reaped, unreported, by _reap)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
         self._pid_of[conn] = pid
         self._stand_in_of[pid] = conn
         self._selector.register(conn, selectors.EVENT_READ)
-        return None
+        self._reap()  # a worker that ended before it was registered is reported now
+
+    def _child(self, conn: socket.socket, fds: list[int], order: ForkOrder) -> NoReturn:
+        """The forked child's whole life. Nothing may unwind from here into the zygote's code:
+        its `finally` would kill the child's siblings (a worker whose daemon died writes its
+        last log lines into a pipe nobody reads, and the BrokenPipeError escaped from an
+        `except` clause once)."""
+        code = 1
+        try:
+            self._become_child(conn, fds, order)
+            code = run_forked(self._run_worker, order)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                traceback.print_exc()
+        finally:
+            os._exit(code)
 
     def _become_child(self, conn: socket.socket, fds: list[int], order: ForkOrder) -> None:
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sock in (conn, self._listener, self._wake_read, self._wake_write, *self._pid_of):
+        for sock in (conn, self._listener, self._wake_read, self._wake_write, *self._pid_of,
+                     *self._pending):
             sock.close()
+        for pending in self._pending.values():
+            for fd in pending.fds:
+                os.close(fd)
         self._selector.close()
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:  # as multiprocessing does in a child it forks
+            mp_util._finalizer_registry.clear()
+            mp_util._run_after_forkers()
         os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -230,9 +257,11 @@ class Zygote:
             if fd > 2:
                 os.close(fd)
         os.chdir(order.cwd)
+        os.umask(order.umask)
         os.environ.clear()
         os.environ.update(order.env)
-        random.seed()  # a new process draws its seeds from the OS: so does each forked one
+        sys.argv = ["dedloc-worker", *order.argv]
+        # `random` reseeds itself after a fork; numpy's and torch's generators do not
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed()
@@ -259,7 +288,7 @@ class Zygote:
             else:
                 ended = {"exit_code": os.waitstatus_to_exitcode(status)}
             with contextlib.suppress(OSError):
-                conn.sendall(orjson.dumps(ended) + b"\n")
+                conn.send(orjson.dumps(ended) + b"\n")
             conn.close()
 
     def _stand_in_gone(self, conn: socket.socket) -> None:
@@ -269,7 +298,24 @@ class Zygote:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(KeyError):
             self._selector.unregister(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        pending = self._pending.pop(conn, None)
+        for fd in pending.fds if pending is not None else ():
+            os.close(fd)
+        if pending is not None or conn not in self._pid_of:
+            with contextlib.suppress(KeyError):
+                self._selector.unregister(conn)
+            conn.close()
+        else:
+            self._stand_in_gone(conn)
+
+    def _expire_pending(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c, p in self._pending.items() if p.deadline <= now]:
+            self._refuse(conn, f"no whole request within {REQUEST_TIMEOUT_SECONDS} s")
 
     def _kill_all(self) -> None:
         for pid in list(self._stand_in_of):
@@ -283,60 +329,24 @@ def _ignore(_signum: int, _frame: object) -> None:
     """SIGCHLD wakes the loop through the wakeup descriptor; nothing to do in the handler."""
 
 
-def _receive_order(conn: socket.socket) -> tuple[ForkOrder, list[int]]:
-    """Read one request (a length, JSON, and the stand-in's stdin/stdout/stderr) from `conn`."""
-    data, fds, _flags, _address = socket.recv_fds(conn, 65536, 3)
-    if len(fds) != 3:
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("a request must carry the stand-in's stdin, stdout and stderr")
-    try:
-        while len(data) < _HEADER.size:
-            data += _recv_some(conn)
-        (length,) = _HEADER.unpack_from(data)
-        if length > MAX_REQUEST_BYTES:
-            raise ValueError(f"a request of {length} bytes is over {MAX_REQUEST_BYTES}")
-        while len(data) < _HEADER.size + length:
-            data += _recv_some(conn)
-        request = orjson.loads(data[_HEADER.size:_HEADER.size + length])
-        argv, env, cwd = request["argv"], request["env"], request["cwd"]
-        if not (isinstance(argv, list) and all(isinstance(arg, str) for arg in argv)):
-            raise ValueError("argv must be a list of strings")
-        if not (isinstance(env, dict) and all(isinstance(value, str) for value in env.values())):
-            raise ValueError("env must map names to strings")
-        if not isinstance(cwd, str):
-            raise ValueError("cwd must be a string")
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return ForkOrder(argv=argv, env=env, cwd=cwd), fds
-
-
-def _recv_some(conn: socket.socket) -> bytes:
-    chunk = conn.recv(65536)
-    if not chunk:
-        raise ValueError("the stand-in hung up before its request was complete")
-    return chunk
-
-
 def preload(names: Sequence[str]) -> list[str]:
-    """Import each module of `names` that is installed; return those imported."""
+    """Import each module of `names` (naming on stderr those that fail); return those imported."""
     loaded = []
     for name in names:
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception as exc:  # a module that fails is only not preloaded
+            sys.stderr.write(f"dedloc-worker-zygote: not preloading {name}: {exc!r}\n")
             continue
         loaded.append(name)
     from ..catalog import WorkloadCatalog
 
     WorkloadCatalog.load()  # imports the installed workloads' modules
+    gc.freeze()  # what the preload made is never collected: its pages stay shared
     return loaded
 
 
-def main(argv: Sequence[str] | None = None, *,
-         run_worker: Callable[[Sequence[str]], int] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, run_worker: RunWorker | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dedloc-worker-zygote", description=__doc__.split("\n")[0])
     parser.add_argument("--socket", type=Path, required=True, help="unix socket to listen on")
     parser.add_argument("--parent-pid", type=int, help="exit when this process is gone")
@@ -347,36 +357,15 @@ def main(argv: Sequence[str] | None = None, *,
 
     if not die_with_parent(args.parent_pid):
         return 0
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() inits no CUDA
     loaded = preload([name for name in args.preload.split(",") if name])
-    zygote = Zygote(args.socket)
+    zygote = Zygote(args.socket, run_worker or run)
     zygote.listen()
     sys.stdout.write(orjson.dumps({"listening": str(args.socket), "pid": os.getpid(),
                                    "preloaded": loaded}).decode() + "\n")
     sys.stdout.flush()
-    order = zygote.serve()
-    if order is None:
-        return 0
-    exit_forked((run_worker or run), order)
-    return 1  # not reached: exit_forked does not return
-
-
-def exit_forked(run_worker: Callable[[Sequence[str]], int], order: ForkOrder) -> None:
-    """Run the forked worker, then end the process as multiprocessing ends a forked child: the
-    exit handlers run and the streams are flushed, but the interpreter is not torn down (with
-    torch loaded that takes a second of CPU and copies every page shared with the zygote)."""
-    try:
-        code = run_worker(order.argv)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # a forked worker must never return into the zygote
-        traceback.print_exc()
-        code = 1
-    try:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
+    zygote.serve()
+    return 0
 
 
 if __name__ == "__main__":

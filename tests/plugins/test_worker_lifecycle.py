@@ -12,9 +12,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dedloc.plugins.worker.main import ZYGOTE_ENV
 from dedloc.rpc import ErrorCode, RpcCallError
 
 SHM = Path("/dev/shm")
+
+
+@pytest.fixture(autouse=True)
+def _started_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the worker a daemon starts itself, not one forked from a zygote
+    (tests/plugins/test_worker_zygote.py)."""
+    monkeypatch.delenv(ZYGOTE_ENV, raising=False)
 
 
 async def test_stop_answers_then_exits_zero(launch: Callable[..., Any]) -> None:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,22 +25,38 @@ from dedloc.plugins.worker.main import ZYGOTE_ENV
 SAFETY_TIMEOUT = 120.0
 
 
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """A zygote of this module's own, listening (torch preloaded: the tests check the handing
+# as tests/plugins/conftest.py starts workers: a zygote forks only for stand-ins whose start-up
+# variables match its own (stand_in.START_UP_ENV)
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def start_zygote(socket_path: Path, *args: str, program: tuple[str, ...] = (
+        "-m", "dedloc.plugins.worker.zygote")) -> subprocess.Popen[bytes]:
+    """A zygote listening at `socket_path` (torch preloaded only: the tests check the handing
     over, not the start's cost)."""
-    folder = Path(tempfile.mkdtemp(prefix="dlz-", dir="/tmp"))
-    socket_path = folder / "z.sock"
     process = subprocess.Popen(
-        [sys.executable, "-m", "dedloc.plugins.worker.zygote", "--socket", str(socket_path),
-         "--preload", "torch"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        [sys.executable, *program, "--socket", str(socket_path), "--preload", "torch", *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env={**os.environ, **THREAD_ENV})
     assert process.stdout is not None
     line = process.stdout.readline()  # after the preload: it listens
-    assert orjson.loads(line)["listening"] == str(socket_path)
-    yield process, socket_path
-    process.terminate()
+    assert orjson.loads(line)["listening"] == str(socket_path), line
+    return process
+
+
+def stop_zygote(process: subprocess.Popen[bytes]) -> None:
+    process.kill()
     process.wait(SAFETY_TIMEOUT)
-    process.stdout.close()
+    if process.stdout is not None:
+        process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    folder = Path(tempfile.mkdtemp(prefix="dlz-", dir="/tmp"))
+    socket_path = folder / "z.sock"
+    process = start_zygote(socket_path)
+    yield process, socket_path
+    stop_zygote(process)
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -48,6 +65,11 @@ def through_zygote(zygote: tuple[subprocess.Popen[bytes], Path],
                    monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setenv(ZYGOTE_ENV, str(zygote[1]))
     return zygote[0].pid
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
 
 
 def parent_of(pid: int) -> int:
@@ -129,11 +151,41 @@ def list_workloads(env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
                           env=env, capture_output=True, timeout=SAFETY_TIMEOUT, check=False)
 
 
-def test_without_a_zygote_the_worker_runs_itself(tmp_path: Path) -> None:
-    done = list_workloads({**os.environ, ZYGOTE_ENV: str(tmp_path / "none.sock")})
+def test_without_a_zygote_the_worker_runs_itself(short_tmp: Path) -> None:
+    done = list_workloads({**os.environ, ZYGOTE_ENV: str(short_tmp / "none.sock")})
     assert done.returncode == 0, done.stderr
     assert "tiny" in {entry["name"] for entry in orjson.loads(done.stdout)["workloads"]}
-    assert b"no worker zygote" in done.stderr and b"starting without it" in done.stderr
+    assert b"worker_zygote_unused" not in done.stderr  # (none listens yet: not worth a line)
+
+
+def test_a_stand_in_that_differs_at_start_up_is_refused_and_runs_the_worker_itself(
+        zygote: tuple[subprocess.Popen[bytes], Path]) -> None:
+    # a forked worker would keep the zygote's hash seed, which is read at the interpreter's start
+    done = list_workloads({**os.environ, **THREAD_ENV, ZYGOTE_ENV: str(zygote[1]),
+                           "PYTHONHASHSEED": "12345"})
+    assert done.returncode == 0, done.stderr
+    assert "tiny" in {entry["name"] for entry in orjson.loads(done.stdout)["workloads"]}
+    (line,) = [orjson.loads(line) for line in done.stderr.splitlines() if b"zygote" in line]
+    assert line["event"] == "worker_zygote_unused" and "PYTHONHASHSEED" in line["reason"]
+
+
+async def test_a_vanished_zygote_leaves_no_worker_behind(launch: Callable[..., Any],
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         short_tmp: Path) -> None:
+    socket_path = short_tmp / "z.sock"
+    process = start_zygote(socket_path)
+    try:
+        monkeypatch.setenv(ZYGOTE_ENV, str(socket_path))
+        worker = launch()
+        client = await worker.connect()
+        real_pid = (await client.call("worker.hello"))["pid"]
+        assert real_pid != worker.process.pid
+        process.kill()
+        assert await worker.wait() == -signal.SIGKILL  # its stand-in killed it, then died alike
+        await gone(real_pid)
+        await client.close()
+    finally:
+        stop_zygote(process)
 
 
 @pytest.mark.parametrize("request_bytes", [
@@ -155,9 +207,9 @@ def test_a_bad_request_is_refused_and_the_zygote_serves_on(
     if request_bytes:
         assert b"error" in answer
     assert zygote[0].poll() is None
-    done = list_workloads({**os.environ, ZYGOTE_ENV: str(zygote[1])})
+    done = list_workloads({**os.environ, **THREAD_ENV, ZYGOTE_ENV: str(zygote[1])})
     assert done.returncode == 0, done.stderr
-    assert b"no worker zygote" not in done.stderr  # served by the zygote
+    assert b"worker_zygote_unused" not in done.stderr  # served by the zygote
 
 
 REPORTING_ZYGOTE = """
@@ -175,21 +227,18 @@ sys.exit(main(sys.argv[1:], run_worker=report))
 
 
 def test_a_forked_process_has_its_stand_ins_directory_environment_and_fresh_seeds(
-        tmp_path: Path) -> None:
-    socket_path = tmp_path / "z.sock"
-    process = subprocess.Popen(
-        [sys.executable, "-c", REPORTING_ZYGOTE, "--socket", str(socket_path), "--preload", "torch"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        short_tmp: Path) -> None:
+    socket_path = short_tmp / "z.sock"
+    process = start_zygote(socket_path, program=("-c", REPORTING_ZYGOTE))
     try:
-        assert process.stdout is not None
-        assert orjson.loads(process.stdout.readline())["listening"] == str(socket_path)
         lines = []
         for mark in ("one", "two"):
-            folder = tmp_path / mark
+            folder = short_tmp / mark
             folder.mkdir()
             done = subprocess.run(
                 [sys.executable, "-m", "dedloc.plugins.worker", "--socket", "x", "--threads", "2"],
-                env={**os.environ, ZYGOTE_ENV: str(socket_path), "DEDLOC_TEST_MARK": mark},
+                env={**os.environ, **THREAD_ENV, ZYGOTE_ENV: str(socket_path),
+                     "DEDLOC_TEST_MARK": mark},
                 cwd=folder, capture_output=True, timeout=SAFETY_TIMEOUT, check=False)
             assert done.returncode == 3, done.stderr  # the forked process's exit code
             torch_seed, draw, cwd, seen_mark, argv = done.stdout.decode().split(" ", 4)
@@ -197,7 +246,45 @@ def test_a_forked_process_has_its_stand_ins_directory_environment_and_fresh_seed
             lines.append((torch_seed, draw))
         assert lines[0][0] != lines[1][0] and lines[0][1] != lines[1][1]
     finally:
-        process.terminate()
-        process.wait(SAFETY_TIMEOUT)
-        if process.stdout is not None:
-            process.stdout.close()
+        stop_zygote(process)
+
+
+BREAKING_ZYGOTE = """
+import os, sys, time
+from dedloc.plugins.worker.zygote import main
+
+def run(argv):
+    if "--break" in argv:  # as a worker whose daemon died: its stderr reads nowhere, or is gone
+        os.close(1)
+        os.close(2)
+        raise RuntimeError("no one reads this")
+    time.sleep(120)
+    return 0
+
+sys.exit(main(sys.argv[1:], run_worker=run))
+"""
+
+
+def test_a_forked_process_that_fails_at_its_end_leaves_its_siblings_alone(short_tmp: Path) -> None:
+    # A worker whose daemon was killed fails writing its last log lines; the error once unwound
+    # into the zygote's loop in the forked child, whose cleanup then killed every other worker
+    socket_path = short_tmp / "z.sock"
+    process = start_zygote(socket_path, program=("-c", BREAKING_ZYGOTE))
+    env = {**os.environ, **THREAD_ENV, ZYGOTE_ENV: str(socket_path)}
+    command = [sys.executable, "-m", "dedloc.plugins.worker", "--socket", "x"]
+    sibling = subprocess.Popen([*command, "--sleep"], env=env, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + SAFETY_TIMEOUT
+        while not children_of(process.pid):  # the sibling is forked first
+            assert time.monotonic() < deadline and sibling.poll() is None
+            time.sleep(0.05)
+        done = subprocess.run([*command, "--break"], env=env, capture_output=True,
+                              timeout=SAFETY_TIMEOUT, check=False)
+        assert done.returncode == 1
+        assert process.poll() is None and sibling.poll() is None  # both still there
+        sibling.terminate()
+        assert sibling.wait(SAFETY_TIMEOUT) == -signal.SIGTERM  # (sleep has no handler)
+    finally:
+        sibling.kill()
+        sibling.wait(SAFETY_TIMEOUT)
+        stop_zygote(process)
