@@ -88,7 +88,11 @@ def run_through_zygote(socket_path: str, argv: Sequence[str]) -> int:
         message = HEADER.pack(len(request)) + request
         try:
             sent = socket.send_fds(sock, [message], [0, 1, 2])
-            sock.sendall(message[sent:])
+            if sent < len(message):
+                # (not when all is sent: a zygote that refused at once may have hung up, and
+                # even an empty send to it fails with EPIPE before its answer is read)
+                with contextlib.suppress(BrokenPipeError):
+                    sock.sendall(message[sent:])
             started, pidfd, rest = _first_answer(sock)
         except (OSError, ValueError) as exc:
             raise ZygoteUnavailable(f"the worker zygote at {socket_path} failed: {exc}") from exc
