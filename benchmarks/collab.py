@@ -653,6 +653,9 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the daemons' state dirs and logs")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     args = parser.parse_args()
+    # Each worker's memory is measured here: a worker forked from a zygote (plugins/worker/
+    # zygote.py) would be measured through its stand-in and share the zygote's pages.
+    os.environ.pop("DEDLOC_WORKER_ZYGOTE", None)
     if args.epochs is None:
         args.epochs = 15 if args.impl == "dedloc" else 10
     if args.peers < 1 or args.epochs < 1:
