@@ -22,7 +22,9 @@ def test_board_reads_side_by_side() -> None:
     assert len(lines) == 1, completed.stdout  # --json: exactly one object on stdout
     result = orjson.loads(lines[0])
     assert result["benchmark"] == "board" and result["reads"] == 6
-    # both ways read every report
+    # every way reads every report
     assert result["three_full_entries_per_read"] == result["summaries_entries_per_read"] == 24
+    assert result["lookup_entries_per_read"] == result["lookup_by_route_entries_per_read"] == 24
+    assert result["lookup_by_route_bytes_per_read"] < result["lookup_bytes_per_read"]
     assert result["summaries_bytes_per_read"] < result["three_full_bytes_per_read"]
     assert result["bytes_ratio"] > 1

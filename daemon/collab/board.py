@@ -15,10 +15,12 @@ all asked the closest three, at 128 peers those three served every read, and the
 timed out), and a report that did not reach some of the nodes is read from the others. A read
 asks for everything the nodes hold (a full read) unless each of the last `READ_TURNS` reads
 succeeded, which asked every node that this one asks; every `FULL_READ_EVERY` seconds
-`READ_TURNS` full reads in a row go round all the nodes again. In a closed run every publish
-first checks this peer's own membership (the owner's revocation list, refreshed every
-`REVOCATIONS_REFRESH` seconds): a revoked or expired token raises MembershipError, which ends the
-run. When the list names a newer generation of the run's secret than this peer holds, it learns
+`READ_TURNS` full reads in a row go round all the nodes again. The nodes are the DHT's route
+to the key (kept 30 s): when it has expired, a read looks up the nodes only, not the board
+(`DHTNode.get(by_route=True)`: every node near the key would send all of it). In a closed run
+every publish first checks this peer's own membership (the owner's revocation list, refreshed
+every `REVOCATIONS_REFRESH` seconds): a revoked or expired token raises MembershipError, which
+ends the run. When the list names a newer generation of the run's secret than this peer holds, it learns
 it then from the owner's re-keying records (rekeying.py).
 """
 
@@ -126,7 +128,7 @@ class DhtProgressBoard:
         try:
             record = await self.dht.get(self.key + "/progress", timeout=DHT_TIMEOUT,
                                         replicas=READ_REPLICAS, min_expiration=since,
-                                        start=self._turn)
+                                        start=self._turn, by_route=True)
         except (TransportError, TimeoutError) as exc:
             log.debug("progress_read_failed", run=self.name, error=str(exc))
             record = None

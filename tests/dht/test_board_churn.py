@@ -3,8 +3,9 @@ changes: a flash crowd joins, then a fifth of the nodes is replaced by newcomers
 
 Each node publishes its report (a counter) under its own sub-key every few seconds and reads the
 key from three of its eight nodes, each read from the next three in turn (the board's reads,
-collab/board.py), through the route its DHT node remembers; the first node asked sends the
-entries and the others summaries. A reader whose route predates a membership change asks nodes
+collab/board.py), through the route its DHT node remembers (looked up, when it expires, as
+the board does: its nodes, then all of them read); the first node asked sends the entries and
+the others summaries. A reader whose route predates a membership change asks nodes
 that are no longer the key's closest, and a publisher whose route does stores to them: what
 users need is that every reader still sees every live node's recent report. On an in-memory
 DHT, on virtual time, with the default DHT settings of a simulated daemon: the test's sleeps
@@ -56,7 +57,7 @@ class Board:
                 self.published[node.peer_id] = counter
                 next_publish = loop.time() + PUBLISH_EVERY
             turn += 3
-            record = await node.get(KEY, timeout=5, replicas=3, start=turn)
+            record = await node.get(KEY, timeout=5, replicas=3, start=turn, by_route=True)
             if record is not None:
                 for sub_key, entry in record.own_sub_keys.items():
                     seen[sub_key] = max(seen.get(sub_key, 0), int(entry.value))

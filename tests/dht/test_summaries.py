@@ -6,7 +6,9 @@ decoding those replies was a third of the simulation's CPU). Now the first node 
 entries and the others a summary (a digest of each sub-key and its expiration), and only what a
 summary holds newer than the entries is fetched from its node. On an in-memory DHT, on virtual
 time: a node's news is still read, a hostile or malformed summary costs a fetch or a lookup, not
-the read, and a node of an older version that sends entries for a summary is read as before.
+the read, and a node of an older version that sends entries for a summary is read as before. A
+read `by_route` whose route has expired looks up the key's nodes, not its entries, and then
+reads them the same way.
 """
 
 from __future__ import annotations
@@ -222,3 +224,115 @@ async def test_a_forged_entry_in_a_fetch_drops_the_route_and_the_news_is_read(sw
     assert record is not None and _values(record)[writer.peer_id] == b"newer report"
     assert reader.stats["forged_records"] == 1
     assert forger.peer_id in set(reader._bans)
+
+
+async def test_a_read_by_route_without_one_looks_up_nodes_then_reads_them_as_a_route(
+        swarm: Swarm) -> None:
+    # a board reader whose route expired: its lookup asks for nodes, not for the key's entries
+    # (each node near the key would send all of them), and then reads three nodes as a route
+    holders, reader = _holders(swarm), _reader(swarm)
+    reader._routes.forget(key_id_of(KEY))  # (its store remembered one)
+    writer = swarm.nodes[0]
+    newer = Entry.create(writer.identity, KEY, b"newer report", timebase.now() + 40,
+                         sub_key=writer.peer_id)
+    assert holders[4].storage.store(newer, timebase.now())  # (news that reached one node)
+    asked: Asked = []
+    for node in swarm.nodes:
+        _record_requests(swarm, node, asked)
+    found_nodes = [0]
+    for node, transport in zip(swarm.nodes, swarm.transports, strict=True):
+        def counting(node: DHTNode = node) -> Any:
+            async def answer(ctx: RequestContext, message: Message) -> Message:
+                found_nodes[0] += 1
+                return await node._on_find_node(ctx, message)
+            return answer
+        transport.add_unary_handler(wire.FIND_NODE, counting())
+
+    record = await reader.get(KEY, replicas=3, start=3, by_route=True)
+
+    assert record is not None
+    values = _values(record)
+    assert len(values) == WRITERS and values[writer.peer_id] == b"newer report"
+    assert found_nodes[0] >= 3  # the lookup asked for nodes
+    # every find_value went to the key's 8 nodes: the fourth (start=3) sent the entries, the
+    # others summaries, and the fifth then the news only it held
+    assert {peer for peer, _, _ in asked} == {h.peer_id for h in holders}
+    assert all(header.get("nodes") is False for _, header, _ in asked)
+    [(_, header, _)] = [a for a in asked if a[0] == holders[3].peer_id]
+    assert not header.get("summary")
+    assert sum(reply.header.get("entries", 0) for _, _, reply in asked) == WRITERS + 1
+    # the nodes are remembered: the next read asks no node for nodes, and three of them
+    assert [c.peer_id for c in reader._routes.held(key_id_of(KEY))] == [h.peer_id for h in holders]
+    found_nodes[0] = 0
+    asked.clear()
+    assert await reader.get(KEY, replicas=3, start=4, by_route=True) is not None
+    assert found_nodes[0] == 0 and {peer for peer, _, _ in asked} == {
+        h.peer_id for h in holders[4:7]}
+
+
+async def test_a_read_by_route_reads_past_nodes_near_the_key_that_withhold_it(
+        swarm: Swarm) -> None:
+    # three of the key's nodes answer as if they held nothing (they withhold it, or have not
+    # got it yet), and the read begins with them: the others' summaries bring the board
+    holders, reader = _holders(swarm), _reader(swarm)
+    reader._routes.forget(key_id_of(KEY))
+
+    async def withholding(ctx: RequestContext, message: Message) -> Message:
+        if message.header.get("summary"):
+            return wire.encode_summary([])
+        return wire.encode_values([], [])
+
+    for holder in holders[5:]:
+        swarm.transports[swarm.nodes.index(holder)].add_unary_handler(wire.FIND_VALUE, withholding)
+    record = await reader.get(KEY, replicas=3, start=5, by_route=True)
+    assert record is not None and len(_values(record)) == WRITERS
+    assert reader.stats["summary_fetches"] >= 1  # (asked of the honest nodes' summaries)
+
+
+async def test_a_read_by_route_whose_node_lookup_is_cut_short_looks_the_entries_up(
+        swarm: Swarm) -> None:
+    # a node near the key never answers find_node: the lookup of nodes ends at half the read's
+    # deadline, and the entries are looked up in the half left
+    holders, reader = _holders(swarm), _reader(swarm)
+    reader._routes.forget(key_id_of(KEY))
+
+    async def silent(ctx: RequestContext, message: Message) -> Message:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    swarm.transports[swarm.nodes.index(holders[0])].add_unary_handler(wire.FIND_NODE, silent)
+    lookups: list[tuple[str | None, bool]] = []
+    lookup = reader._lookup
+
+    async def noted(target: int, deadline: float, **kwargs: Any) -> Any:
+        result = await lookup(target, deadline, **kwargs)
+        lookups.append((kwargs.get("key"), result.finished))
+        return result
+
+    reader._lookup = noted  # type: ignore[method-assign]
+    # (0.8 s: its half is under a call's timeout, 0.5 s, so the silent node outlasts it)
+    record = await reader.get(KEY, timeout=0.8, by_route=True)
+    assert record is not None and len(_values(record)) == WRITERS
+    assert lookups == [(None, False), (KEY, True)]  # nodes (cut short), then the entries
+
+
+async def test_a_read_by_route_whose_node_fails_looks_the_entries_up(swarm: Swarm) -> None:
+    holders, reader = _holders(swarm), _reader(swarm)
+    reader._routes.forget(key_id_of(KEY))
+
+    async def failing(ctx: RequestContext, message: Message) -> Message:
+        raise ConnectionError("gone")  # (a transport error at the reader)
+
+    asked: Asked = []
+    for node in swarm.nodes:
+        if node is not holders[0]:
+            _record_requests(swarm, node, asked)
+    swarm.transports[swarm.nodes.index(holders[0])].add_unary_handler(wire.FIND_VALUE, failing)
+    record = await reader.get(KEY, replicas=3, by_route=True)
+    assert record is not None and len(_values(record)) == WRITERS
+    # the route read (summaries from the second and third node) failed at the first, and the
+    # entries were looked up: requests that ask for nodes too
+    assert any(header.get("summary") for _, header, _ in asked)
+    assert any(header.get("nodes", True) for _, header, _ in asked)
+    # and the route remembered now is the lookup's, without the node that failed
+    assert holders[0].peer_id not in {c.peer_id for c in reader._routes.held(key_id_of(KEY))}
