@@ -7,9 +7,13 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_REMEMBERED", "DonorChoice"]
+__all__ = ["AVOID_STRETCH", "MAX_REMEMBERED", "DonorChoice"]
 
 MAX_REMEMBERED = 4096  # donors whose last failure is remembered
+# The most an avoidance is stretched. 5 identities that could not serve the head they reported
+# were passed over by 7 honest trainers at once; their avoidances ran out together, and two of
+# them tried those identities again, and missed, in one round (tests/sim/test_scenarios.py)
+AVOID_STRETCH = 1.5
 
 
 @dataclass
@@ -18,11 +22,14 @@ class DonorChoice:
     epoch, the one that says it has served fewer downloads (the power of two choices: newcomers
     spread over the donors, and the most any donor serves stays near the mean, where a single
     random draw gives some donor several times the mean), skipping donors that failed in the last
-    `avoid_seconds`, and waiting `backoff` seconds (doubling per failure in a row, at most
-    `max_backoff`) after a failure before trying again. A donor that understates what it served
+    `avoid_seconds` (stretched by a factor drawn per failure from 1 to `avoid_stretch`: peers
+    that began avoiding a donor at one moment do not all try it again in one round), and
+    waiting `backoff` seconds (doubling per failure in a row, at most `max_backoff`) after a
+    failure before trying again. A donor that understates what it served
     is drawn as often as the others and wins its pairs: it serves up to twice its share."""
 
     avoid_seconds: float = 60.0
+    avoid_stretch: float = AVOID_STRETCH  # (1: none)
     backoff: float = 0.5
     max_backoff: float = 30.0
     max_avoid_seconds: float = 1800.0
@@ -30,6 +37,7 @@ class DonorChoice:
     _failed_at: dict[str, float] = field(default_factory=dict)
     _failures: dict[str, int] = field(default_factory=dict)  # of each donor, since it last served
     _failures_in_a_row: int = 0
+    _stretch: dict[str, float] = field(default_factory=dict)
     _not_before: float = 0.0
     # donors whose last failure was a state that contradicted their own report (the head they
     # reported is not the one they sent): their own word against them, not our network
@@ -49,11 +57,13 @@ class DonorChoice:
         return min(drawn, key=lambda d: served.get(d, 0))  # (a tie: the first drawn)
 
     def _avoid(self, donor: str) -> float:
-        """How long `donor` is avoided after its last failure: `avoid_seconds`, doubling with
-        each failure since it last served us, at most `max_avoid_seconds` (a donor that fails
-        again each time it is tried is tried less and less often)."""
+        """How long `donor` is avoided after its last failure: `avoid_seconds` times the stretch
+        drawn at that failure, doubling with each failure since it last served us, at most
+        `max_avoid_seconds` (a donor that fails again each time it is tried is tried less and
+        less often)."""
         doublings = min(self._failures.get(donor, 1) - 1, 30)
-        return min(self.max_avoid_seconds, self.avoid_seconds * 2.0 ** doublings)
+        return min(self.max_avoid_seconds,
+                   self.avoid_seconds * 2.0 ** doublings * self._stretch.get(donor, 1.0))
 
     def failed_lately(self, now: float) -> frozenset[str]:
         """The donors avoided now (estimate.py does not believe their heads ahead of ours
@@ -74,12 +84,14 @@ class DonorChoice:
             for old in sorted(self._failed_at, key=self._failed_at.__getitem__)[:len(self._failed_at) // 2]:
                 del self._failed_at[old]
                 self._failures.pop(old, None)
+                self._stretch.pop(old, None)
                 self._contradicted.discard(old)
         if contradicted:
             self._contradicted.add(donor)
         else:
             self._contradicted.discard(donor)
         self._failed_at[donor] = now
+        self._stretch[donor] = 1.0 + (self.avoid_stretch - 1.0) * self.rng.random()
         self._failures[donor] = self._failures.get(donor, 0) + 1
         self._failures_in_a_row += 1
         self._not_before = now + self.wait(now)
@@ -99,4 +111,5 @@ class DonorChoice:
         if donor is not None:
             self._failed_at.pop(donor, None)
             self._failures.pop(donor, None)
+            self._stretch.pop(donor, None)
             self._contradicted.discard(donor)

@@ -7,13 +7,14 @@ from collections import Counter
 
 import pytest
 
-from dedloc.daemon.collab.donors import DonorChoice
+from dedloc.daemon.collab.donors import AVOID_STRETCH, DonorChoice
 
 DONORS = ["donor-a", "donor-b", "donor-c"]
 
 
 def choice(seed: int = 1, **kwargs: float) -> DonorChoice:
-    return DonorChoice(rng=random.Random(seed), **kwargs)
+    """A donor choice whose avoidances are not stretched (exact times), unless asked."""
+    return DonorChoice(rng=random.Random(seed), **{"avoid_stretch": 1.0, **kwargs})
 
 
 def test_empty_list_gives_none() -> None:
@@ -82,6 +83,19 @@ def test_a_failed_donor_is_tried_again_after_avoid_seconds() -> None:
     assert donors.pick(["donor-a", "donor-b"], now=159.9) == "donor-b"
     picks = Counter(donors.pick(["donor-a", "donor-b"], now=160.0) for _ in range(200))
     assert picks["donor-a"] > 0 and picks["donor-b"] > 0
+
+
+def test_peers_that_began_avoiding_a_donor_together_try_it_again_at_different_times() -> None:
+    # each draws its stretch: 7 trainers that passed over the same identities at one moment
+    # no longer all try them again in one round
+    ends = []
+    for seed in range(7):
+        donors = DonorChoice(avoid_seconds=60.0, rng=random.Random(seed))
+        donors.failed("liar", now=100.0)
+        ends.append(min(t / 10 for t in range(1000, 2000)
+                        if "liar" not in donors.failed_lately(t / 10)))
+    assert all(160.0 <= end <= 100.0 + 60.0 * AVOID_STRETCH for end in ends)
+    assert len(set(ends)) == len(ends)
 
 
 def test_waits_the_backoff_after_a_failure() -> None:
@@ -154,7 +168,7 @@ def test_failures_of_donors_no_longer_listed_do_not_matter() -> None:
 
 
 def test_donors_that_failed_lately_are_listed_for_avoid_seconds() -> None:
-    choice = DonorChoice(avoid_seconds=60.0)
+    choice = DonorChoice(avoid_seconds=60.0, avoid_stretch=1.0)
     choice.failed("a", 100.0)
     choice.failed("b", 130.0)
     assert choice.failed_lately(150.0) == {"a", "b"}
@@ -175,7 +189,7 @@ def test_failures_are_remembered_for_a_bounded_number_of_donors() -> None:
 def test_a_donor_that_fails_each_time_it_is_tried_is_avoided_longer_and_longer() -> None:
     # a liar claiming the head after ours that never serves it (or stalls every attempt) must
     # not be tried every minute: each failure since it last served doubles its avoidance
-    choice = DonorChoice(avoid_seconds=60.0, max_avoid_seconds=600.0)
+    choice = DonorChoice(avoid_seconds=60.0, max_avoid_seconds=600.0, avoid_stretch=1.0)
     choice.failed("liar", 100.0)  # (stamped when the attempt ended, by the caller)
     assert "liar" in choice.failed_lately(159.0) and "liar" not in choice.failed_lately(160.0)
     choice.failed("liar", 200.0)
