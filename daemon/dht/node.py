@@ -245,9 +245,7 @@ class DHTNode:
         known = self.config.replicas if start else count
         route = self._routes.get(key_id, count, asyncio.get_running_loop().time()) if latest else None
         if route is not None and start:
-            held = self._routes.held(key_id)  # (all of them that the route holds)
-            first = start % len(held)
-            route = [*held[first:], *held[:first]][:count]
+            route = _from_start(self._routes.held(key_id), start)[:count]  # (of all it holds)
         complete = True
         if route is None and latest and by_route:
             found = await self._read_found_route(key_id, key, deadline, count, known, start,
@@ -284,9 +282,7 @@ class DHTNode:
         held = result.closest[:self._routes.keep]
         if not result.finished or not held:
             return None
-        first = start % len(held)
-        found = await self._ask_route([*held[first:], *held[:first]], key, deadline,
-                                      min_expiration)
+        found = await self._ask_route(_from_start(held, start), key, deadline, min_expiration)
         if found is None:
             self._routes.forget(key_id)
         return found or None
@@ -344,3 +340,10 @@ class DHTNode:
 
     def _deadline(self, timeout: float | None) -> float:
         return asyncio.get_running_loop().time() + (timeout or self.config.lookup_timeout)
+
+
+def _from_start(nodes: list[Contact], start: int) -> list[Contact]:
+    """`nodes` beginning with the `start`-th (modulo their number), the others after in order:
+    readers that pass different `start`s spread over a key's nodes."""
+    first = start % len(nodes)
+    return [*nodes[first:], *nodes[:first]]

@@ -172,7 +172,8 @@ class Zygote:
         if len(pending.data) < HEADER.size + length:
             return None
         try:
-            order = parse_order(pending.data[HEADER.size:], pending.fds, self._namespaces)
+            request = pending.data[HEADER.size:HEADER.size + length]  # (not what follows it)
+            order = parse_order(request, pending.fds, self._namespaces)
         except RefusedRequest as exc:
             return self._refuse(conn, str(exc))
         return self._fork(conn, order)

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,11 +64,6 @@ def through_zygote(zygote: tuple[subprocess.Popen[bytes], Path],
                    monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setenv(ZYGOTE_ENV, str(zygote[1]))
     return zygote[0].pid
-
-
-def children_of(pid: int) -> list[int]:
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
 
 
 def parent_of(pid: int) -> int:
@@ -188,24 +182,22 @@ async def test_a_vanished_zygote_leaves_no_worker_behind(launch: Callable[..., A
         stop_zygote(process)
 
 
-@pytest.mark.parametrize("request_bytes", [
-    b"",                                  # hangs up at once
-    b"\x00\x00\x00\x05[1,2]",             # not an object
-    b"\xff\xff\xff\xffxx",                # a length over the bound
-    b"\x00\x00\x00\x20{\"argv\": 1, \"env\": {}, \"cwd\": \"/\"}",
+@pytest.mark.parametrize(("request_bytes", "reason"), [
+    (b"", b"hung up"),                                     # hangs up at once
+    (b"\x00\x00\x00\x05[1,2]", b"one JSON object"),        # not an object
+    (b"\xff\xff\xff\xffxx", b"over"),                       # a length over the bound
+    (b"\x00\x00\x00\x22{\"argv\": 1, \"env\": {}, \"cwd\": \"/\"}", b"argv"),  # (34 bytes)
 ])
 def test_a_bad_request_is_refused_and_the_zygote_serves_on(
-        zygote: tuple[subprocess.Popen[bytes], Path], request_bytes: bytes) -> None:
+        zygote: tuple[subprocess.Popen[bytes], Path], request_bytes: bytes, reason: bytes) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(SAFETY_TIMEOUT)
         sock.connect(str(zygote[1]))
         if request_bytes:
             socket.send_fds(sock, [request_bytes], [0, 1, 2])
         sock.shutdown(socket.SHUT_WR)
-        answer = sock.makefile("rb").readline()
-    assert b"pid" not in answer
-    if request_bytes:
-        assert b"error" in answer
+        answer = orjson.loads(sock.makefile("rb").readline())
+    assert "pid" not in answer and reason in answer["error"].encode(), answer
     assert zygote[0].poll() is None
     done = list_workloads({**os.environ, **THREAD_ENV, ZYGOTE_ENV: str(zygote[1])})
     assert done.returncode == 0, done.stderr
@@ -250,7 +242,7 @@ def test_a_forked_process_has_its_stand_ins_directory_environment_and_fresh_seed
 
 
 BREAKING_ZYGOTE = """
-import os, sys, time
+import os, signal, sys
 from dedloc.plugins.worker.zygote import main
 
 def run(argv):
@@ -258,8 +250,10 @@ def run(argv):
         os.close(1)
         os.close(2)
         raise RuntimeError("no one reads this")
-    time.sleep(120)
-    return 0
+    sys.stdout.write("forked\\n")
+    sys.stdout.flush()
+    while True:  # until the test's SIGTERM (its default action ends it)
+        signal.pause()
 
 sys.exit(main(sys.argv[1:], run_worker=run))
 """
@@ -272,19 +266,20 @@ def test_a_forked_process_that_fails_at_its_end_leaves_its_siblings_alone(short_
     process = start_zygote(socket_path, program=("-c", BREAKING_ZYGOTE))
     env = {**os.environ, **THREAD_ENV, ZYGOTE_ENV: str(socket_path)}
     command = [sys.executable, "-m", "dedloc.plugins.worker", "--socket", "x"]
-    sibling = subprocess.Popen([*command, "--sleep"], env=env, stdin=subprocess.DEVNULL)
+    sibling = subprocess.Popen([*command, "--wait"], env=env, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + SAFETY_TIMEOUT
-        while not children_of(process.pid):  # the sibling is forked first
-            assert time.monotonic() < deadline and sibling.poll() is None
-            time.sleep(0.05)
+        assert sibling.stdout is not None
+        assert sibling.stdout.readline() == b"forked\n"  # the sibling is forked first
         done = subprocess.run([*command, "--break"], env=env, capture_output=True,
                               timeout=SAFETY_TIMEOUT, check=False)
         assert done.returncode == 1
         assert process.poll() is None and sibling.poll() is None  # both still there
         sibling.terminate()
-        assert sibling.wait(SAFETY_TIMEOUT) == -signal.SIGTERM  # (sleep has no handler)
+        assert sibling.wait(SAFETY_TIMEOUT) == -signal.SIGTERM  # (pause has no handler)
     finally:
         sibling.kill()
         sibling.wait(SAFETY_TIMEOUT)
+        if sibling.stdout is not None:
+            sibling.stdout.close()
         stop_zygote(process)
