@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .. import timebase
 from .donors import DonorChoice
-from .errors import DonorBusy, LocalStateError, StateSyncError
+from .errors import DonorBusy, DonorContradicted, LocalStateError, StateSyncError
 from .pace import EpochPace
 from .policy import CatchUp, Wait
 from .ports import DownloadedState, StateSource, Trainer, TrainerRefused
@@ -68,7 +68,7 @@ class CatchingUp:
             return
         self.phase.set("downloading_state")
         try:
-            state = await self.states.download(donor)
+            state = await self.states.download(donor, action.head)
         except DonorBusy as exc:  # mid-round: its state is about to move on; ask again soon
             self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
             self._schedule_look(0.0)
@@ -79,6 +79,11 @@ class CatchingUp:
             self._log.warning("state_download_impossible", donor=donor[:12], error=str(exc))
             await self._wait(Wait(timebase.now() + UNANSWERED_RETRY_SECONDS * 30,
                                   "no_room_for_state"))
+            return
+        except DonorContradicted as exc:  # (as StateContradictsReport below, without the download)
+            p.failed_state_downloads += 1
+            self.donors.failed(donor, timebase.monotonic(), contradicted=True)
+            self._log.warning("downloaded_state_refused", donor=donor[:12], error=str(exc))
             return
         except StateSyncError as exc:
             p.failed_state_downloads += 1

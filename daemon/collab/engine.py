@@ -46,10 +46,12 @@ from .policy import (
     View,
     Wait,
     decide,
+    majority_at,
     round_key,
 )
 from .ports import DownloadedState, ProgressBoard, RoundAverager, StateSource, Trainer
 from .progress import PeerProgress, Role
+from .round_hold import RoundHold
 from .round_taking import HISTORY, RoundTaking
 from .run_progress import IN_ROUND, Phase, PhaseCell, RunProgress
 
@@ -113,6 +115,8 @@ class RunEngine(RoundTaking, CatchingUp):
         self.step_overhead: float | None = None
         self.paused_reason: str | None = None
         self.donors = donors or DonorChoice()
+        self._hold = RoundHold()  # our round before a new head ahead (round_hold.py)
+        self._held: frozenset[str] = frozenset()  # the peers it holds now
         self.started_at = timebase.now()
         self._stop = asyncio.Event()
         self._next_look = 0.0  # monotonic
@@ -250,12 +254,22 @@ class RunEngine(RoundTaking, CatchingUp):
             self.phase.set("syncing")
             self._reports, received = await self.board.read()
             self._received = dict(received)
-        now = timebase.now()
-        run = estimate_global(self._reports, target_batch_size=self.schedule.target_batch_size,
-                              now=now, own=own, stale_after=STALE_AFTER, received=self._received,
-                              max_epoch=self.pace.bound(timebase.monotonic()),
-                              unserved=self.donors.failed_lately(timebase.monotonic()),
-                              contradicted=self.donors.contradicted_lately(timebase.monotonic()))
+        now, mono = timebase.now(), timebase.monotonic()
+        avoided = self.donors.failed_lately(mono)
+        tries = self.progress.rounds + self.progress.failed_rounds + self.progress.rounds_sat_out
+        held = self._hold.held(self.head, tries, (r.peer_id for r in self._reports)) \
+            - avoided - {self.peer_id} if self.role == "trainer" else frozenset()
+        run = self._estimate(now, own, mono, avoided | held)
+        refused = self.averaging.refused(run.donors)
+        if held and not majority_at(run, self.head, self.schedule, refused):
+            held = frozenset()  # they stepped, and are the run now: follow them
+            run = self._estimate(now, own, mono, avoided)
+            refused = self.averaging.refused(run.donors)
+        if self.role == "trainer":
+            majority = majority_at(run, self.head, self.schedule, refused)
+            self._hold.looked(self.head, tries, {*run.donors, *(p for _, ps in run.ahead for p in ps)}
+                              if majority else None)
+        self._held = held
         self.global_progress = run
         self._note_disbelieved(run)
         if self.role == "aux":  # an aux peer is where it last saw the run
@@ -292,12 +306,22 @@ class RunEngine(RoundTaking, CatchingUp):
                     self._averaged, self.averaging.refused(run.donors))
         return view, read
 
+    def _estimate(self, now: float, own: PeerProgress, mono: float,
+                  unserved: frozenset[str]) -> GlobalProgress:
+        """The run from the last read of the board (estimate.py), not believing `unserved` ahead."""
+        return estimate_global(self._reports, target_batch_size=self.schedule.target_batch_size,
+                               now=now, own=own, stale_after=STALE_AFTER, received=self._received,
+                               max_epoch=self.pace.bound(mono), unserved=unserved,
+                               contradicted=self.donors.contradicted_lately(mono))
+
     def _note_disbelieved(self, run: GlobalProgress) -> None:
         """Count and log, once each time they come to claim it, the peers whose reports the
         estimate did not believe: past our pace of the run (`reports_beyond_pace`, pace.py), or
-        ahead of us with a state that failed us lately (`reports_unserved`, donors.py)."""
+        ahead of us with a state that failed us lately (`reports_unserved`, donors.py; not those
+        held only until our round is tried, round_hold.py)."""
+        unserved = tuple(p for p in run.unserved_ahead if p not in self._held)
         for counter, peers in (("reports_beyond_pace", run.beyond_pace),
-                               ("reports_unserved", run.unserved_ahead)):
+                               ("reports_unserved", unserved)):
             current = frozenset(peers)
             new = current - self._disbelieved.get(counter, frozenset())
             self._disbelieved[counter] = current

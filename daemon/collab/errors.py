@@ -17,6 +17,11 @@ class LocalStateError(StateSyncError):
     """This peer cannot take a state (too little free shared memory): not the donor's fault."""
 
 
+class DonorContradicted(StateSyncError):
+    """The donor's state header names a head behind, or beside, the one it reported holding: its
+    own word against it. Refused before the state itself is downloaded."""
+
+
 class DonorBusy(StateSyncError):
     """The donor is mid-round or serving others: not a failure, ask again shortly."""
 

@@ -89,6 +89,7 @@ __all__ = [
     "View",
     "Wait",
     "decide",
+    "majority_at",
     "needed_trainers",
     "quorum_base",
     "round_key",
@@ -241,7 +242,7 @@ def decide(view: View) -> Action:
         return _finished(view)
     look = next_report_delay(run, local.samples_per_second, min_delay=timing.min_look,
                              max_delay=timing.max_look)
-    here = run.trainers_at_epoch - len(view.refused.intersection(run.donors))
+    here = _here(run, view.refused)
     if local.role == "aux":
         if run.ready and here >= schedule.min_peers and view.averaged != run.head:
             settling = _settling(view, run.trainers_at_epoch + run.live_aux)  # (as the grid lays out)
@@ -291,6 +292,22 @@ def decide(view: View) -> Action:
         return Wait(now + look, "waiting for a trainer at the run's head")
     # ahead: our step is not confirmed yet; what we accumulate counts once it is
     return Train(_chunk(local, schedule.target_batch_size - local.accumulated, look), look)
+
+
+def _here(run: GlobalProgress, refused: frozenset[str]) -> int:
+    """The trainers at the run's head that this peer's averaging does not refuse."""
+    return run.trainers_at_epoch - len(refused.intersection(run.donors))
+
+
+def majority_at(run: GlobalProgress, head: Head, schedule: Schedule,
+                refused: frozenset[str] = frozenset()) -> bool:
+    """Whether a trainer at `head` has a round there that may be stepped on, once the run reaches
+    its target: `head` is the run's, and the trainers there that it does not refuse are enough
+    (`min_peers`) and a majority of the run's (`quorum_base`)."""
+    if head != run.head:
+        return False
+    here = _here(run, refused)
+    return here >= schedule.min_peers and 2 * here > quorum_base(run)
 
 
 def _stranded(view: View, base: int) -> CatchUp | None:

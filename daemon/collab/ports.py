@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..averaging.report import AveragingReport
+from .estimate import Head
 from .progress import PeerProgress, Role
 
 __all__ = [
@@ -122,8 +123,9 @@ class StateDonor(Protocol):
 
 
 class StateSource(Protocol):
-    async def download(self, donor: str) -> DownloadedState:
-        """The state `donor` holds now; StateSyncError (DonorBusy when it is busy)."""
+    async def download(self, donor: str, expect: Head | None = None) -> DownloadedState:
+        """The state `donor` holds now; StateSyncError (DonorBusy when it is busy,
+        DonorContradicted when it offers a state behind or beside `expect`, the head it reported)."""
 
     async def witness(self, peer: str, state: DownloadedState) -> bool | None:
         """Whether `peer`, at the state's head, holds parameters that agree with the state's

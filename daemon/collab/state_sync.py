@@ -38,7 +38,8 @@ from .. import timebase
 from ..net import Message, PeerTransport, RequestContext, Stream, TransportError
 from ..workers.buffers import SharedBuffer
 from .engine import IN_ROUND
-from .errors import DonorBusy, LocalStateError, StateSyncError
+from .errors import DonorBusy, DonorContradicted, LocalStateError, StateSyncError
+from .estimate import Head
 from .lineage import is_lineage
 from .membership import MembershipRegistry, NotAMember
 from .ports import DownloadedState, StateBuffer, StateDonor
@@ -228,10 +229,16 @@ class StateSharing:
 async def download_state(transport: PeerTransport, donor: str, key: str, token: str | None = None,
                          *, allocate: Callable[[int], StateBuffer] = SharedBuffer,
                          max_numel: int = MAX_STATE_BYTES // 4,
-                         free_bytes: Callable[[], int | None] = shared_memory_free) -> DownloadedState:
+                         free_bytes: Callable[[], int | None] = shared_memory_free,
+                         expect: Head | None = None) -> DownloadedState:
     """Fetch a run's state from `donor` (a closed run's with our membership `token`) into a
     buffer of `allocate(numel)`, refusing a header of more than `max_numel` elements or than
-    `free_bytes()` can hold; StateSyncError (and nothing half-loaded) on failure."""
+    `free_bytes()` can hold; StateSyncError (and nothing half-loaded) on failure.
+    `expect`: the head the donor reported; a header behind it or beside it (its epoch on another
+    lineage) is refused before the state is downloaded (DonorContradicted: a donor's state only
+    moves on from what it reported; before, the whole state came first, and a trainer whose round
+    was forming spent that time on the state of an identity lying about its head, and missed the
+    round)."""
     header = {"key": key} if token is None else {"key": key, "token": token}
     try:
         stream = await transport.open_stream(donor, METHOD, header, timeout=15)
@@ -251,6 +258,11 @@ async def download_state(transport: PeerTransport, donor: str, key: str, token: 
             or not all(isinstance(p, str) and 0 < len(p) <= MAX_PEER_ID for p in group):
         await stream.abort("malformed header")
         raise StateSyncError(f"{donor[:12]} sent a malformed state header")
+    if expect is not None and (epoch < expect.epoch
+                               or (epoch == expect.epoch and lineage != expect.lineage)):
+        await stream.abort("not the head you reported")
+        raise DonorContradicted(f"the donor reported the run's head (epoch {expect.epoch}) but "
+                                f"offered a state at epoch {epoch}, lineage {lineage}")
     free = free_bytes()
     if numel > max_numel:  # (an honest donor's state is the size of our model's)
         await stream.abort("state too large")
@@ -301,10 +313,11 @@ class NetworkStates:
         # (the free shared memory bounds only what goes there; the simulator's buffers do not)
         self.free_bytes = shared_memory_free if allocate is SharedBuffer else (lambda: None)
 
-    async def download(self, donor: str) -> DownloadedState:
+    async def download(self, donor: str, expect: Head | None = None) -> DownloadedState:
         return await download_state(self.transport, donor, self.key,
                                     self.membership.credential(self.key), allocate=self.allocate,
-                                    max_numel=self.max_numel, free_bytes=self.free_bytes)
+                                    max_numel=self.max_numel, free_bytes=self.free_bytes,
+                                    expect=expect)
 
     async def witness(self, peer: str, state: DownloadedState) -> bool | None:
         """Whether `peer`, at the state's head, holds parameters that agree with the state's

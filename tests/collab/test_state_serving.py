@@ -14,7 +14,8 @@ from averaging.fake_transport import HandlerTransport
 
 from dedloc.daemon.collab import state_sync
 from dedloc.daemon.collab.engine import PhaseCell, RunProgress
-from dedloc.daemon.collab.errors import DonorBusy, StateSyncError
+from dedloc.daemon.collab.errors import DonorBusy, DonorContradicted, StateSyncError
+from dedloc.daemon.collab.estimate import Head
 from dedloc.daemon.collab.lineage import initial_lineage, next_lineage
 from dedloc.daemon.collab.ports import DownloadedState
 from dedloc.daemon.collab.state_sync import StateSharing, download_state
@@ -74,6 +75,34 @@ def test_a_donor_mid_round_serves_the_state_it_steps_to() -> None:
         assert (state.epoch, state.lineage) == (4, next_lineage(L0, "group"))
         np.testing.assert_array_equal(state.buffer.array, np.arange(1000, dtype=np.float32) + 1)
         assert state.meta == {"layout": "flat"}
+        await asking.close()
+        await serving.close()
+
+    run_virtual(main())
+
+
+def test_a_header_behind_or_beside_the_reported_head_is_refused_before_the_state() -> None:
+    # a donor that reported (5, another lineage) but holds (3, L0): its own word against it,
+    # refused on its header, before a byte of the state is allocated (the whole state came
+    # first, and a trainer whose round was forming spent that time on it)
+    async def main() -> None:
+        donor = Donor()
+        serving, asking = await _pair(donor)
+        allocated: list[int] = []
+
+        def allocate(numel: int) -> ArrayBuffer:
+            allocated.append(numel)
+            return ArrayBuffer(numel)
+
+        for reported in (Head(5, L0), Head(3, next_lineage(L0, "elsewhere"))):
+            with pytest.raises(DonorContradicted, match="reported the run's head"):
+                await download_state(asking, serving.peer_id, KEY, allocate=allocate,
+                                     expect=reported)
+        assert allocated == []
+        # where it moved on past what it reported (a round since), the state is taken
+        state = await download_state(asking, serving.peer_id, KEY, allocate=allocate,
+                                     expect=Head(2, next_lineage(L0, "earlier")))
+        assert (state.epoch, state.lineage) == (3, L0) and allocated == [1000]
         await asking.close()
         await serving.close()
 

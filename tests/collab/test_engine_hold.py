@@ -1,0 +1,209 @@
+"""A trainer at a head a majority holds tries its round there before it believes a new head ahead
+(round_hold.py), and believes at once the peers it saw at its own head step.
+
+The engine runs on the simulator's virtual clock with in-memory ports: a board of 6 other
+trainers at the trainer's head (epoch 2) that reach the target after a dozen seconds, and a
+script of other reports that appear 3 s in. What is checked is the order of what the engine
+does: its round at its head, or a download of the state ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dedloc.daemon import timebase
+from dedloc.daemon.averaging.report import AveragingReport
+from dedloc.daemon.collab.engine import RunEngine, RunProgress
+from dedloc.daemon.collab.errors import DonorContradicted
+from dedloc.daemon.collab.estimate import Head
+from dedloc.daemon.collab.policy import Schedule
+from dedloc.daemon.collab.ports import DownloadedState, Trained
+from dedloc.daemon.collab.progress import PeerProgress
+from dedloc.daemon.collab.round_hold import RoundHold
+from dedloc.sim.clock import SkewedClock
+from dedloc.sim.loop import run_virtual
+
+OURS = "a" * 32  # the lineage of the trainer's head, (2, OURS)
+THEIRS = "b" * 32  # a head (3, THEIRS) that others come to report
+TARGET = 240
+APPEAR_AT = 3.0  # virtual seconds after the start: the script's reports appear
+GONE_AT = 6.0  # ... and those of the peers the script removes disappear
+
+
+@dataclass
+class ScriptedBoard:
+    """`honest` trainers at (2, OURS), 2 samples a second each; from APPEAR_AT on, `ahead`
+    report (3, THEIRS) instead (or besides, where they are not among `honest`)."""
+
+    honest: list[str]
+    ahead: list[str]
+    started: float = 0.0
+    gone: list[str] = field(default_factory=list)  # of `honest`: no longer report from GONE_AT
+
+    async def publish(self, report: PeerProgress) -> None:
+        return None
+
+    async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
+        now = timebase.now()
+        t = asyncio.get_running_loop().time() - self.started
+        late = t >= APPEAR_AT
+        reports = [PeerProgress(peer, 3, 0, 2.0, now, now + 30.0, "trainer", 1, lineage=THEIRS)
+                   for peer in self.ahead if late]
+        moved = {r.peer_id for r in reports}
+        reports += [PeerProgress(peer, 2, int(2 * t), 2.0, now, now + 30.0, "trainer", 1,
+                                 lineage=OURS) for peer in self.honest
+                    if peer not in moved and not (t >= GONE_AT and peer in self.gone)]
+        return reports, {r.peer_id: now for r in reports}
+
+    async def leave(self, report: PeerProgress) -> None:
+        return None
+
+
+@dataclass
+class RecordingAverager:
+    """Flat rounds; each fails (a round that nobody stepped on). Notes when each began."""
+
+    rounds: list[tuple[float, str]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)  # rounds and downloads, in order
+
+    @property
+    def max_group_size(self) -> int:
+        return 0
+
+    async def average(self, vector: np.ndarray, key: str, **options: object) -> AveragingReport | None:
+        self.rounds.append((asyncio.get_running_loop().time(), key))
+        self.events.append("round")
+        return None
+
+    def refused(self, peers: object) -> frozenset[str]:
+        return frozenset()
+
+    async def roster_published(self, key: str, trainers: Collection[str], *,
+                               timeout: float) -> bool:
+        return False
+
+
+@dataclass
+class RefusingStates:
+    """Every donor offers a state beside the head it reported; the first download ends the run."""
+
+    engine: RunEngine | None = None
+    downloads: list[tuple[float, str, Head | None]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+
+    async def download(self, donor: str, expect: Head | None = None) -> DownloadedState:
+        self.downloads.append((asyncio.get_running_loop().time(), donor, expect))
+        self.events.append("download")
+        assert self.engine is not None
+        self.engine.stop()
+        raise DonorContradicted(f"{donor} offered another head")
+
+    async def witness(self, peer: str, state: DownloadedState) -> bool | None:
+        return None
+
+
+class CountingTrainer:
+    """A trainer of 10 samples a second; its gradients are zeros."""
+
+    async def train(self, samples: int, seconds: float) -> Trained:
+        done = max(1, min(samples, int(10 * seconds)))
+        await asyncio.sleep(done / 10.0)
+        return Trained(done, 1.0, 10.0)
+
+    async def export_gradients(self) -> np.ndarray:
+        return np.zeros(8, dtype=np.float32)
+
+    async def step(self, epoch: int) -> float | None:
+        return 0.1
+
+    async def zero_grad(self) -> None:
+        return None
+
+    async def settle_residual(self, residual: np.ndarray) -> None:
+        return None
+
+    async def export_state(self) -> DownloadedState:
+        raise NotImplementedError("no donations in this test")
+
+
+def run_engine(honest: list[str], ahead: list[str], gone: list[str] | None = None,
+               ) -> tuple[RecordingAverager, RefusingStates, float]:
+    """One trainer at (2, OURS) until its first download; its rounds, its downloads, and the
+    virtual second it started."""
+
+    async def main() -> tuple[RecordingAverager, RefusingStates, float]:
+        loop = asyncio.get_running_loop()
+        timebase.use(SkewedClock(loop))
+        board = ScriptedBoard(honest, ahead, started=loop.time(), gone=gone or [])
+        averager = RecordingAverager()
+        states = RefusingStates(events=averager.events)
+        engine = RunEngine(peer_id="peer-me", role="trainer", schedule=Schedule(TARGET),
+                           board=board, averaging=averager, states=states,
+                           trainer=CountingTrainer(),
+                           progress=RunProgress(epoch=2, lineage=OURS, rounds=2), parameters=8)
+        states.engine = engine
+        assert await asyncio.wait_for(engine.run(), timeout=3600) == "stopped"
+        return averager, states, board.started
+
+    return run_virtual(main())
+
+
+HONEST = [f"honest-{i}" for i in range(6)]
+LIARS = [f"liar-{i}" for i in range(5)]
+
+
+def test_a_new_head_ahead_waits_until_the_round_at_our_head_was_tried() -> None:
+    # 5 identities of 12 report (3, THEIRS) from 3 s in: a third, so the run's head for an
+    # estimate that believes them. The trainer's own head is held by 7 of 12, a majority: it
+    # averages there first (the round fails here), and only then tries their state
+    averager, states, started = run_engine(HONEST, LIARS)
+    assert averager.rounds, "it left its head before its round there"
+    (began, key), *_ = averager.rounds
+    assert key.startswith("grad/2/")
+    assert len(states.downloads) == 1
+    downloaded_at, donor, expect = states.downloads[0]
+    assert donor in LIARS and expect == Head(3, THEIRS)
+    assert averager.events == ["round", "download"]  # (both at one virtual instant)
+    assert states.engine is not None  # its header contradicted the report: passed over as such
+    assert states.engine.progress.failed_state_downloads == 1
+    assert donor in states.engine.donors.contradicted_lately(downloaded_at)  # (virtual clock)
+    assert began > started + APPEAR_AT + 5.0  # (it had seen them for seconds before the round)
+
+
+def test_peers_seen_at_our_head_that_report_a_step_are_followed_at_once() -> None:
+    # 5 of 11 trainers at the head report stepping to (3, THEIRS) 3 s in, long before the run's
+    # target (no round of ours could have been stepped on): the trainer saw them at its own head,
+    # so it believes them at once (a step is confirmed by the first third that report it)
+    everyone = HONEST + LIARS
+    averager, states, started = run_engine(everyone, LIARS)
+    assert averager.events == ["download"]
+    downloaded_at, donor, expect = states.downloads[0]
+    assert donor in LIARS and expect == Head(3, THEIRS)
+    assert downloaded_at < started + APPEAR_AT + 5.0  # (the next look: at most max_look)
+
+
+def test_a_hold_ends_when_the_trainers_at_our_head_are_no_longer_a_majority() -> None:
+    # as above, but 4 of the 6 other trainers at the head leave 6 s in: 3 of 8 are no majority,
+    # no round of ours could be stepped on, and the trainer follows the head ahead at once
+    averager, states, started = run_engine(HONEST, LIARS, gone=HONEST[:4])
+    assert averager.events == ["download"]
+    downloaded_at, donor, expect = states.downloads[0]
+    assert donor in LIARS and expect == Head(3, THEIRS)
+    assert started + GONE_AT <= downloaded_at < started + GONE_AT + 5.0
+
+
+def test_the_hold_keeps_who_was_known_and_ends_with_a_try_or_a_lost_majority() -> None:
+    hold, head = RoundHold(), Head(2, OURS)
+    assert hold.held(head, 0, ["a", "b"]) == frozenset()  # nothing looked at yet
+    hold.looked(head, 0, {"a"})
+    assert hold.held(head, 0, ["a", "b", "c"]) == {"b", "c"}
+    assert hold.held(Head(3, OURS), 0, ["b"]) == frozenset()  # another head
+    assert hold.held(head, 1, ["b"]) == frozenset()  # a round was tried since
+    hold.looked(head, 0, {"a"})  # (the engine keeps the held peers out of what it knew)
+    assert hold.held(head, 0, ["b"]) == {"b"}
+    hold.looked(head, 0, None)  # a look without a majority at our head
+    assert hold.held(head, 0, ["b"]) == frozenset()
