@@ -5,8 +5,9 @@ fold them into the run's estimate (estimate.py), `decide` (policy.py), and carry
 through the ports (ports.py): train the `Trainer`, average through the `RoundAverager` (then step,
 and average the state when due), download a state from the `StateSource`, wait, or leave.
 Trainers and aux peers, collaborative and local runs are the same engine with other ports.
-Taking part in a round (the `Average` action: export, average, step, the state round, an
-aux peer's reduction) is in round_taking.py, and catching up (a state download checked by
+Looking (the board read, the estimate as far as it is believed, the view) is in looking.py,
+taking part in a round (the `Average` action: export, average, step, the state round, an
+aux peer's reduction) in round_taking.py, and catching up (a state download checked by
 witnesses) in catching_up.py: parts of the engine kept apart; what it has done and its phase
 are in run_progress.py.
 
