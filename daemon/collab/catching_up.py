@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["UNANSWERED_RETRY_SECONDS", "CatchingUp"]
 
 UNANSWERED_RETRY_SECONDS = 1.0  # after a state that no witness could check, before asking again
+BUSY_WAIT_SECONDS = 0.5  # after a donor's "busy", before asking one again
 
 
 class StateContradictsReport(TrainerRefused):
@@ -69,8 +70,16 @@ class CatchingUp:
         self.phase.set("downloading_state")
         try:
             state = await self.states.download(donor, action.head)
-        except DonorBusy as exc:  # mid-round: its state is about to move on; ask again soon
-            self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
+        except DonorBusy as exc:  # serving others, or in a long round: ask again soon
+            now = timebase.monotonic()
+            if self.donors.busy(donor, now):  # only busy for a while: a failure (donors.py)
+                p.failed_state_downloads += 1
+                self._log.warning("state_donor_always_busy", donor=donor[:12], error=str(exc),
+                                  retry_in=round(self.donors.wait(now), 2))
+            else:
+                self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
+            self.phase.set("waiting")
+            await self._wait(Wait(timebase.now() + BUSY_WAIT_SECONDS, "the donor is busy"))
             self._schedule_look(0.0)
             return
         except LocalStateError as exc:  # not the donor's fault: no avoiding it

@@ -25,7 +25,12 @@ class DonorChoice:
     `avoid_seconds` (stretched by a factor drawn per failure from 1 to `avoid_stretch`: peers
     that began avoiding a donor at one moment do not all try it again in one round), and
     waiting `backoff` seconds (doubling per failure in a row, at most `max_backoff`) after a
-    failure before trying again. A donor that understates what it served
+    failure before trying again. A donor that has answered only "busy" for `busy_patience`
+    seconds (it never served us since its first busy answer) failed us: "busy" costs nothing
+    and says nothing, so an identity that answers it to everyone was asked again and again,
+    about 20 times a second, and believed ahead all the while (the trainer never trained
+    again); an honest donor is busy only while it serves two others or waits out a round of
+    more than 20 s (state_sync.py). A donor that understates what it served
     is drawn as often as the others and wins its pairs: it serves up to twice its share."""
 
     avoid_seconds: float = 60.0
@@ -33,6 +38,7 @@ class DonorChoice:
     backoff: float = 0.5
     max_backoff: float = 30.0
     max_avoid_seconds: float = 1800.0
+    busy_patience: float = 30.0
     rng: random.Random = field(default_factory=random.Random)
     _failed_at: dict[str, float] = field(default_factory=dict)
     _failures: dict[str, int] = field(default_factory=dict)  # of each donor, since it last served
@@ -42,6 +48,7 @@ class DonorChoice:
     # donors whose last failure was a state that contradicted their own report (the head they
     # reported is not the one they sent): their own word against them, not our network
     _contradicted: set[str] = field(default_factory=set)
+    _busy_since: dict[str, float] = field(default_factory=dict)  # first "busy" since it served
 
     def pick(self, donors: list[str], now: float,
              served: Mapping[str, int] | None = None) -> str | None:
@@ -70,10 +77,25 @@ class DonorChoice:
         meanwhile)."""
         return frozenset(d for d, at in self._failed_at.items() if now - at < self._avoid(d))
 
+    def failed_since_served(self) -> frozenset[str]:
+        """The donors that failed us since they last served us (avoided now or not)."""
+        return frozenset(self._failures)
+
     def contradicted_lately(self, now: float) -> frozenset[str]:
         """The donors avoided now whose last failure was a state that contradicted the head they
         reported (estimate.py does not believe their heads ahead of a newcomer's either)."""
         return self.failed_lately(now) & self._contradicted
+
+    def busy(self, donor: str, now: float) -> bool:
+        """`donor` answered "busy" at `now`; True where that makes it a failure (it has answered
+        only that for `busy_patience` seconds): then it is avoided as `failed` says."""
+        if donor not in self._busy_since and len(self._busy_since) >= MAX_REMEMBERED:
+            self._busy_since.clear()  # (identities are free: start over rather than grow)
+        since = self._busy_since.setdefault(donor, now)
+        if now - since < self.busy_patience:
+            return False
+        self.failed(donor, now)
+        return True
 
     def failed(self, donor: str, now: float, *, contradicted: bool = False) -> None:
         """`donor` failed us; `now`: when the attempt ended (one that stalled for a minute is
@@ -91,6 +113,7 @@ class DonorChoice:
         else:
             self._contradicted.discard(donor)
         self._failed_at[donor] = now
+        self._busy_since.pop(donor, None)
         self._stretch[donor] = 1.0 + (self.avoid_stretch - 1.0) * self.rng.random()
         self._failures[donor] = self._failures.get(donor, 0) + 1
         self._failures_in_a_row += 1
@@ -113,3 +136,4 @@ class DonorChoice:
             self._failures.pop(donor, None)
             self._stretch.pop(donor, None)
             self._contradicted.discard(donor)
+            self._busy_since.pop(donor, None)

@@ -140,8 +140,14 @@ class Looking:
             refused = self.averaging.refused(run.donors)
         if self.role == "trainer":
             majority = majority_at(run, self.head, self.schedule, refused)
-            self._hold.looked(self.head, tries, {*run.donors, *(p for _, ps in run.ahead for p in ps)}
-                              if majority else None)
+            # (a donor that failed us is never exempt: reporting our head, then the next epoch
+            # as our round forms, would otherwise pass the hold)
+            known = {*run.donors, *(p for _, ps in run.ahead for p in ps)} \
+                - self.donors.failed_since_served()
+            self._hold.looked(self.head, tries, known if majority else None)
+        if held != self._held and held:
+            self._log.debug("reports_held", peers=sorted(p[:12] for p in held - self._held),
+                            epoch=self.progress.epoch)
         self._held = held
         return run, refused
 

@@ -8,7 +8,12 @@ its estimate, or new ones join them. The trainer then leaves the round it was ab
 download their state, which they cannot serve; the donor waits out its own round before it
 answers, and the round is over when the trainer comes back to it. In the simulator's
 40 %-next-liars scenario (12 trainers) one of the 7 honest trainers missed a round this way
-(donors.py's stretch of avoidances made it rarer; this rules it out).
+(donors.py's stretch of avoidances made it rarer). A peer that failed us since it last
+served us is never exempt: otherwise an identity could report our head, and so be seen there,
+and jump to the next epoch as our round forms. What the hold does not cover: a round of ours
+that fails ends it at once, so a trainer whose round failed believes everyone ahead again (and
+retries the round only after it has tried them); and an identity that never failed us yet can
+still use the exemption once.
 
 Now, after a look at which this trainer's head is the run's and held by a majority of the
 run's trainers (policy.py, `majority_at`: its round there may be stepped on), a peer that comes
@@ -16,11 +21,15 @@ to report a head ahead is not believed (estimate.py's `unserved`) unless the tra
 its own head at that look, or already believed it ahead, for as long as the trainer has not
 tried a round at its head since (a success moves the head; a failure ends the hold).
 
-An honest step is never held up by it: the trainers that stepped on a round were at this head
-at the last look (they are believed at once, as before), and a round may be stepped on only by
-a majority of the run's trainers, which are counted whether believed or not. So where peers
-ahead truly stepped without this trainer, those left at its head are no majority, and the
-engine drops the hold and follows them.
+An honest step is held up by it only where views differ. The trainers that stepped on a round
+were at this head at the last look (they are believed at once, as before), and a round may be
+stepped on only by a majority of the run's trainers, which are counted whether believed or not:
+where peers ahead truly stepped without this trainer, those left at its head are no majority,
+and the engine drops the hold and follows them. That rests on this trainer's view: where its
+last read missed every trainer that stepped, and it sees more trainers at its head than the
+stepping round counted (newcomers, peers back from a pause), it goes on to its own round at
+the old head; should that round step too, two lineages hold the epoch, and the one more hold
+wins (estimate.py), as after any partial round.
 """
 
 from __future__ import annotations

@@ -204,3 +204,31 @@ def test_a_donor_that_fails_each_time_it_is_tried_is_avoided_longer_and_longer()
     assert "liar" not in choice.failed_lately(800.0)
     choice.failed("liar", 900.0)
     assert "liar" not in choice.failed_lately(960.0)
+
+
+def test_a_donor_that_answers_only_busy_for_its_patience_failed() -> None:
+    donors = choice(busy_patience=30.0)
+    assert not donors.busy("donor-a", now=0.0)
+    assert not donors.busy("donor-a", now=29.0)  # busy for a while: no failure yet
+    assert donors.failed_lately(29.0) == frozenset()
+    assert donors.busy("donor-a", now=30.0)  # busy for 30 s: a failure, avoided as one
+    assert donors.failed_lately(30.0) == {"donor-a"}
+    assert not donors.busy("donor-a", now=31.0)  # (its patience starts over)
+
+
+def test_a_donor_that_served_us_starts_its_patience_over() -> None:
+    donors = choice(busy_patience=30.0)
+    donors.busy("donor-a", now=0.0)
+    donors.succeeded("donor-a")
+    assert not donors.busy("donor-a", now=40.0)
+    assert not donors.busy("donor-a", now=69.0)
+    assert donors.busy("donor-a", now=70.0)
+
+
+def test_busy_answers_are_remembered_for_a_bounded_number_of_donors() -> None:
+    from dedloc.daemon.collab.donors import MAX_REMEMBERED
+
+    donors = choice()
+    for i in range(3 * MAX_REMEMBERED):
+        donors.busy(f"identity-{i}", now=float(i))
+    assert len(donors._busy_since) <= MAX_REMEMBERED

@@ -17,8 +17,9 @@ import numpy as np
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.report import AveragingReport
+from dedloc.daemon.collab.catching_up import BUSY_WAIT_SECONDS
 from dedloc.daemon.collab.engine import RunEngine, RunProgress
-from dedloc.daemon.collab.errors import DonorContradicted
+from dedloc.daemon.collab.errors import DonorBusy, DonorContradicted
 from dedloc.daemon.collab.estimate import Head
 from dedloc.daemon.collab.policy import Schedule
 from dedloc.daemon.collab.ports import DownloadedState, Trained
@@ -131,6 +132,7 @@ class CountingTrainer:
 
 
 def run_engine(honest: list[str], ahead: list[str], gone: list[str] | None = None,
+               failed_before: list[str] | None = None,
                ) -> tuple[RecordingAverager, RefusingStates, float]:
     """One trainer at (2, OURS) until its first download; its rounds, its downloads, and the
     virtual second it started."""
@@ -146,6 +148,8 @@ def run_engine(honest: list[str], ahead: list[str], gone: list[str] | None = Non
                            trainer=CountingTrainer(),
                            progress=RunProgress(epoch=2, lineage=OURS, rounds=2), parameters=8)
         states.engine = engine
+        for peer in failed_before or []:  # (long ago: no longer avoided)
+            engine.donors.failed(peer, loop.time() - 1000.0)
         assert await asyncio.wait_for(engine.run(), timeout=3600) == "stopped"
         return averager, states, board.started
 
@@ -186,6 +190,15 @@ def test_peers_seen_at_our_head_that_report_a_step_are_followed_at_once() -> Non
     assert downloaded_at < started + APPEAR_AT + 5.0  # (the next look: at most max_look)
 
 
+def test_peers_that_failed_us_are_held_even_where_they_reported_our_head() -> None:
+    # as above, but those 5 failed a download of ours before (no longer avoided): they could
+    # report our head only to pass for steppers and jump ahead as our round forms; they are held
+    averager, _, started = run_engine(HONEST + LIARS, LIARS, failed_before=LIARS)
+    assert averager.events == ["round", "download"]
+    (began, key), *_ = averager.rounds
+    assert key.startswith("grad/2/") and began > started + APPEAR_AT + 5.0
+
+
 def test_a_hold_ends_when_the_trainers_at_our_head_are_no_longer_a_majority() -> None:
     # as above, but 4 of the 6 other trainers at the head leave 6 s in: 3 of 8 are no majority,
     # no round of ours could be stepped on, and the trainer follows the head ahead at once
@@ -207,3 +220,46 @@ def test_the_hold_keeps_who_was_known_and_ends_with_a_try_or_a_lost_majority() -
     assert hold.held(head, 0, ["b"]) == {"b"}
     hold.looked(head, 0, None)  # a look without a majority at our head
     assert hold.held(head, 0, ["b"]) == frozenset()
+
+
+def test_identities_that_answer_busy_to_every_download_are_passed_over_in_the_end() -> None:
+    # the 5 identities of the first test answer every download "busy" (no header, no failure):
+    # the trainer asked them again and again, ~20 times a second, believed them ahead all the
+    # while and never trained again. Now one that has answered only "busy" for 30 s failed
+    # (donors.py), and the trainer goes back to its rounds
+    class BusyStates(RefusingStates):
+        async def download(self, donor: str, expect: Head | None = None) -> DownloadedState:
+            self.downloads.append((asyncio.get_running_loop().time(), donor, expect))
+            self.events.append("download")
+            await asyncio.sleep(0.05)
+            raise DonorBusy(f"{donor} is busy")
+
+    class SlowAverager(RecordingAverager):  # (a failed round that takes no time loops at once)
+        async def average(self, vector: np.ndarray, key: str,
+                          **options: object) -> AveragingReport | None:
+            await asyncio.sleep(5.0)
+            return await super().average(vector, key, **options)
+
+    async def main() -> tuple[SlowAverager, BusyStates, RunEngine]:
+        loop = asyncio.get_running_loop()
+        timebase.use(SkewedClock(loop))
+        board = ScriptedBoard(HONEST, LIARS, started=loop.time())
+        averager = SlowAverager()
+        states = BusyStates(events=averager.events)
+        engine = RunEngine(peer_id="peer-me", role="trainer", schedule=Schedule(TARGET),
+                           board=board, averaging=averager, states=states,
+                           trainer=CountingTrainer(),
+                           progress=RunProgress(epoch=2, lineage=OURS, rounds=2), parameters=8)
+        loop.call_later(200.0, engine.stop)
+        assert await asyncio.wait_for(engine.run(), timeout=3600) == "stopped"
+        return averager, states, engine
+
+    averager, states, engine = run_virtual(main())
+    first_try = states.downloads[0][0]
+    # about one try each half second, for the 30 s of the first identity's patience; then one
+    # or two each time an avoidance runs out (an identity busy that long fails at once)
+    assert len(states.downloads) <= 2 * 30 / BUSY_WAIT_SECONDS
+    assert engine.progress.failed_state_downloads >= 2
+    rounds_after = [at for at, _ in averager.rounds if at > first_try]
+    assert rounds_after and rounds_after[0] < first_try + 40.0  # back to its rounds
+    assert len(rounds_after) >= 10
