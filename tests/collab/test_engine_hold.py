@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+from collab.engine_fakes import PacedTrainer
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.report import AveragingReport
@@ -22,7 +23,7 @@ from dedloc.daemon.collab.engine import RunEngine, RunProgress
 from dedloc.daemon.collab.errors import DonorBusy, DonorContradicted
 from dedloc.daemon.collab.estimate import Head
 from dedloc.daemon.collab.policy import Schedule
-from dedloc.daemon.collab.ports import DownloadedState, Trained
+from dedloc.daemon.collab.ports import DownloadedState
 from dedloc.daemon.collab.progress import PeerProgress
 from dedloc.daemon.collab.round_hold import RoundHold
 from dedloc.sim.clock import SkewedClock
@@ -107,51 +108,31 @@ class RefusingStates:
         return None
 
 
-class CountingTrainer:
-    """A trainer of 10 samples a second; its gradients are zeros."""
-
-    async def train(self, samples: int, seconds: float) -> Trained:
-        done = max(1, min(samples, int(10 * seconds)))
-        await asyncio.sleep(done / 10.0)
-        return Trained(done, 1.0, 10.0)
-
-    async def export_gradients(self) -> np.ndarray:
-        return np.zeros(8, dtype=np.float32)
-
-    async def step(self, epoch: int) -> float | None:
-        return 0.1
-
-    async def zero_grad(self) -> None:
-        return None
-
-    async def settle_residual(self, residual: np.ndarray) -> None:
-        return None
-
-    async def export_state(self) -> DownloadedState:
-        raise NotImplementedError("no donations in this test")
-
-
 def run_engine(honest: list[str], ahead: list[str], gone: list[str] | None = None,
-               failed_before: list[str] | None = None,
-               ) -> tuple[RecordingAverager, RefusingStates, float]:
-    """One trainer at (2, OURS) until its first download; its rounds, its downloads, and the
-    virtual second it started."""
+               failed_before: list[str] | None = None, *,
+               averager: RecordingAverager | None = None, states: RefusingStates | None = None,
+               stop_after: float | None = None,
+               ) -> tuple[RecordingAverager, RefusingStates, RunEngine, float]:
+    """One trainer at (2, OURS) until its first download (or `stop_after` virtual seconds); its
+    rounds, its downloads, its engine, and the virtual second it started."""
 
-    async def main() -> tuple[RecordingAverager, RefusingStates, float]:
+    async def main() -> tuple[RecordingAverager, RefusingStates, RunEngine, float]:
         loop = asyncio.get_running_loop()
         timebase.use(SkewedClock(loop))
         board = ScriptedBoard(honest, ahead, started=loop.time(), gone=gone or [])
-        averager = RecordingAverager()
-        states = RefusingStates(events=averager.events)
+        rounds = averager or RecordingAverager()
+        sources = states or RefusingStates()
+        sources.events = rounds.events
         engine = RunEngine(peer_id="peer-me", role="trainer", schedule=Schedule(TARGET),
-                           board=board, averaging=averager, states=states,
-                           trainer=CountingTrainer(),
+                           board=board, averaging=rounds, states=sources, trainer=PacedTrainer(),
                            progress=RunProgress(epoch=2, lineage=OURS, rounds=2), parameters=8)
-        states.engine = engine
+        sources.engine = engine
         for peer in failed_before or []:  # (long ago: no longer avoided)
             engine.donors.failed(peer, loop.time() - 1000.0)
+        if stop_after is not None:
+            loop.call_later(stop_after, engine.stop)
         assert await asyncio.wait_for(engine.run(), timeout=3600) == "stopped"
-        return averager, states, board.started
+        return rounds, sources, engine, board.started
 
     return run_virtual(main())
 
@@ -164,7 +145,7 @@ def test_a_new_head_ahead_waits_until_the_round_at_our_head_was_tried() -> None:
     # 5 identities of 12 report (3, THEIRS) from 3 s in: a third, so the run's head for an
     # estimate that believes them. The trainer's own head is held by 7 of 12, a majority: it
     # averages there first (the round fails here), and only then tries their state
-    averager, states, started = run_engine(HONEST, LIARS)
+    averager, states, _, started = run_engine(HONEST, LIARS)
     assert averager.rounds, "it left its head before its round there"
     (began, key), *_ = averager.rounds
     assert key.startswith("grad/2/")
@@ -183,7 +164,7 @@ def test_peers_seen_at_our_head_that_report_a_step_are_followed_at_once() -> Non
     # target (no round of ours could have been stepped on): the trainer saw them at its own head,
     # so it believes them at once (a step is confirmed by the first third that report it)
     everyone = HONEST + LIARS
-    averager, states, started = run_engine(everyone, LIARS)
+    averager, states, _, started = run_engine(everyone, LIARS)
     assert averager.events == ["download"]
     downloaded_at, donor, expect = states.downloads[0]
     assert donor in LIARS and expect == Head(3, THEIRS)
@@ -193,7 +174,7 @@ def test_peers_seen_at_our_head_that_report_a_step_are_followed_at_once() -> Non
 def test_peers_that_failed_us_are_held_even_where_they_reported_our_head() -> None:
     # as above, but those 5 failed a download of ours before (no longer avoided): they could
     # report our head only to pass for steppers and jump ahead as our round forms; they are held
-    averager, _, started = run_engine(HONEST + LIARS, LIARS, failed_before=LIARS)
+    averager, _, _, started = run_engine(HONEST + LIARS, LIARS, failed_before=LIARS)
     assert averager.events == ["round", "download"]
     (began, key), *_ = averager.rounds
     assert key.startswith("grad/2/") and began > started + APPEAR_AT + 5.0
@@ -202,7 +183,7 @@ def test_peers_that_failed_us_are_held_even_where_they_reported_our_head() -> No
 def test_a_hold_ends_when_the_trainers_at_our_head_are_no_longer_a_majority() -> None:
     # as above, but 4 of the 6 other trainers at the head leave 6 s in: 3 of 8 are no majority,
     # no round of ours could be stepped on, and the trainer follows the head ahead at once
-    averager, states, started = run_engine(HONEST, LIARS, gone=HONEST[:4])
+    averager, states, _, started = run_engine(HONEST, LIARS, gone=HONEST[:4])
     assert averager.events == ["download"]
     downloaded_at, donor, expect = states.downloads[0]
     assert donor in LIARS and expect == Head(3, THEIRS)
@@ -240,21 +221,8 @@ def test_identities_that_answer_busy_to_every_download_are_passed_over_in_the_en
             await asyncio.sleep(5.0)
             return await super().average(vector, key, **options)
 
-    async def main() -> tuple[SlowAverager, BusyStates, RunEngine]:
-        loop = asyncio.get_running_loop()
-        timebase.use(SkewedClock(loop))
-        board = ScriptedBoard(HONEST, LIARS, started=loop.time())
-        averager = SlowAverager()
-        states = BusyStates(events=averager.events)
-        engine = RunEngine(peer_id="peer-me", role="trainer", schedule=Schedule(TARGET),
-                           board=board, averaging=averager, states=states,
-                           trainer=CountingTrainer(),
-                           progress=RunProgress(epoch=2, lineage=OURS, rounds=2), parameters=8)
-        loop.call_later(200.0, engine.stop)
-        assert await asyncio.wait_for(engine.run(), timeout=3600) == "stopped"
-        return averager, states, engine
-
-    averager, states, engine = run_virtual(main())
+    averager, states, engine, _ = run_engine(HONEST, LIARS, averager=SlowAverager(),
+                                             states=BusyStates(), stop_after=200.0)
     first_try = states.downloads[0][0]
     # about one try each half second, for the 30 s of the first identity's patience; then one
     # or two each time an avoidance runs out (an identity busy that long fails at once)

@@ -14,12 +14,13 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+from collab.engine_fakes import CountingTrainer
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.report import AveragingReport
 from dedloc.daemon.collab.engine import ROSTER_POLL, RunEngine, RunProgress
 from dedloc.daemon.collab.policy import Schedule, Timing
-from dedloc.daemon.collab.ports import DownloadedState, Trained
+from dedloc.daemon.collab.ports import DownloadedState
 from dedloc.daemon.collab.progress import PeerProgress, Role
 from dedloc.sim.clock import SkewedClock
 from dedloc.sim.loop import run_virtual
@@ -79,32 +80,6 @@ class GridAverager:
         self.roster_reads.append(now)
         assert key.startswith("grad/0/") and len(trainers) == 12
         return self.roster_at is not None and now >= self.roster_at
-
-
-class CountingTrainer:
-    """A trainer of 10 samples a second; its gradients are zeros."""
-
-    def __init__(self) -> None:
-        self.vector = np.zeros(8, dtype=np.float32)
-
-    async def train(self, samples: int, seconds: float) -> Trained:
-        await asyncio.sleep(min(seconds, samples / 10.0))
-        return Trained(samples, 1.0, 10.0)
-
-    async def export_gradients(self) -> np.ndarray:
-        return self.vector
-
-    async def step(self, epoch: int) -> float | None:
-        return 0.1
-
-    async def zero_grad(self) -> None:
-        return None
-
-    async def settle_residual(self, residual: np.ndarray) -> None:
-        return None
-
-    async def export_state(self) -> DownloadedState:
-        raise NotImplementedError("no downloads in this test")
 
 
 def run_settling(roster_at: float | None) -> tuple[GridAverager, float, str]:
