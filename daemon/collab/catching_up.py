@@ -78,9 +78,7 @@ class CatchingUp:
                                   retry_in=round(self.donors.wait(now), 2))
             else:
                 self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
-            self.phase.set("waiting")
             await self._wait(Wait(timebase.now() + BUSY_WAIT_SECONDS, "the donor is busy"))
-            self._schedule_look(0.0)
             return
         except LocalStateError as exc:  # not the donor's fault: no avoiding it
             p.failed_state_downloads += 1
