@@ -48,7 +48,8 @@ class DonorChoice:
     # donors whose last failure was a state that contradicted their own report (the head they
     # reported is not the one they sent): their own word against them, not our network
     _contradicted: set[str] = field(default_factory=set)
-    _busy_since: dict[str, float] = field(default_factory=dict)  # first "busy" since it served
+    # of each donor that answered "busy" since it last served us: its first and last such answer
+    _busy_since: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def pick(self, donors: list[str], now: float,
              served: Mapping[str, int] | None = None) -> str | None:
@@ -88,10 +89,14 @@ class DonorChoice:
 
     def busy(self, donor: str, now: float) -> bool:
         """`donor` answered "busy" at `now`; True where that makes it a failure (it has answered
-        only that for `busy_patience` seconds): then it is avoided as `failed` says."""
+        only that for `busy_patience` seconds, asked at least that often): then it is avoided as
+        `failed` says."""
         if donor not in self._busy_since and len(self._busy_since) >= MAX_REMEMBERED:
             self._busy_since.clear()  # (identities are free: start over rather than grow)
-        since = self._busy_since.setdefault(donor, now)
+        since, last = self._busy_since.get(donor, (now, now))
+        if now - last > self.busy_patience:  # (busy once long ago: not busy all this while)
+            since = now
+        self._busy_since[donor] = (since, now)
         if now - since < self.busy_patience:
             return False
         self.failed(donor, now)

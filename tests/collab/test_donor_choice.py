@@ -225,6 +225,14 @@ def test_a_donor_that_served_us_starts_its_patience_over() -> None:
     assert donors.busy("donor-a", now=70.0)
 
 
+def test_a_donor_busy_once_long_ago_is_not_busy_all_this_while() -> None:
+    donors = choice(busy_patience=30.0)
+    donors.busy("donor-a", now=0.0)  # (we downloaded from another donor then)
+    assert not donors.busy("donor-a", now=500.0)  # the next epoch: its patience starts anew
+    assert not donors.busy("donor-a", now=520.0)
+    assert donors.busy("donor-a", now=530.0)
+
+
 def test_busy_answers_are_remembered_for_a_bounded_number_of_donors() -> None:
     from dedloc.daemon.collab.donors import MAX_REMEMBERED
 
