@@ -130,8 +130,9 @@ class Looking:
         (round_hold.py; `_held`)."""
         avoided = self.donors.failed_lately(mono)
         tries = self.progress.rounds + self.progress.failed_rounds + self.progress.rounds_sat_out
-        held = self._hold.held(self.head, tries, (r.peer_id for r in self._reports)) \
-            - avoided - {self.peer_id} if self.role == "trainer" else frozenset()
+        ahead = (r.peer_id for r in self._reports if r.epoch > self.progress.epoch)
+        held = self._hold.held(self.head, tries, ahead) - avoided - {self.peer_id} \
+            if self.role == "trainer" else frozenset()
         run = self._estimate(now, own, mono, avoided | held)
         refused = self.averaging.refused(run.donors)
         if held and not majority_at(run, self.head, self.schedule, refused):

@@ -263,7 +263,7 @@ def decide(view: View) -> Action:
                         "a part of our round failed: looking whether the others stepped on it")
         if run.ready:
             base = quorum_base(run)
-            if here >= schedule.min_peers and 2 * here > base:
+            if majority_at(run, local.head, schedule, view.refused):
                 settling = _settling(view, run.trainers_at_epoch + run.live_aux)  # (as the grid lays out)
                 if settling is not None:
                     return settling
