@@ -157,6 +157,11 @@ class Averager:
         grid round whose roster it is still agreeing on; matchmaking.py)."""
         return self.matchmaker.coming_under(prefix)
 
+    def round_over(self, prefix: str) -> None:
+        """This peer has stepped past the round under `prefix` (and its stages): peers that ask
+        to join it late are told so, and move on at once (gatherings.py)."""
+        self.matchmaker.round_over(prefix)
+
     async def average(self, vector: np.ndarray, options: RoundOptions) -> AveragingReport:
         """Average `vector` (float32, changed in place) with the peers that average under the same
         key; return the round's report. Peer failures are reported, not raised."""

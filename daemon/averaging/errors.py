@@ -20,3 +20,8 @@ class NotGathering(MatchmakingError):
 class LeaderComing(NotGathering):
     """Asked to take a join for a round it is not forming yet, but will soon: it is still in an
     earlier stage of the same grid round (a follower may wait for it longer)."""
+
+
+class RoundOver(NotGathering):
+    """Asked to take a join for a round this peer has stepped past: it will never form it again
+    (a follower moves on at once)."""

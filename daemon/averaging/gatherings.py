@@ -8,6 +8,14 @@ still agreeing on the round's roster); a key is struck off when its gathering be
 of its slice that reach a stage first then learn that it is on its way (matchmaking_methods.py)
 and wait for it.
 
+Rounds over. Once a peer has stepped past a round (its step or its catching up moved its head on),
+it will never gather under that round's keys again; it remembers the round's key prefix (`over`,
+the newest `OVER_ROUNDS`), and answers a join under it with `RoundOver`. A peer that comes late
+to a round (a newcomer that loaded the state just as the others averaged, a helper whose slice's
+stage is done) then moves on at once instead of waiting, for each leader it tries, for one that
+will never begin (a newcomer of a 64-peer churn run sat 26 s in a stage that had ended before it
+came, and fell two epochs behind).
+
 Group ids taken (ours and leaders'): a group under an id seen before is refused, so no round's
 signatures can be shown again in another (signatures.py). Each is remembered with the leader
 that sent it first: a leader that sends an id another leader sent first may be honest, beaten to
@@ -26,6 +34,7 @@ from .group import Group, Member
 from .round_request import RoundRequest
 
 SEEN_GROUPS = 8192  # group ids remembered, to refuse one used again
+OVER_ROUNDS = 64  # key prefixes of rounds over, remembered to answer late joins at once
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Gatherings:
         self._coming: set[str] = set()  # keys we will gather under soon (see `coming`)
         self._coming_under: dict[str, int] = {}  # ... and key prefixes (see `coming_under`)
         self._seen_groups: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._over: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def get(self, key: str) -> Gathering | None:
         """The round being formed here under `key`, if any."""
@@ -71,6 +81,8 @@ class Gatherings:
         gathering = Gathering(request)
         self._rounds[request.key] = gathering
         self._coming.discard(request.key)
+        for prefix in [p for p in self._over if _under(request.key, p)]:
+            del self._over[prefix]  # (an aux peer that saw the run's head go back: not over)
         return gathering
 
     def end(self, key: str) -> None:
@@ -105,6 +117,18 @@ class Gatherings:
         """Whether this peer will gather under `key` soon (`coming`, `coming_under`)."""
         return key in self._coming or any(key.startswith(p) for p in self._coming_under)
 
+    def over(self, prefix: str) -> None:
+        """This peer will never gather again under `prefix` or any key below it (`prefix/...`):
+        that round is over here (the oldest of `OVER_ROUNDS` forgotten first)."""
+        self._over[prefix] = None
+        self._over.move_to_end(prefix)
+        while len(self._over) > OVER_ROUNDS:
+            self._over.popitem(last=False)
+
+    def is_over(self, key: str) -> bool:
+        """Whether the round `key` belongs to is over here (`over`)."""
+        return any(_under(key, prefix) for prefix in self._over)
+
     def first_leader(self, group_id: str) -> str | None:
         """The leader that sent `group_id` first (ourselves, for a group we led), if it was taken."""
         return self._seen_groups.get(group_id)
@@ -116,3 +140,7 @@ class Gatherings:
         self._seen_groups[group_id] = leader
         while len(self._seen_groups) > SEEN_GROUPS:
             self._seen_groups.popitem(last=False)
+
+
+def _under(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + "/")

@@ -24,7 +24,8 @@
 Direct rounds. A caller that already knows who averages with it (a run's engine reads the peers
 at the run's head from its progress board) passes them as `RoundRequest.peers`: steps 1 and 2 are
 skipped, the candidates are those peers, and a follower whose leader has not begun its round yet
-(`NotGathering`) asks again for a moment instead of moving on. No DHT traffic, and no wait for
+(`NotGathering`) asks again for a moment instead of moving on, unless the leader says it has
+stepped past the round (`RoundOver`). No DHT traffic, and no wait for
 announcements to spread: with a hundred peers, gathering through the DHT took most of a round.
 
 Stages of a grid round (`RoundRequest.staged`). A peer registers the keys of its stages while
@@ -141,6 +142,11 @@ class Matchmaker:
         window and averaging without it (its slice then split in two: two means of one block,
         and the round's slices stepped apart)."""
         return self._gatherings.coming_under(prefix)
+
+    def round_over(self, prefix: str) -> None:
+        """This peer has stepped past the round under `prefix` (and its stages): a join under it
+        is answered with `RoundOver` from now on (gatherings.py)."""
+        self._gatherings.over(prefix)
 
     async def form_group(self, request: RoundRequest) -> Group:
         """The group this round averages in (possibly just us). Returns by the window's end (a grid

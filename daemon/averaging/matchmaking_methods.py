@@ -17,8 +17,10 @@ offence) or another vector: the leader then stops waiting for that peer.
 
 A peer not gathering under the key yet answers a join with `NotGathering`, or with `LeaderComing`
 where it will gather under it soon (an earlier stage of the same grid round runs): its followers
-wait for it (see matchmaking.py). `avg.coming` asks the same of a member: a peer that is not on
-its way (crashed, or not in the round) says so, and nobody waits for it past the window.
+wait for it (see matchmaking.py); with `RoundOver` where it has stepped past that round
+(gatherings.py): its followers move on at once. `avg.coming` asks the same of a member: a peer
+that is not on its way (crashed, or not in the round) says so, and nobody waits for it past the
+window.
 
 What a follower checks of the group its leader sends is `group_refusal` (round_request.py), its
 leader's signature (signatures.py), and that its id names no round seen before (gatherings.py);
@@ -37,7 +39,7 @@ from ..dht import DHTNode
 from ..identity import Identity
 from ..net import Message, PeerTransport, RequestContext
 from .bans import BanList
-from .errors import LeaderComing, MatchmakingError, NotGathering
+from .errors import LeaderComing, MatchmakingError, NotGathering, RoundOver
 from .gatherings import Gatherings
 from .group import Group, Member
 from .round_request import MAX_GROUP_MEMBERS, group_refusal
@@ -79,6 +81,8 @@ class MatchmakingMethods:
         if gathering is None:
             if isinstance(key, str) and self._gatherings.will_gather(key):
                 raise LeaderComing("still in an earlier stage of this round; ask again shortly")
+            if isinstance(key, str) and self._gatherings.is_over(key):
+                raise RoundOver("this peer has stepped past that round: it will not form it again")
             raise NotGathering("no round of that key is being formed here")
         if gathering.leader is not None and gathering.leader != self.peer_id:
             if gathering.accepted:

@@ -55,6 +55,7 @@ class CatchingUp:
     _log: FilteringBoundLogger
     _schedule_look: Callable[[float], None]
     _wait: Callable[[Wait], Awaitable[None]]
+    _left_head: Callable[[], None]
 
     async def _catch_up(self, action: CatchUp) -> None:
         """Load the state of a peer at the run's head (this peer is new, or fell behind)."""
@@ -137,6 +138,7 @@ class CatchingUp:
             if unanswered:  # (witnesses that moved on meanwhile: at the next head, they answer)
                 await self._wait(Wait(timebase.now() + UNANSWERED_RETRY_SECONDS, "state_unanswered"))
         self.donors.succeeded(donor)
+        self._left_head()
         p.epoch, p.lineage, p.accumulated = state.epoch, state.lineage, 0
         self.pace.loaded(state.epoch, timebase.monotonic())
         self._head_group = state.group

@@ -11,7 +11,7 @@ from .. import timebase
 from .donors import DonorChoice
 from .estimate import GlobalProgress, Head, estimate_global
 from .pace import EpochPace
-from .policy import Local, Schedule, Timing, View, majority_at
+from .policy import Local, Schedule, Timing, View, majority_at, round_key
 from .ports import ProgressBoard, RoundAverager, Trainer
 from .progress import PeerProgress, Role
 from .round_hold import RoundHold
@@ -70,6 +70,13 @@ class Looking:
     def head(self) -> Head:
         return Head(self.progress.epoch, self.progress.lineage)
 
+    def _left_head(self) -> None:
+        """This peer is about to move past its head (a step, a state round, a download): it will
+        never gather under that head's rounds again, and a peer that asks to join one of them
+        late (a newcomer that loaded the state as the others averaged) is told so at once."""
+        for kind in ("grad", "state"):
+            self.averaging.round_over(round_key(kind, self.head))
+
     async def _look(self) -> tuple[View, bool]:
         """The view to decide on, and whether the board was read for it (else the last read is
         reused, with our own report fresh)."""
@@ -89,6 +96,8 @@ class Looking:
         self.global_progress = run
         self._note_disbelieved(run)
         if self.role == "aux":  # an aux peer is where it last saw the run
+            if run.head != self.head:
+                self._left_head()
             self.progress.epoch, self.progress.lineage = run.epoch, run.lineage
         if run.ready and run.head == self.head and (
                 self._target_reached is None or self._target_reached[0] != run.head):

@@ -75,6 +75,10 @@ class RoundAverager(Protocol):
     def refused(self, peers: Collection[str]) -> frozenset[str]:
         """Those of `peers` this peer's averaging refuses to average with (banned here)."""
 
+    def round_over(self, key: str) -> None:
+        """This peer has moved past the round under the run's `key` (and its grid stages): it
+        will not gather under it again, and tells peers that ask to join it late."""
+
     async def roster_published(self, key: str, trainers: Collection[str], *,
                                timeout: float) -> bool:
         """Whether a grid round of `key` has begun: one of its first writers, as this peer's

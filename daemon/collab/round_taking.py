@@ -78,6 +78,7 @@ class RoundTaking:
     step_overhead: float | None
     _weight_cap: float | None
     _stop: asyncio.Event
+    _left_head: Callable[[], None]
     _target_reached: tuple[Head, float] | None
     _head_group: tuple[str, ...]
     _stepped_in: Head | None
@@ -260,6 +261,7 @@ class RoundTaking:
     def _stepped(self, report: AveragingReport) -> None:
         p = self.progress
         epoch, accumulated = p.epoch, p.accumulated
+        self._left_head()
         p.epoch = epoch + 1
         p.lineage = next_lineage(p.lineage or "", report.group_id)
         self._head_group = report.members
@@ -317,6 +319,7 @@ class RoundTaking:
             await self.trainer.load_state(state)
             p.accumulated = 0  # (what an overlapping run trained meanwhile went with the old state)
             p.state_rounds += 1
+            self._left_head()
             p.lineage = next_lineage(p.lineage or "", f"state/{report.group_id}")
             self._head_group = report.members
             self._stepped_in = self.head

@@ -66,6 +66,9 @@ class NetworkRounds:
     def refused(self, peers: Collection[str]) -> frozenset[str]:
         return frozenset(p for p in peers if self.averager.bans.banned(p) is not None)
 
+    def round_over(self, key: str) -> None:
+        self.averager.round_over(f"{self.run_key}/{key}")
+
     async def prepare(self) -> None:
         """Load the load balancer before the first round needs it."""
         await self.averager.prepare()
@@ -177,6 +180,9 @@ class SoloRounds:
 
     def refused(self, peers: Collection[str]) -> frozenset[str]:
         return frozenset()
+
+    def round_over(self, key: str) -> None:
+        pass  # nobody asks to join a local run's rounds
 
     async def roster_published(self, key: str, trainers: Collection[str], *,
                                timeout: float) -> bool:

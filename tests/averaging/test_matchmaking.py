@@ -11,6 +11,7 @@ from dht.swarm import Swarm
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.aggregation import Aggregation
+from dedloc.daemon.averaging.gatherings import OVER_ROUNDS, Gatherings
 from dedloc.daemon.averaging.group import Group, Member
 from dedloc.daemon.averaging.matchmaking import COMING, Matchmaker, RoundRequest
 from dedloc.daemon.averaging.round_request import ranked
@@ -325,3 +326,50 @@ async def test_asking_whether_a_peer_comes_needs_a_key_and_tells_the_truth(swarm
     assert not await coming("run/grid/m1/1.x")
     with pytest.raises(RemoteError, match="needs a key"):
         await coming(["not", "a", "key"])
+
+
+@pytest.mark.parametrize("stepped_past", [True, False])
+async def test_a_peer_late_to_a_round_the_others_stepped_past_is_told_at_once(
+        swarm: Swarm, stepped_past: bool) -> None:
+    # a newcomer loads the state just as the others average (seen in the simulator's 64-peer
+    # churn: it asked a grid stage's leaders one after another, each "not gathering", patient
+    # with each for a window, 26 s in one stage, and fell two epochs behind). Leaders that have
+    # stepped past the round say so, and it averages alone at once (its round fails; it looks
+    # at the run again and catches up)
+    makers = [Matchmaker(t, n, equal_split) for t, n in zip(swarm.transports, swarm.nodes, strict=True)][:4]
+    key, ids = "run/grad/7/ab/m1/2.x", [m.peer_id for m in makers]
+    late = next(m for m in makers if m.peer_id == ranked(key, ids)[-1])
+    others = [m for m in makers if m is not late]
+    groups = await asyncio.gather(*(m.form_group(direct(m.peer_id, key, ids)) for m in others))
+    assert {m.peer_id for m in groups[0].members} == {m.peer_id for m in others}
+    if stepped_past:
+        for maker in others:
+            maker.round_over("run/grad/7/ab")
+    started = timebase.now()
+    group = await late.form_group(direct(late.peer_id, key, ids))
+    assert len(group.members) == 1
+    if stepped_past:
+        assert timebase.now() - started < 0.5  # a few calls on virtual time, no window
+        with pytest.raises(RemoteError) as refused:
+            await swarm.transports[ids.index(late.peer_id)].call(
+                others[0].peer_id, "avg.join", Message({"key": key}), timeout=5)
+        assert refused.value.kind == "RoundOver"
+    else:  # each leader was given its patience, as one not begun yet
+        assert timebase.now() - started >= 2.0
+
+
+def test_rounds_over_are_remembered_by_prefix_boundedly_and_a_new_gathering_reopens_one() -> None:
+    gatherings = Gatherings()
+    gatherings.over("run/grad/3/ab")
+    assert gatherings.is_over("run/grad/3/ab") and gatherings.is_over("run/grad/3/ab/m0/x.1")
+    assert not gatherings.is_over("run/grad/3/abc") and not gatherings.is_over("run/grad/4/ab")
+    for epoch in range(OVER_ROUNDS):
+        gatherings.over(f"run/grad/{100 + epoch}/ab")
+    assert not gatherings.is_over("run/grad/3/ab")  # the oldest forgotten
+    assert gatherings.is_over(f"run/grad/{100 + OVER_ROUNDS - 1}/ab/m1/0.x")
+
+    async def begin() -> None:  # (a gathering holds futures of the running loop)
+        gatherings.begin(direct("peer", "run/grad/100/ab/m0/x.0", ["peer", "other"]))
+
+    asyncio.run(begin())
+    assert not gatherings.is_over("run/grad/100/ab")

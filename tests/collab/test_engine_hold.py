@@ -84,6 +84,9 @@ class RecordingAverager:
     def refused(self, peers: object) -> frozenset[str]:
         return frozenset()
 
+    def round_over(self, key: str) -> None:
+        pass
+
     async def roster_published(self, key: str, trainers: Collection[str], *,
                                timeout: float) -> bool:
         return False

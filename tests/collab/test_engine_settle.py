@@ -74,6 +74,9 @@ class GridAverager:
     def refused(self, peers: object) -> frozenset[str]:
         return frozenset()
 
+    def round_over(self, key: str) -> None:
+        pass
+
     async def roster_published(self, key: str, trainers: Collection[str], *,
                                timeout: float) -> bool:
         now = asyncio.get_running_loop().time()

@@ -59,6 +59,9 @@ class NoRounds:
     def refused(self, peers: object) -> frozenset[str]:
         return frozenset()
 
+    def round_over(self, key: str) -> None:
+        pass
+
     async def roster_published(self, key: str, trainers: object, *, timeout: float) -> bool:
         return False
 
