@@ -128,7 +128,7 @@ PEER_UNARY = [*DHT_UNARY, "avg.join", "avg.group"]
 #: What the daemon may answer a fuzzed request with: refusals by its handlers.
 PEER_ERRORS = {"UnknownMethod", "LimitExceeded", "MalformedMessage", "BadSignature", "ForbiddenWrite",
                "StaleRecord", "RecordExpired", "RecordTooLarge", "StorageFull", "AccessDenied",
-               "MatchmakingError", "NotGathering"}
+               "MatchmakingError", "NotGathering", "LeaderComing", "RoundOver"}
 SYNC = b"fuzz-sync"
 
 
