@@ -8,13 +8,13 @@ still agreeing on the round's roster); a key is struck off when its gathering be
 of its slice that reach a stage first then learn that it is on its way (matchmaking_methods.py)
 and wait for it.
 
-Rounds over. Once a peer has stepped past a round (its step or its catching up moved its head on),
-it will never gather under that round's keys again; it remembers the round's key prefix (`over`,
-the newest `OVER_ROUNDS`), and answers a join under it with `RoundOver`. A peer that comes late
-to a round (a newcomer that loaded the state just as the others averaged, a helper whose slice's
-stage is done) then moves on at once instead of waiting, for each leader it tries, for one that
-will never begin (a newcomer of a 64-peer churn run sat 26 s in a stage that had ended before it
-came, and fell two epochs behind).
+Rounds over. Once a peer has moved past a round's head (a step, a state round or a download moved
+its head on), it does not gather under that round's keys again; it remembers the round's key
+prefix (`over`, the newest `OVER_ROUNDS`), and answers a join under it with `RoundOver`. A peer
+that comes late to a round (a newcomer that loaded the state just as the others averaged, a
+helper whose slice's stage is done) then moves on at once instead of asking each leader it tries
+again and again until its patience runs out (a newcomer of a 64-peer churn run sat 26 s in a
+stage that had ended before it came, and fell two epochs behind).
 
 Group ids taken (ours and leaders'): a group under an id seen before is refused, so no round's
 signatures can be shown again in another (signatures.py). Each is remembered with the leader
@@ -118,8 +118,11 @@ class Gatherings:
         return key in self._coming or any(key.startswith(p) for p in self._coming_under)
 
     def over(self, prefix: str) -> None:
-        """This peer will never gather again under `prefix` or any key below it (`prefix/...`):
-        that round is over here (the oldest of `OVER_ROUNDS` forgotten first)."""
+        """This peer has moved past the round under `prefix` and its keys below it
+        (`prefix/...`): joins there are answered `RoundOver` until a gathering under one of
+        them begins here again (an aux peer that saw the run's head go back), unless this peer
+        says it will gather there soon (`coming`: that answer comes first). The oldest of
+        `OVER_ROUNDS` is forgotten first."""
         self._over[prefix] = None
         self._over.move_to_end(prefix)
         while len(self._over) > OVER_ROUNDS:

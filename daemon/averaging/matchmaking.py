@@ -144,8 +144,8 @@ class Matchmaker:
         return self._gatherings.coming_under(prefix)
 
     def round_over(self, prefix: str) -> None:
-        """This peer has stepped past the round under `prefix` (and its stages): a join under it
-        is answered with `RoundOver` from now on (gatherings.py)."""
+        """This peer has moved past the round under `prefix` (and its stages): a join under it
+        is answered with `RoundOver` (gatherings.py says until when)."""
         self._gatherings.over(prefix)
 
     async def form_group(self, request: RoundRequest) -> Group:

@@ -121,8 +121,10 @@ class RunEngine(Looking, RoundTaking, CatchingUp):
         self._reports: list[PeerProgress] = []
         self._received: dict[str, float] = {}
         self._target_reached: tuple[Head, float] | None = None
-        # when our last round at this head failed in part (the others may have stepped on it)
+        # when our last round at this head failed in part, or failed again at once (the others
+        # may have stepped on it: the policy looks before a retry)
         self._failed_in_part: tuple[Head, float] | None = None
+        self._failed_at: tuple[Head, float] | None = None  # when our last round failed, where
         # the trainers seen at the run's head so far, and when that set last grew (policy: a
         # first grid round waits for it to settle)
         self._head_seen: tuple[Head, frozenset[str], float] | None = None

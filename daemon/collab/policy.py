@@ -29,7 +29,11 @@ The rules, one each:
   round of the same head, at once; but where only a part of it failed (a reducer's answer it
   refused, or one withheld from it alone), the others may have stepped: it looks at the run
   for `Timing.failed_part_wait` first, and catches up if they did (before, it went back to a
-  round of the old head that nobody came to, and waited it out: 11 s on loopback). Without
+  round of the old head that nobody came to, and waited it out: 11 s on loopback). So it does
+  where its round failed a second time within that wait of the first: a trainer late to a round
+  the others had stepped past (they answer its joins with `RoundOver` at once) would otherwise
+  try it again 2-8 times a second until their reports, due after their state round, show the
+  step. Without
   such a majority at the head, a trainer waits for it. A peer banned here does not count
   toward `min_peers` or the peers a round expects (it would be refused from it), only
   toward the quorum. **Stranded**: where it lacks them only for the peers it refuses (with
@@ -153,7 +157,8 @@ class Local:
     ready_at: float | None = None
     roster_published: bool = False  # the round at the head has a roster: it has begun
     # when this peer's last round at its head failed in part (a reducer's answer refused or
-    # withheld): the other members may well have stepped on it (see "A round that failed")
+    # withheld), or failed a second time within `Timing.failed_part_wait` of the first: the
+    # other members may well have stepped on it
     failed_part_at: float | None = None
 
     @property
@@ -260,7 +265,8 @@ def decide(view: View) -> Action:
         if run.ready and local.failed_part_at is not None \
                 and now < local.failed_part_at + timing.failed_part_wait:
             return Wait(min(now + timing.max_chunk, local.failed_part_at + timing.failed_part_wait),
-                        "a part of our round failed: looking whether the others stepped on it")
+                        "our round failed in part, or again at once: looking whether the others "
+                        "stepped on it")
         if run.ready:
             base = quorum_base(run)
             if majority_at(run, local.head, schedule, view.refused):

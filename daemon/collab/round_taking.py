@@ -79,6 +79,7 @@ class RoundTaking:
     _weight_cap: float | None
     _stop: asyncio.Event
     _left_head: Callable[[], None]
+    _failed_at: tuple[Head, float] | None
     _target_reached: tuple[Head, float] | None
     _head_group: tuple[str, ...]
     _stepped_in: Head | None
@@ -160,9 +161,17 @@ class RoundTaking:
                                                          len(report.failed_parts))
         if report is None or not step_allowed(result, action, self.schedule):
             p.failed_rounds += 1
-            if report is not None and report.failed_parts and sum(
-                    end - start for start, end in report.failed_parts) < sum(report.shares):
-                self._failed_in_part = (head, timebase.now())  # (policy: Local.failed_part_at)
+            now = timebase.now()
+            partial = report is not None and bool(report.failed_parts) and sum(
+                end - start for start, end in report.failed_parts) < sum(report.shares)
+            # a round that failed again at once at the same head: the peers we asked had most
+            # likely stepped past it (RoundOver), and their reports, due after their state
+            # round, did not say so yet; retried at once, it failed 2-8 times a second
+            again = self._failed_at is not None and self._failed_at[0] == head \
+                and now - self._failed_at[1] < self.timing.failed_part_wait
+            self._failed_at = (head, now)
+            if partial or again:
+                self._failed_in_part = (head, now)  # (policy: Local.failed_part_at)
             self._schedule_look(0.0)
             self._log.warning("averaging_round_failed_no_step", epoch=p.epoch,
                               group_size=report and report.group_size,

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 from collab.engine_fakes import CountingTrainer
+from collab.test_engine_hold import RecordingAverager, run_engine
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.report import AveragingReport
@@ -82,3 +83,32 @@ def test_a_trainer_says_each_round_is_over_as_it_steps_past_its_head() -> None:
         after = events[events.index(("round", key, head)) + 1:]
         assert after[:2] == [("over", round_key("grad", head), head),
                              ("over", round_key("state", head), head)]
+
+
+
+class CappedAverager(RecordingAverager):
+    """Rounds that fail at once (as for a trainer whose peers all answer `RoundOver`); past
+    `cap` of them it raises (a hot loop never lets virtual time pass: the test would not end)."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+
+    async def average(self, vector: np.ndarray, key: str, **options: object) -> AveragingReport | None:
+        if len(self.rounds) >= self.cap:
+            raise AssertionError(f"{self.cap} rounds: failed rounds retried in a hot loop")
+        return await super().average(vector, key, **options)
+
+
+def test_a_round_that_fails_again_at_once_is_retried_only_after_a_look_for_the_others_step() -> None:
+    # a board of 6 trainers at our head that never shows them step (their reports are due
+    # after their state round); every round of ours fails at once. Retried at once each time,
+    # the trainer ran its rounds in a hot loop; now after two quick failures it looks at the run
+    # for `failed_part_wait` before the next
+    averager = CappedAverager(cap=60)
+    rounds, _, engine, started = run_engine([f"peer-{i}" for i in range(6)], [],
+                                            averager=averager, stop_after=40.0)
+    times = [t - started for t, _ in rounds.rounds]
+    assert len(times) >= 4  # (it took rounds, and retried them)
+    wait = engine.timing.failed_part_wait
+    assert all(later - earlier >= wait - 1e-6 for earlier, later in zip(times, times[2:], strict=False))
