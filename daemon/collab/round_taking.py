@@ -374,4 +374,16 @@ class RoundTaking:
                            group_size=report and report.group_size,
                            trainers=report and report.trainers, expected=action.trainers,
                            failed_parts=report and len(report.failed_parts))
+            # failed again at once at the same head (its trainers stepped past it and answer
+            # RoundOver): a look for their step first, as a trainer does (seen: an aux peer
+            # retried every 1.4 s, about ten times, with the run's trainers a head on)
+            now = timebase.now()
+            again = self._failed_at is not None and self._failed_at[0] == action.head \
+                and now - self._failed_at[1] < self.timing.failed_part_wait
+            self._failed_at = (action.head, now)
+            if again:
+                await self._wait(Wait(now + self.timing.failed_part_wait,
+                                      "the round failed again at once: looking whether the "
+                                      "trainers stepped on it"))
+                return
         self._schedule_look(0.0)
