@@ -158,7 +158,7 @@ class Averager:
         return self.matchmaker.coming_under(prefix)
 
     def round_over(self, prefix: str) -> None:
-        """This peer has stepped past the round under `prefix` (and its stages): peers that ask
+        """This peer has moved past the round under `prefix` (and its stages): peers that ask
         to join it late are told so, and move on at once (gatherings.py)."""
         self.matchmaker.round_over(prefix)
 

@@ -23,5 +23,5 @@ class LeaderComing(NotGathering):
 
 
 class RoundOver(NotGathering):
-    """Asked to take a join for a round this peer has stepped past: it will never form it again
-    (a follower moves on at once)."""
+    """Asked to take a join for a round this peer has moved past (gatherings.py): it does not
+    form it again (a follower moves on at once)."""

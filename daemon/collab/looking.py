@@ -71,9 +71,10 @@ class Looking:
         return Head(self.progress.epoch, self.progress.lineage)
 
     def _left_head(self) -> None:
-        """This peer is about to move past its head (a step, a state round, a download): it will
-        never gather under that head's rounds again, and a peer that asks to join one of them
-        late (a newcomer that loaded the state as the others averaged) is told so at once."""
+        """This peer is about to move past its head (a step, a state round, a download): it does
+        not gather under that head's rounds again (gatherings.py says when it may), and a peer
+        that asks to join one of them late (a newcomer that loaded the state as the others
+        averaged) is told so at once."""
         for kind in ("grad", "state"):
             self.averaging.round_over(round_key(kind, self.head))
 
