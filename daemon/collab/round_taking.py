@@ -167,10 +167,7 @@ class RoundTaking:
             # a round that failed again at once at the same head: the peers we asked had most
             # likely stepped past it (RoundOver), and their reports, due after their state
             # round, did not say so yet; retried at once, it failed 2-8 times a second
-            again = self._failed_at is not None and self._failed_at[0] == head \
-                and now - self._failed_at[1] < self.timing.failed_part_wait
-            self._failed_at = (head, now)
-            if partial or again:
+            if self._failed_again(head, now) or partial:
                 self._failed_in_part = (head, now)  # (policy: Local.failed_part_at)
             self._schedule_look(0.0)
             self._log.warning("averaging_round_failed_no_step", epoch=p.epoch,
@@ -192,6 +189,12 @@ class RoundTaking:
         if every > 0 and p.epoch % every == 0:
             await self._save_checkpoint()
         self._schedule_look(0.0)  # the others are stepping too: look again now
+
+    def _failed_again(self, head: Head, now: float) -> bool:
+        """Note a failed round at `head`; whether the last one there failed within
+        `Timing.failed_part_wait` before it (then a look for the others' step comes first)."""
+        last, self._failed_at = self._failed_at, (head, now)
+        return last is not None and last[0] == head and now - last[1] < self.timing.failed_part_wait
 
     async def _train_while(self, averaged: Awaitable[AveragingReport | None]
                            ) -> AveragingReport | None:
@@ -378,10 +381,7 @@ class RoundTaking:
             # RoundOver): a look for their step first, as a trainer does (seen: an aux peer
             # retried every 1.4 s, about ten times, with the run's trainers a head on)
             now = timebase.now()
-            again = self._failed_at is not None and self._failed_at[0] == action.head \
-                and now - self._failed_at[1] < self.timing.failed_part_wait
-            self._failed_at = (action.head, now)
-            if again:
+            if self._failed_again(action.head, now):
                 await self._wait(Wait(now + self.timing.failed_part_wait,
                                       "the round failed again at once: looking whether the "
                                       "trainers stepped on it"))
