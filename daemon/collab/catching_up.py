@@ -69,14 +69,23 @@ class CatchingUp:
             await self._wait(Wait(timebase.now() + min(1.0, self.donors.wait(now)), "backoff"))
             return
         self.phase.set("downloading_state")
+        others = self.donors.others(list(action.donors), donor, now)
         try:
-            state = await self.states.download(donor, action.head)
+            state = await self.states.download(donor, action.head, others=others)
         except DonorBusy as exc:  # serving others, or in a long round: ask again soon
             now = timebase.monotonic()
+            # (a donor that sends us elsewhere serves us no more than a busy one: an identity
+            # that sheds everyone is a failure after the same patience)
             if self.donors.busy(donor, now):  # only busy for a while: a failure (donors.py)
                 p.failed_state_downloads += 1
                 self._log.warning("state_donor_always_busy", donor=donor[:12], error=str(exc),
                                   retry_in=round(self.donors.wait(now), 2))
+            elif exc.shed:  # it served others lately and we have others to ask: ask one now
+                self.donors.shed(donor, now, exc.retry_after)
+                self._log.debug("state_donor_shed", donor=donor[:12], others=others,
+                                retry_after=exc.retry_after)
+                self._schedule_look(0.0)
+                return
             else:
                 self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
             await self._wait(Wait(timebase.now() + BUSY_WAIT_SECONDS, "the donor is busy"))

@@ -31,7 +31,12 @@ class DonorChoice:
     about 20 times a second, and believed ahead all the while (the trainer never trained
     again); an honest donor is busy only while it serves two others or waits out a round of
     more than 20 s (state_sync.py). A donor that understates what it served
-    is drawn as often as the others and wins its pairs: it serves up to twice its share."""
+    is drawn as often as the others and wins its pairs: it serves up to twice its share.
+    A donor that sheds us (it served others lately, and we told it we had other donors to ask:
+    state_sync.py, "a flash crowd") is left out of the draw until the moment it named, at most
+    `max_shed_seconds` away, while any other donor is left; that costs no backoff and is no
+    failure, and `others` says how many donors besides the one drawn we could still ask (none:
+    the donor serves us, and one that sheds us then answers "busy" as any other)."""
 
     avoid_seconds: float = 60.0
     avoid_stretch: float = AVOID_STRETCH  # (1: none)
@@ -39,6 +44,7 @@ class DonorChoice:
     max_backoff: float = 30.0
     max_avoid_seconds: float = 1800.0
     busy_patience: float = 30.0
+    max_shed_seconds: float = 10.0
     rng: random.Random = field(default_factory=random.Random)
     _failed_at: dict[str, float] = field(default_factory=dict)
     _failures: dict[str, int] = field(default_factory=dict)  # of each donor, since it last served
@@ -50,19 +56,43 @@ class DonorChoice:
     _contradicted: set[str] = field(default_factory=set)
     # of each donor that answered "busy" since it last served us: its first and last such answer
     _busy_since: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # donors that shed us: until when they are left out of the draw
+    _shed_until: dict[str, float] = field(default_factory=dict)
 
     def pick(self, donors: list[str], now: float,
              served: Mapping[str, int] | None = None) -> str | None:
         """A donor, or None while backing off. `served`: what each donor says it has served."""
         if now < self._not_before or not donors:
             return None
-        fresh = [d for d in donors if now - self._failed_at.get(d, float("-inf")) >= self._avoid(d)]
+        fresh = self._fresh(donors, now)
         if not fresh:  # every donor failed lately: the one that failed longest ago
             fresh = [min(donors, key=lambda d: self._failed_at[d])]
+        willing = [d for d in fresh if now >= self._shed_until.get(d, float("-inf"))]
+        fresh = willing or fresh  # (every one shed us lately: ask anyway, saying there are none)
         drawn = self.rng.sample(sorted(set(fresh)), min(2, len(set(fresh))))
         if served is None:
             return drawn[0]
         return min(drawn, key=lambda d: served.get(d, 0))  # (a tie: the first drawn)
+
+    def _fresh(self, donors: list[str], now: float) -> list[str]:
+        """The donors that did not fail us lately."""
+        return [d for d in donors if now - self._failed_at.get(d, float("-inf")) >= self._avoid(d)]
+
+    def others(self, donors: list[str], donor: str, now: float) -> int:
+        """How many donors besides `donor` we could still ask now: not failed lately, not shed
+        us lately (told to the donor: one that served others lately serves us only if none)."""
+        return len({d for d in self._fresh(donors, now)
+                    if d != donor and now >= self._shed_until.get(d, float("-inf"))})
+
+    def shed(self, donor: str, now: float, retry_after: float) -> None:
+        """`donor` sent us to another donor, and takes requests again after `retry_after`
+        seconds (its word: at most `max_shed_seconds`)."""
+        if donor not in self._shed_until and len(self._shed_until) >= MAX_REMEMBERED:
+            self._shed_until = {d: t for d, t in self._shed_until.items() if t > now}
+            if len(self._shed_until) >= MAX_REMEMBERED:  # (identities are free: start over)
+                self._shed_until.clear()
+        seconds = retry_after if retry_after >= 0 else 0.0  # (NaN too)
+        self._shed_until[donor] = now + min(seconds, self.max_shed_seconds)
 
     def _avoid(self, donor: str) -> float:
         """How long `donor` is avoided after its last failure: `avoid_seconds` times the stretch

@@ -23,7 +23,14 @@ class DonorContradicted(StateSyncError):
 
 
 class DonorBusy(StateSyncError):
-    """The donor is mid-round or serving others: not a failure, ask again shortly."""
+    """The donor is mid-round or serving others: not a failure, ask again shortly.
+    `shed`: it served others lately and we told it we have other donors to ask (state_sync.py,
+    "a flash crowd"): ask one of those, and this one again after `retry_after` seconds."""
+
+    def __init__(self, message: str, *, shed: bool = False, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.shed = shed
+        self.retry_after = retry_after
 
 
 class RoundSatOut(CollaborationError):

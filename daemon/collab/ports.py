@@ -127,9 +127,11 @@ class StateDonor(Protocol):
 
 
 class StateSource(Protocol):
-    async def download(self, donor: str, expect: Head | None = None) -> DownloadedState:
+    async def download(self, donor: str, expect: Head | None = None,
+                       others: int = 0) -> DownloadedState:
         """The state `donor` holds now; StateSyncError (DonorBusy when it is busy,
-        DonorContradicted when it offers a state behind or beside `expect`, the head it reported)."""
+        DonorContradicted when it offers a state behind or beside `expect`, the head it reported).
+        `others`: how many other donors we could ask instead (state_sync.py, "a flash crowd")."""
 
     async def witness(self, peer: str, state: DownloadedState) -> bool | None:
         """Whether `peer`, at the state's head, holds parameters that agree with the state's

@@ -9,6 +9,17 @@ as busy); a donor in the middle of a round serves the state it steps to, once th
 (it awaits its engine's phase). Every step has a deadline; a failed download is retried after a
 backoff with another donor (`DonorChoice`).
 
+A flash crowd: newcomers pick donors by the download counts the donors publish (donors.py), and
+those are seconds old when dozens of newcomers arrive at once, so one donor could serve several
+of them back to back while others served none (64 peers, 50 joining in 4 s: one donor served 4
+of 73 downloads, 3 times the mean). So a receiver says how many other donors it could ask
+(`others` in its request), and a donor that began `RECENT_SERVES` downloads in the last
+`RECENT_SERVE_SECONDS` sheds a request that has others to ask: it answers busy, with when it
+will take one again, and the receiver asks another meanwhile. A receiver with no other donor
+(`others` 0, or a peer of an earlier version that does not say) is served as before, within
+`MAX_CONCURRENT_SERVES`: shedding never leaves a newcomer without a donor, and a receiver that
+understates its options only gets what it got before.
+
 Before a receiver loads a state, it asks witnesses at the same head for a sketch of their
 parameters under a seed of its own (`SKETCH_METHOD`, state_check.py); a state they refute is not
 loaded. A peer answers `MAX_CONCURRENT_SKETCHES` at a time and one per asking peer every
@@ -52,6 +63,9 @@ CHUNK_BYTES = 4 << 20
 MAX_STATE_BYTES = 64 << 30
 MAX_CONCURRENT_SERVES = 2  # a donor streams its state to at most this many peers at once
 BUSY_RETRY_SECONDS = 0.2
+RECENT_SERVES = 2  # downloads begun within RECENT_SERVE_SECONDS after which a donor sheds ...
+RECENT_SERVE_SECONDS = 10.0  # ... a request whose receiver has other donors to ask
+MAX_OTHERS = 1 << 16  # (a receiver's `others` past this is taken as this)
 MAX_GROUP = 1024  # peer ids of the round that made the state's head, at most
 MAX_PEER_ID = 128
 ROUND_WAIT_SECONDS = 20.0  # a donor mid-round serves its state after the round, waiting this long
@@ -97,6 +111,8 @@ class StateSharing:
         self._membership = membership
         self.served = 0
         self.refused_busy = 0
+        self.shed = 0  # requests sent to another donor: we served RECENT_SERVES lately
+        self._begun: collections.deque[float] = collections.deque(maxlen=RECENT_SERVES)
         self.cut_slow = 0  # streams cut for reading slower than MIN_SERVE_RATE
         self._serving: set[str] = set()  # the peers being served (one stream each)
         self.sketched = 0
@@ -178,6 +194,13 @@ class StateSharing:
         if len(self._serving) >= MAX_CONCURRENT_SERVES:
             await self._refuse(stream, "already sending its state to others")
             return
+        shed_for = self._shed_for(header.get("others"))
+        if shed_for > 0:
+            self.shed += 1
+            await self._refuse(stream, f"served {RECENT_SERVES} peers in the last "
+                               f"{RECENT_SERVE_SECONDS:g} s: ask another donor", retry_after=shed_for)
+            return
+        self._begun.append(timebase.monotonic())
         self._serving.add(ctx.peer_id)
         try:
             # Mid-round, the state is about to move on with the round's step: serve the state
@@ -192,9 +215,20 @@ class StateSharing:
         finally:
             self._serving.discard(ctx.peer_id)
 
-    async def _refuse(self, stream: Stream, busy: str) -> None:
+    def _shed_for(self, others: object) -> float:
+        """Seconds until this donor takes a request whose receiver says it has `others` other
+        donors to ask (0: now). A receiver without others (or that does not say) is served."""
+        if not isinstance(others, int) or isinstance(others, bool) or others <= 0 \
+                or len(self._begun) < RECENT_SERVES:
+            return 0.0
+        return max(0.0, self._begun[0] + RECENT_SERVE_SECONDS - timebase.monotonic())
+
+    async def _refuse(self, stream: Stream, busy: str, retry_after: float | None = None) -> None:
         self.refused_busy += 1
-        await stream.send(Message({"busy": busy, "retry_after": BUSY_RETRY_SECONDS}), timeout=10)
+        header: dict[str, object] = {"busy": busy, "retry_after": BUSY_RETRY_SECONDS}
+        if retry_after is not None:
+            header.update(retry_after=round(retry_after, 3), shed=True)
+        await stream.send(Message(header), timeout=10)
         await stream.close()
 
     async def _send_state(self, ctx: RequestContext, stream: Stream, run: StateDonor, key: str) -> None:
@@ -230,7 +264,7 @@ async def download_state(transport: PeerTransport, donor: str, key: str, token: 
                          *, allocate: Callable[[int], StateBuffer] = SharedBuffer,
                          max_numel: int = MAX_STATE_BYTES // 4,
                          free_bytes: Callable[[], int | None] = shared_memory_free,
-                         expect: Head | None = None) -> DownloadedState:
+                         expect: Head | None = None, others: int = 0) -> DownloadedState:
     """Fetch a run's state from `donor` (a closed run's with our membership `token`) into a
     buffer of `allocate(numel)`, refusing a header of more than `max_numel` elements or than
     `free_bytes()` can hold; StateSyncError (and nothing half-loaded) on failure.
@@ -238,8 +272,11 @@ async def download_state(transport: PeerTransport, donor: str, key: str, token: 
     lineage) is refused before the state is downloaded (DonorContradicted: a donor's state only
     moves on from what it reported; before, the whole state came first, and a trainer whose round
     was forming spent that time on the state of an identity lying about its head, and missed the
-    round)."""
-    header = {"key": key} if token is None else {"key": key, "token": token}
+    round). `others`: how many other donors we could ask (a donor that served others lately
+    sheds the request if there are some: DonorBusy with `shed`)."""
+    header: dict[str, object] = {"key": key} if token is None else {"key": key, "token": token}
+    if others > 0:
+        header["others"] = min(others, MAX_OTHERS)
     try:
         stream = await transport.open_stream(donor, METHOD, header, timeout=15)
         first = await stream.receive(timeout=60)
@@ -247,7 +284,13 @@ async def download_state(transport: PeerTransport, donor: str, key: str, token: 
         raise StateSyncError(f"state download from {donor[:12]} failed: {exc}") from exc
     if first is not None and "busy" in first.header:
         await stream.abort("busy")
-        raise DonorBusy(f"{donor[:12]} is busy ({first.header['busy']}); ask again shortly")
+        retry_after = first.header.get("retry_after")
+        retry_after = float(retry_after) if isinstance(retry_after, int | float) \
+            and not isinstance(retry_after, bool) and 0 <= retry_after <= RECENT_SERVE_SECONDS \
+            else BUSY_RETRY_SECONDS  # (a donor's word: bounded; NaN fails the comparison too)
+        raise DonorBusy(f"{donor[:12]} is busy ({str(first.header['busy'])[:200]}); ask again "
+                        "shortly", shed=first.header.get("shed") is True and others > 0,
+                        retry_after=retry_after)
     if first is None or not isinstance(first.header.get("numel"), int):
         raise StateSyncError(f"{donor[:12]} sent no state header")
     numel, epoch, meta = first.header["numel"], first.header.get("epoch"), first.header.get("meta")
@@ -313,11 +356,12 @@ class NetworkStates:
         # (the free shared memory bounds only what goes there; the simulator's buffers do not)
         self.free_bytes = shared_memory_free if allocate is SharedBuffer else (lambda: None)
 
-    async def download(self, donor: str, expect: Head | None = None) -> DownloadedState:
+    async def download(self, donor: str, expect: Head | None = None,
+                       others: int = 0) -> DownloadedState:
         return await download_state(self.transport, donor, self.key,
                                     self.membership.credential(self.key), allocate=self.allocate,
                                     max_numel=self.max_numel, free_bytes=self.free_bytes,
-                                    expect=expect)
+                                    expect=expect, others=others)
 
     async def witness(self, peer: str, state: DownloadedState) -> bool | None:
         """Whether `peer`, at the state's head, holds parameters that agree with the state's

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from dedloc.daemon.collab.donors import AVOID_STRETCH, DonorChoice
+from dedloc.daemon.collab.donors import AVOID_STRETCH, MAX_REMEMBERED, DonorChoice
 
 DONORS = ["donor-a", "donor-b", "donor-c"]
 
@@ -240,3 +240,38 @@ def test_busy_answers_are_remembered_for_a_bounded_number_of_donors() -> None:
     for i in range(3 * MAX_REMEMBERED):
         donors.busy(f"identity-{i}", now=float(i))
     assert len(donors._busy_since) <= MAX_REMEMBERED
+
+
+def test_a_donor_that_shed_us_is_left_out_until_the_time_it_named() -> None:
+    chooser = choice(0)
+    donors = ["a", "b", "c"]
+    assert chooser.others(donors, "a", 0.0) == 2
+    chooser.shed("a", 0.0, 3.0)
+    assert chooser.others(donors, "b", 1.0) == 1  # (c: a shed us)
+    assert {chooser.pick(donors, 1.0) for _ in range(50)} == {"b", "c"}
+    assert chooser.wait(1.0) == 0.0  # no failure: no backoff
+    assert chooser.pick(donors, 3.0) is not None and chooser.others(donors, "b", 3.0) == 2
+
+
+def test_when_every_donor_shed_us_one_is_asked_saying_there_are_no_others() -> None:
+    chooser = choice(0)
+    donors = ["a", "b"]
+    chooser.shed("a", 0.0, 5.0)
+    chooser.shed("b", 0.0, 5.0)
+    picked = chooser.pick(donors, 1.0)
+    assert picked in donors
+    assert chooser.others(donors, picked, 1.0) == 0  # (it serves us then: state_sync.py)
+
+
+@pytest.mark.parametrize("retry_after", [float("nan"), -1.0, 1e308, float("inf")])
+def test_a_donors_shed_time_is_bounded(retry_after: float) -> None:
+    chooser = choice(0, max_shed_seconds=10.0)
+    chooser.shed("a", 0.0, retry_after)
+    assert chooser.others(["a", "b"], "b", 10.0) == 1  # back in the draw by max_shed_seconds
+
+
+def test_shed_donors_are_remembered_for_a_bounded_number_of_donors() -> None:
+    chooser = choice(0)
+    for i in range(3 * MAX_REMEMBERED):
+        chooser.shed(f"d{i}", 0.0, 5.0)
+    assert len(chooser._shed_until) <= MAX_REMEMBERED

@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 from collab.engine_fakes import PacedTrainer
 
 from dedloc.daemon import timebase
@@ -100,7 +101,8 @@ class RefusingStates:
     downloads: list[tuple[float, str, Head | None]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
 
-    async def download(self, donor: str, expect: Head | None = None) -> DownloadedState:
+    async def download(self, donor: str, expect: Head | None = None,
+                       others: int = 0) -> DownloadedState:
         self.downloads.append((asyncio.get_running_loop().time(), donor, expect))
         self.events.append("download")
         assert self.engine is not None
@@ -206,17 +208,22 @@ def test_the_hold_keeps_who_was_known_and_ends_with_a_try_or_a_lost_majority() -
     assert hold.held(head, 0, ["b"]) == frozenset()
 
 
-def test_identities_that_answer_busy_to_every_download_are_passed_over_in_the_end() -> None:
+@pytest.mark.parametrize("shed", [False, True])
+def test_identities_that_answer_busy_to_every_download_are_passed_over_in_the_end(
+        shed: bool) -> None:
     # the 5 identities of the first test answer every download "busy" (no header, no failure):
     # the trainer asked them again and again, ~20 times a second, believed them ahead all the
     # while and never trained again. Now one that has answered only "busy" for 30 s failed
-    # (donors.py), and the trainer goes back to its rounds
+    # (donors.py), and the trainer goes back to its rounds. `shed`: they say they served others
+    # lately, which sends a trainer with other donors to ask to another at once (no backoff):
+    # once it has none left it says so, and their "busy" then counts as any other
     class BusyStates(RefusingStates):
-        async def download(self, donor: str, expect: Head | None = None) -> DownloadedState:
+        async def download(self, donor: str, expect: Head | None = None,
+                           others: int = 0) -> DownloadedState:
             self.downloads.append((asyncio.get_running_loop().time(), donor, expect))
             self.events.append("download")
             await asyncio.sleep(0.05)
-            raise DonorBusy(f"{donor} is busy")
+            raise DonorBusy(f"{donor} is busy", shed=shed and others > 0, retry_after=10.0)
 
     class SlowAverager(RecordingAverager):  # (a failed round that takes no time loops at once)
         async def average(self, vector: np.ndarray, key: str,
@@ -229,8 +236,38 @@ def test_identities_that_answer_busy_to_every_download_are_passed_over_in_the_en
     first_try = states.downloads[0][0]
     # about one try each half second, for the 30 s of the first identity's patience; then one
     # or two each time an avoidance runs out (an identity busy that long fails at once)
-    assert len(states.downloads) <= 2 * 30 / BUSY_WAIT_SECONDS
+    # (identities that shed send it to the next at once: one try each per shed window on top
+    # of those, and a patience that starts over after each avoidance)
+    assert len(states.downloads) <= 2 * 30 / BUSY_WAIT_SECONDS * (2 if shed else 1)
+    for window in range(0, 200, 10):  # never more often than the busy tries and one shed each
+        tries = [t for t, _, _ in states.downloads if first_try + window <= t < first_try + window + 10]
+        assert len(tries) <= 10 / BUSY_WAIT_SECONDS + len(LIARS) + 2
     assert engine.progress.failed_state_downloads >= 2
     rounds_after = [at for at, _ in averager.rounds if at > first_try]
     assert rounds_after and rounds_after[0] < first_try + 40.0  # back to its rounds
     assert len(rounds_after) >= 10
+
+
+def test_a_donor_that_sheds_us_sends_us_to_another_at_once() -> None:
+    # a flash crowd (state_sync.py): the first donor asked served others lately and, told we
+    # have others to ask, sends us elsewhere; the next is asked at once (no backoff, no busy
+    # wait), saying how many are left, and the one that shed us is not drawn again meanwhile
+    @dataclass
+    class SheddingStates(RefusingStates):
+        asked: list[tuple[str, int]] = field(default_factory=list)
+
+        async def download(self, donor: str, expect: Head | None = None,
+                           others: int = 0) -> DownloadedState:
+            self.asked.append((donor, others))
+            if len(self.asked) == 1:
+                self.downloads.append((asyncio.get_running_loop().time(), donor, expect))
+                raise DonorBusy(f"{donor} served two lately", shed=others > 0, retry_after=10.0)
+            return await super().download(donor, expect, others)
+
+    states = SheddingStates()
+    _, _, engine, _ = run_engine(HONEST + LIARS, LIARS, states=states)
+    (first, first_others), (second, second_others) = states.asked
+    assert first != second and {first, second} <= set(LIARS)
+    assert (first_others, second_others) == (len(LIARS) - 1, len(LIARS) - 2)
+    assert states.downloads[1][0] - states.downloads[0][0] < BUSY_WAIT_SECONDS
+    assert engine.progress.failed_state_downloads == 1  # (the second's contradiction only)

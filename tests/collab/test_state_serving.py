@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from averaging.fake_transport import HandlerTransport
 
+from dedloc.daemon import timebase
 from dedloc.daemon.collab import state_sync
 from dedloc.daemon.collab.engine import PhaseCell, RunProgress
 from dedloc.daemon.collab.errors import DonorBusy, DonorContradicted, StateSyncError
@@ -21,6 +22,7 @@ from dedloc.daemon.collab.ports import DownloadedState
 from dedloc.daemon.collab.state_sync import StateSharing, download_state
 from dedloc.daemon.identity import Identity
 from dedloc.daemon.net import Message, RequestContext, Stream
+from dedloc.sim.clock import SkewedClock
 from dedloc.sim.loop import run_virtual
 from dedloc.sim.network import SimNetwork, SimTransport
 from dedloc.sim.trainer import ArrayBuffer
@@ -295,5 +297,85 @@ def test_at_most_two_sketches_at_once_however_they_end() -> None:
         for answered in (second, third):
             assert "sketch" in (await answered).header
         assert (sharing.sketched, sharing.refused_sketches) == (3, 1)
+
+    run_virtual(main())
+
+
+def test_a_donor_that_served_two_lately_sends_a_receiver_with_other_donors_elsewhere() -> None:
+    """A flash crowd: a donor that began RECENT_SERVES downloads in the last RECENT_SERVE_SECONDS
+    sheds a receiver that says it has other donors to ask (busy, with when it takes one again),
+    and serves one that has none, or that does not say (a peer of an earlier version); once the
+    window has passed it serves a receiver with others again."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        timebase.use(SkewedClock(loop))  # (the donor's window is on the virtual clock)
+        donor = Donor()
+        network = SimNetwork()
+        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+        sharing = StateSharing(serving, lambda key: donor)
+        askers = [SimTransport.start_on(network, network.add_host(), Identity.generate())
+                  for _ in range(6)]
+        for asker in askers:
+            asker.learn_addresses(serving.peer_id, serving.listen_addresses())
+        began = loop.time()
+        for asker in askers[:2]:  # one after the other: never two at once
+            state = await download_state(asker, serving.peer_id, KEY, allocate=ArrayBuffer,
+                                         others=5)
+            assert state.numel == 1000
+        with pytest.raises(DonorBusy, match="ask another donor") as shed:
+            await download_state(askers[2], serving.peer_id, KEY, allocate=ArrayBuffer, others=5)
+        assert shed.value.shed
+        # (until the first of the two is RECENT_SERVE_SECONDS old)
+        elapsed = loop.time() - began
+        assert state_sync.RECENT_SERVE_SECONDS - elapsed <= shed.value.retry_after \
+            <= state_sync.RECENT_SERVE_SECONDS
+        assert sharing.shed == 1
+        # no other donor to ask (or a receiver that does not say): served as before
+        for asker in askers[3:5]:
+            state = await download_state(asker, serving.peer_id, KEY, allocate=ArrayBuffer)
+            assert state.numel == 1000
+        assert sharing.served == 4 and sharing.shed == 1
+        # the window passed since the last two began: a receiver with others is served again
+        await asyncio.sleep(state_sync.RECENT_SERVE_SECONDS)
+        state = await download_state(askers[5], serving.peer_id, KEY, allocate=ArrayBuffer,
+                                     others=5)
+        assert state.numel == 1000 and sharing.served == 5
+        for transport in (*askers, serving):
+            await transport.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("answer", [
+    {"busy": "x", "retry_after": float("nan"), "shed": True},
+    {"busy": "x", "retry_after": 1e308, "shed": True},
+    {"busy": "x", "retry_after": -5, "shed": True},
+    {"busy": "x", "retry_after": True, "shed": True},
+    {"busy": "x" * 60_000, "retry_after": 3, "shed": "yes"},
+])
+def test_a_donors_busy_answer_is_bounded(answer: dict[str, Any]) -> None:
+    """A donor's retry time is its own word: out of [0, RECENT_SERVE_SECONDS] (or not a number)
+    it is BUSY_RETRY_SECONDS; "shed" counts only as the literal true, and only where we said we
+    had others to ask; its reason is cut short in our error."""
+    async def main() -> None:
+        network = SimNetwork()
+        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+        asking = SimTransport.start_on(network, network.add_host(), Identity.generate())
+
+        async def liar(ctx: RequestContext, stream: Stream) -> None:
+            await stream.send(Message(answer), timeout=10)
+            await stream.close()
+
+        serving.add_stream_handler(state_sync.METHOD, liar)
+        asking.learn_addresses(serving.peer_id, serving.listen_addresses())
+        for others in (0, 3):
+            with pytest.raises(DonorBusy) as busy:
+                await download_state(asking, serving.peer_id, KEY, allocate=ArrayBuffer,
+                                     others=others)
+            assert 0 <= busy.value.retry_after <= state_sync.RECENT_SERVE_SECONDS
+            assert busy.value.shed == (others > 0 and answer["shed"] is True)
+            assert len(str(busy.value)) < 400
+        await asking.close()
+        await serving.close()
 
     run_virtual(main())
