@@ -15,6 +15,7 @@ class CountingTrainer:
 
     def __init__(self) -> None:
         self.vector = np.zeros(8, dtype=np.float32)
+        self.loaded: list[tuple[int, str | None]] = []  # the heads of the states it loaded
 
     async def train(self, samples: int, seconds: float) -> Trained:
         await asyncio.sleep(min(seconds, samples / 10.0))
@@ -34,6 +35,9 @@ class CountingTrainer:
 
     async def export_state(self) -> DownloadedState:
         raise NotImplementedError("no downloads in this test")
+
+    async def load_state(self, state: DownloadedState) -> None:
+        self.loaded.append((state.epoch, state.lineage))
 
 
 class PacedTrainer(CountingTrainer):

@@ -7,21 +7,34 @@ One trainer alone in its run (its rounds are groups of one) on the simulator's v
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 from collab.engine_fakes import CountingTrainer
-from collab.test_engine_hold import OURS, TARGET, RecordingAverager, ScriptedBoard, run_engine
+from collab.scripted_run import (
+    HONEST,
+    LIARS,
+    OURS,
+    TARGET,
+    THEIRS,
+    RecordingAverager,
+    RefusingStates,
+    ScriptedBoard,
+    run_engine,
+)
 
 from dedloc.daemon import timebase
 from dedloc.daemon.averaging.report import AveragingReport
 from dedloc.daemon.collab.engine import RunEngine, RunProgress
 from dedloc.daemon.collab.estimate import Head
 from dedloc.daemon.collab.policy import Schedule, round_key
+from dedloc.daemon.collab.ports import DownloadedState
 from dedloc.daemon.collab.progress import PeerProgress
 from dedloc.daemon.collab.rounds import SoloRounds
 from dedloc.sim.clock import SkewedClock
 from dedloc.sim.loop import run_virtual
+from dedloc.sim.trainer import ArrayBuffer
 
 
 class OwnBoard:
@@ -84,6 +97,85 @@ def test_a_trainer_says_each_round_is_over_as_it_steps_past_its_head() -> None:
         assert after[:2] == [("over", round_key("grad", head), head),
                              ("over", round_key("state", head), head)]
 
+
+
+def test_a_trainer_says_its_heads_rounds_are_over_as_a_state_round_moves_it_on() -> None:
+    # a state round after each step moves the trainer to another lineage of the same epoch:
+    # before it does, it says the rounds of the head it stepped to are over
+    class StateTrainer(CountingTrainer):
+        async def export_state(self) -> DownloadedState:
+            return DownloadedState(ArrayBuffer(8), 8, {}, 0, None)
+
+    class PairedStateRounds(RecordingRounds):
+        """Rounds alone, but reported as if with another trainer (so a state round is due)."""
+
+        async def average(self, vector: np.ndarray, key: str, **options: object  # type: ignore[override]
+                          ) -> AveragingReport | None:
+            report = await super().average(vector, key, **options)
+            assert report is not None
+            return dataclasses.replace(report, members=("peer-me", "peer-other"), trainers=2)
+
+    async def main() -> tuple[list[tuple[str, str, Head]], RunEngine]:
+        loop = asyncio.get_running_loop()
+        timebase.use(SkewedClock(loop))
+        rounds = PairedStateRounds()
+        engine = RunEngine(peer_id="peer-me", role="trainer",
+                           schedule=Schedule(20, epochs=2, average_state_every=1),
+                           board=OwnBoard(), averaging=rounds, trainer=StateTrainer(),
+                           progress=RunProgress(epoch=0, lineage="a" * 32), parameters=8)
+        rounds.engine = engine
+        await asyncio.wait_for(engine.run(), timeout=3600)
+        return rounds.events, engine
+
+    events, engine = run_virtual(main())
+    assert engine.progress.epoch == 2 and engine.progress.state_rounds == 2
+    state_rounds = [(key, head) for kind, key, head in events
+                    if kind == "round" and key.startswith("state/")]
+    assert len(state_rounds) == 2
+    for key, head in state_rounds:  # (the head it stepped to: the state round's own)
+        assert key == round_key("state", head)
+        after = events[events.index(("round", key, head)) + 1:]
+        assert after[:2] == [("over", round_key("grad", head), head),
+                             ("over", round_key("state", head), head)]
+        # then its lineage moved on (the next event's head, or the engine's at the end)
+        assert (after[2][2] if len(after) > 2 else engine.head) != head
+
+
+class OverAverager(RecordingAverager):
+    """`RecordingAverager` that also notes the keys the engine says are over, with its head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: RunEngine | None = None
+        self.over: list[tuple[str, Head]] = []
+
+    def round_over(self, key: str) -> None:
+        assert self.engine is not None
+        self.over.append((key, self.engine.head))
+
+
+def test_a_trainer_says_its_heads_rounds_are_over_as_it_loads_a_state_past_it() -> None:
+    # 5 of 11 trainers at the trainer's head (2, OURS) report stepping to (3, THEIRS): it
+    # downloads their state; before its head moves there it says the rounds of (2, OURS) over,
+    # so a newcomer that asks to join them late is told so at once
+    class ServingStates(RefusingStates):
+        async def download(self, donor: str, expect: Head | None = None,
+                           others: int = 0) -> DownloadedState:
+            assert self.engine is not None
+            averager.engine = self.engine
+            self.engine.stop()  # (after this download)
+            self.downloads.append((asyncio.get_running_loop().time(), donor, expect))
+            return DownloadedState(ArrayBuffer(8), 8, {}, 3, THEIRS)
+
+        async def witness(self, peer: str, state: DownloadedState) -> bool | None:
+            return True
+
+    averager = OverAverager()
+    _, states, engine, _ = run_engine(HONEST + LIARS, LIARS, averager=averager,
+                                      states=ServingStates())
+    assert len(states.downloads) == 1 and engine.head == Head(3, THEIRS)
+    ours = Head(2, OURS)
+    assert averager.over == [(round_key("grad", ours), ours), (round_key("state", ours), ours)]
 
 
 class CappedAverager(RecordingAverager):
