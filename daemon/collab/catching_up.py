@@ -81,12 +81,13 @@ class CatchingUp:
                 self._log.warning("state_donor_always_busy", donor=donor[:12], error=str(exc),
                                   retry_in=round(self.donors.wait(now), 2))
             elif exc.shed:  # it served others lately and we have others to ask: ask one now
-                self.donors.shed(donor, now, exc.retry_after)
+                again = self.donors.shed(donor, now, exc.retry_after)
                 self._log.debug("state_donor_shed", donor=donor[:12], others=others,
-                                retry_after=exc.retry_after)
-                self._schedule_look(0.0)
-                return
+                                retry_after=exc.retry_after, again=again)
+                if not again:  # (the donors are those just read: no new read of the board)
+                    return
             else:
+                self.donors.full(donor, now)
                 self._log.debug("state_donor_busy", donor=donor[:12], error=str(exc))
             await self._wait(Wait(timebase.now() + BUSY_WAIT_SECONDS, "the donor is busy"))
             return

@@ -33,10 +33,15 @@ class DonorChoice:
     more than 20 s (state_sync.py). A donor that understates what it served
     is drawn as often as the others and wins its pairs: it serves up to twice its share.
     A donor that sheds us (it served others lately, and we told it we had other donors to ask:
-    state_sync.py, "a flash crowd") is left out of the draw until the moment it named, at most
-    `max_shed_seconds` away, while any other donor is left; that costs no backoff and is no
-    failure, and `others` says how many donors besides the one drawn we could still ask (none:
-    the donor serves us, and one that sheds us then answers "busy" as any other)."""
+    state_sync.py, "a flash crowd") is left out of the draw until the moment it named (1 to 10
+    s away, `min_shed_seconds`, `max_shed_seconds`), while any other donor is left; that costs
+    no backoff, and `others` says how many donors besides the one drawn we could still ask
+    (none: the donor serves us). A donor that answered a plain "busy" is full for
+    `full_seconds`: `others` does not count it, and a donor that shed us is asked before it,
+    told we have nobody else (before, a receiver asked the full donor again and again while
+    the one that had shed it sat idle). A shed counts as "busy" toward `busy_patience` (an
+    identity that shed everyone would otherwise never fail); a download done starts every
+    donor's patience over."""
 
     avoid_seconds: float = 60.0
     avoid_stretch: float = AVOID_STRETCH  # (1: none)
@@ -44,7 +49,9 @@ class DonorChoice:
     max_backoff: float = 30.0
     max_avoid_seconds: float = 1800.0
     busy_patience: float = 30.0
+    min_shed_seconds: float = 1.0  # (a donor's "again at once" would loop us as fast as the network)
     max_shed_seconds: float = 10.0
+    full_seconds: float = 1.0  # a donor that answered plain "busy" is full for this long
     rng: random.Random = field(default_factory=random.Random)
     _failed_at: dict[str, float] = field(default_factory=dict)
     _failures: dict[str, int] = field(default_factory=dict)  # of each donor, since it last served
@@ -58,6 +65,9 @@ class DonorChoice:
     _busy_since: dict[str, tuple[float, float]] = field(default_factory=dict)
     # donors that shed us: until when they are left out of the draw
     _shed_until: dict[str, float] = field(default_factory=dict)
+    _shed_before: set[str] = field(default_factory=set)  # donors that shed us since a download
+    # donors that answered a plain "busy" (serving two others, or mid-round): until when
+    _full_until: dict[str, float] = field(default_factory=dict)
 
     def pick(self, donors: list[str], now: float,
              served: Mapping[str, int] | None = None) -> str | None:
@@ -67,8 +77,11 @@ class DonorChoice:
         fresh = self._fresh(donors, now)
         if not fresh:  # every donor failed lately: the one that failed longest ago
             fresh = [min(donors, key=lambda d: self._failed_at[d])]
-        willing = [d for d in fresh if now >= self._shed_until.get(d, float("-inf"))]
-        fresh = willing or fresh  # (every one shed us lately: ask anyway, saying there are none)
+        # first those that neither shed us nor were full lately; else those that shed us (they
+        # serve us once we say we have nobody else to ask); else any
+        spare = [d for d in fresh if now >= self._full_until.get(d, float("-inf"))]
+        willing = [d for d in spare if now >= self._shed_until.get(d, float("-inf"))]
+        fresh = willing or spare or fresh
         drawn = self.rng.sample(sorted(set(fresh)), min(2, len(set(fresh))))
         if served is None:
             return drawn[0]
@@ -79,20 +92,32 @@ class DonorChoice:
         return [d for d in donors if now - self._failed_at.get(d, float("-inf")) >= self._avoid(d)]
 
     def others(self, donors: list[str], donor: str, now: float) -> int:
-        """How many donors besides `donor` we could still ask now: not failed lately, not shed
-        us lately (told to the donor: one that served others lately serves us only if none)."""
+        """How many donors besides `donor` we could still ask now: not failed lately, neither
+        shed us nor were full lately (told to the donor: one that served others lately serves
+        us only if none)."""
         return len({d for d in self._fresh(donors, now)
-                    if d != donor and now >= self._shed_until.get(d, float("-inf"))})
+                    if d != donor and now >= self._shed_until.get(d, float("-inf"))
+                    and now >= self._full_until.get(d, float("-inf"))})
 
-    def shed(self, donor: str, now: float, retry_after: float) -> None:
+    def shed(self, donor: str, now: float, retry_after: float) -> bool:
         """`donor` sent us to another donor, and takes requests again after `retry_after`
-        seconds (its word: at most `max_shed_seconds`)."""
-        if donor not in self._shed_until and len(self._shed_until) >= MAX_REMEMBERED:
-            self._shed_until = {d: t for d, t in self._shed_until.items() if t > now}
-            if len(self._shed_until) >= MAX_REMEMBERED:  # (identities are free: start over)
-                self._shed_until.clear()
-        seconds = retry_after if retry_after >= 0 else 0.0  # (NaN too)
-        self._shed_until[donor] = now + min(seconds, self.max_shed_seconds)
+        seconds (its word: within [`min_shed_seconds`, `max_shed_seconds`]). Whether it had
+        sent us elsewhere before, since our last download: only a first shed is worth asking
+        another donor at once (identities that shed us again and again are asked at the pace
+        of "busy" answers, not as fast as the network goes)."""
+        seconds = retry_after if retry_after >= self.min_shed_seconds else self.min_shed_seconds
+        self._shed_until = _until(self._shed_until, donor, now,
+                                  now + min(seconds, self.max_shed_seconds))
+        again = donor in self._shed_before
+        if len(self._shed_before) >= MAX_REMEMBERED:
+            self._shed_before.clear()  # (identities are free: start over)
+        self._shed_before.add(donor)
+        return again
+
+    def full(self, donor: str, now: float) -> None:
+        """`donor` answered a plain "busy": while it is full, `others` does not count it, and
+        donors that shed us are asked before it."""
+        self._full_until = _until(self._full_until, donor, now, now + self.full_seconds)
 
     def _avoid(self, donor: str) -> float:
         """How long `donor` is avoided after its last failure: `avoid_seconds` times the stretch
@@ -167,8 +192,24 @@ class DonorChoice:
         self._failures_in_a_row = 0
         self._not_before = 0.0
         if donor is not None:
+            # a download done: the busy answers of this catch-up count no longer (a donor that
+            # sent us elsewhere in one flash crowd and again in the next, each time within the
+            # patience of the last, had been found "only busy" and failed)
+            self._busy_since.clear()
+            self._shed_before.clear()
             self._failed_at.pop(donor, None)
             self._failures.pop(donor, None)
             self._stretch.pop(donor, None)
             self._contradicted.discard(donor)
             self._busy_since.pop(donor, None)
+
+
+def _until(table: dict[str, float], donor: str, now: float, until: float) -> dict[str, float]:
+    """`table` with `donor` noted until `until`, bounded: past MAX_REMEMBERED donors, those whose
+    time has passed are dropped, and if that is not enough it starts over (identities are free)."""
+    if donor not in table and len(table) >= MAX_REMEMBERED:
+        table = {d: t for d, t in table.items() if t > now}
+        if len(table) >= MAX_REMEMBERED:
+            table = {}
+    table[donor] = until
+    return table

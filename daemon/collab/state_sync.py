@@ -13,9 +13,12 @@ A flash crowd: newcomers pick donors by the download counts the donors publish (
 those are seconds old when dozens of newcomers arrive at once, so one donor could serve several
 of them back to back while others served none (64 peers, 50 joining in 4 s: one donor served 4
 of 73 downloads, 3 times the mean). So a receiver says how many other donors it could ask
-(`others` in its request), and a donor that began `RECENT_SERVES` downloads in the last
-`RECENT_SERVE_SECONDS` sheds a request that has others to ask: it answers busy, with when it
-will take one again, and the receiver asks another meanwhile. A receiver with no other donor
+(`others` in its request), and a donor that served `RECENT_SERVES` downloads in the last
+`RECENT_SERVE_SECONDS` (those under way count; requests that ended early do not: a stranger's
+aborted requests would shed everyone) sheds a request that has others to ask: it answers busy,
+with when it will take one again, and the receiver asks another meanwhile (so does a donor
+serving `MAX_CONCURRENT_SERVES`, for `FULL_RETRY_SECONDS`: the receiver then tries the donors
+that shed it for recent serves, saying it has no others, before this one). A receiver with no other donor
 (`others` 0, or a peer of an earlier version that does not say) is served as before, within
 `MAX_CONCURRENT_SERVES`: shedding never leaves a newcomer without a donor, and a receiver that
 understates its options only gets what it got before.
@@ -63,8 +66,9 @@ CHUNK_BYTES = 4 << 20
 MAX_STATE_BYTES = 64 << 30
 MAX_CONCURRENT_SERVES = 2  # a donor streams its state to at most this many peers at once
 BUSY_RETRY_SECONDS = 0.2
-RECENT_SERVES = 2  # downloads begun within RECENT_SERVE_SECONDS after which a donor sheds ...
-RECENT_SERVE_SECONDS = 10.0  # ... a request whose receiver has other donors to ask
+RECENT_SERVES = 2  # downloads served within RECENT_SERVE_SECONDS (or under way) after which ...
+RECENT_SERVE_SECONDS = 10.0  # ... a donor sheds a request whose receiver has other donors to ask
+FULL_RETRY_SECONDS = 1.0  # a donor serving MAX_CONCURRENT_SERVES sheds for this long
 MAX_OTHERS = 1 << 16  # (a receiver's `others` past this is taken as this)
 MAX_GROUP = 1024  # peer ids of the round that made the state's head, at most
 MAX_PEER_ID = 128
@@ -112,7 +116,9 @@ class StateSharing:
         self.served = 0
         self.refused_busy = 0
         self.shed = 0  # requests sent to another donor: we served RECENT_SERVES lately
-        self._begun: collections.deque[float] = collections.deque(maxlen=RECENT_SERVES)
+        # when our last downloads were served in full (a request that ended early, refused or
+        # aborted, is not counted: a stranger's two aborted requests would shed everyone)
+        self._served_at: collections.deque[float] = collections.deque(maxlen=RECENT_SERVES)
         self.cut_slow = 0  # streams cut for reading slower than MIN_SERVE_RATE
         self._serving: set[str] = set()  # the peers being served (one stream each)
         self.sketched = 0
@@ -191,16 +197,19 @@ class StateSharing:
         if ctx.peer_id in self._serving:
             await self._refuse(stream, "already sending its state to this peer")
             return
+        others = header.get("others")
+        has_others = isinstance(others, int) and not isinstance(others, bool) and others > 0
         if len(self._serving) >= MAX_CONCURRENT_SERVES:
-            await self._refuse(stream, "already sending its state to others")
+            self.shed += has_others
+            await self._refuse(stream, "already sending its state to others",
+                               retry_after=FULL_RETRY_SECONDS if has_others else None)
             return
-        shed_for = self._shed_for(header.get("others"))
+        shed_for = self._shed_for() if has_others else 0.0
         if shed_for > 0:
             self.shed += 1
             await self._refuse(stream, f"served {RECENT_SERVES} peers in the last "
                                f"{RECENT_SERVE_SECONDS:g} s: ask another donor", retry_after=shed_for)
             return
-        self._begun.append(timebase.monotonic())
         self._serving.add(ctx.peer_id)
         try:
             # Mid-round, the state is about to move on with the round's step: serve the state
@@ -215,13 +224,15 @@ class StateSharing:
         finally:
             self._serving.discard(ctx.peer_id)
 
-    def _shed_for(self, others: object) -> float:
-        """Seconds until this donor takes a request whose receiver says it has `others` other
-        donors to ask (0: now). A receiver without others (or that does not say) is served."""
-        if not isinstance(others, int) or isinstance(others, bool) or others <= 0 \
-                or len(self._begun) < RECENT_SERVES:
+    def _shed_for(self) -> float:
+        """Seconds until this donor takes a request whose receiver has other donors to ask (0:
+        now): once the downloads it served in the last RECENT_SERVE_SECONDS and those under way
+        are RECENT_SERVES, until the oldest of those served is that old."""
+        now = timebase.monotonic()
+        recent = [at for at in self._served_at if now - at < RECENT_SERVE_SECONDS]
+        if not recent or len(recent) + len(self._serving) < RECENT_SERVES:
             return 0.0
-        return max(0.0, self._begun[0] + RECENT_SERVE_SECONDS - timebase.monotonic())
+        return recent[0] + RECENT_SERVE_SECONDS - now
 
     async def _refuse(self, stream: Stream, busy: str, retry_after: float | None = None) -> None:
         self.refused_busy += 1
@@ -254,6 +265,7 @@ class StateSharing:
                 view.release()
             await stream.close()
             self.served += 1
+            self._served_at.append(timebase.monotonic())
             run.progress.states_served += 1
             log.info("state_served", peer=ctx.peer_id[:12], run=key, epoch=exported.epoch)
         finally:

@@ -263,11 +263,39 @@ def test_when_every_donor_shed_us_one_is_asked_saying_there_are_no_others() -> N
     assert chooser.others(donors, picked, 1.0) == 0  # (it serves us then: state_sync.py)
 
 
-@pytest.mark.parametrize("retry_after", [float("nan"), -1.0, 1e308, float("inf")])
+@pytest.mark.parametrize("retry_after", [float("nan"), -1.0, 0.0, 0.001, 1e308, float("inf")])
 def test_a_donors_shed_time_is_bounded(retry_after: float) -> None:
-    chooser = choice(0, max_shed_seconds=10.0)
+    # (0: a hostile donor that wins its pairs would be asked again as fast as the network goes)
+    chooser = choice(0, min_shed_seconds=1.0, max_shed_seconds=10.0)
     chooser.shed("a", 0.0, retry_after)
+    assert chooser.others(["a", "b"], "b", 0.999) == 0  # out of the draw for min_shed_seconds
+    assert {chooser.pick(["a", "b"], 0.999, {"a": 0, "b": 5}) for _ in range(20)} == {"b"}
     assert chooser.others(["a", "b"], "b", 10.0) == 1  # back in the draw by max_shed_seconds
+
+
+def test_a_donor_that_shed_us_is_asked_before_a_full_one_saying_there_are_no_others() -> None:
+    # A served two lately and shed us (it has a free slot); B answered a plain busy (it serves
+    # two at once). We asked B again and again while A sat idle: now A is asked, told we have
+    # nobody else, and serves us
+    chooser = choice(0)
+    chooser.shed("A", 0.0, 10.0)
+    assert not chooser.busy("B", 0.1)
+    chooser.full("B", 0.1)
+    assert {chooser.pick(["A", "B"], 0.6) for _ in range(20)} == {"A"}
+    assert chooser.others(["A", "B"], "A", 0.6) == 0
+    # once B is no longer full, it is the one with room again
+    assert chooser.pick(["A", "B"], 1.2) == "B" and chooser.others(["A", "B"], "B", 1.2) == 0
+
+
+def test_a_download_done_starts_every_donors_busy_patience_over() -> None:
+    # A sheds us in three flash crowds 25 s apart and B serves us each time: A's answers were
+    # one long "only busy" streak, and it failed; now each download starts the patience over
+    chooser = choice(0)
+    for t in (0.0, 25.0, 50.0):
+        assert not chooser.busy("A", t)
+        chooser.shed("A", t, 10.0)
+        chooser.succeeded("B")
+    assert "A" not in chooser.failed_lately(50.0)
 
 
 def test_shed_donors_are_remembered_for_a_bounded_number_of_donors() -> None:
@@ -275,3 +303,12 @@ def test_shed_donors_are_remembered_for_a_bounded_number_of_donors() -> None:
     for i in range(3 * MAX_REMEMBERED):
         chooser.shed(f"d{i}", 0.0, 5.0)
     assert len(chooser._shed_until) <= MAX_REMEMBERED
+
+
+def test_only_a_donors_first_shed_since_a_download_is_worth_asking_another_at_once() -> None:
+    chooser = choice(0)
+    assert chooser.shed("A", 0.0, 5.0) is False  # first: ask another at once
+    assert chooser.shed("A", 6.0, 5.0) is True  # again: at the pace of "busy" answers
+    assert chooser.shed("B", 6.0, 5.0) is False
+    chooser.succeeded("B")
+    assert chooser.shed("A", 60.0, 5.0) is False  # a download since: first again

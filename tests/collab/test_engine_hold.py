@@ -96,22 +96,23 @@ def test_the_hold_keeps_who_was_known_and_ends_with_a_try_or_a_lost_majority() -
     assert hold.held(head, 0, ["b"]) == frozenset()
 
 
-@pytest.mark.parametrize("shed", [False, True])
+@pytest.mark.parametrize(("shed", "retry_after"), [(False, 10.0), (True, 10.0), (True, 0.0)])
 def test_identities_that_answer_busy_to_every_download_are_passed_over_in_the_end(
-        shed: bool) -> None:
+        shed: bool, retry_after: float) -> None:
     # the 5 identities of the first test answer every download "busy" (no header, no failure):
     # the trainer asked them again and again, ~20 times a second, believed them ahead all the
     # while and never trained again. Now one that has answered only "busy" for 30 s failed
     # (donors.py), and the trainer goes back to its rounds. `shed`: they say they served others
     # lately, which sends a trainer with other donors to ask to another at once (no backoff):
-    # once it has none left it says so, and their "busy" then counts as any other
+    # once it has none left it says so, and their "busy" then counts as any other; one that
+    # says "again at once" (0 s) is left out of the draw for a second all the same
     class BusyStates(RefusingStates):
         async def download(self, donor: str, expect: Head | None = None,
                            others: int = 0) -> DownloadedState:
             self.downloads.append((asyncio.get_running_loop().time(), donor, expect))
             self.events.append("download")
             await asyncio.sleep(0.05)
-            raise DonorBusy(f"{donor} is busy", shed=shed and others > 0, retry_after=10.0)
+            raise DonorBusy(f"{donor} is busy", shed=shed and others > 0, retry_after=retry_after)
 
     class SlowAverager(RecordingAverager):  # (a failed round that takes no time loops at once)
         async def average(self, vector: np.ndarray, key: str,

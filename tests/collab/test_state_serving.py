@@ -379,3 +379,61 @@ def test_a_donors_busy_answer_is_bounded(answer: dict[str, Any]) -> None:
         await serving.close()
 
     run_virtual(main())
+
+
+def test_requests_that_end_early_do_not_make_a_donor_shed_others() -> None:
+    """A stranger that asks twice, one after the other, and aborts at the header (a state too
+    large for it) was served nothing: an honest receiver with other donors is served, not
+    shed for 10 s (the donor counts downloads served in full, and those under way)."""
+    async def main() -> None:
+        timebase.use(SkewedClock(asyncio.get_running_loop()))
+        donor = Donor(size=4 << 20)  # 16 MiB: more than the links hold once the receiver left
+        network = SimNetwork()
+        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+        sharing = StateSharing(serving, lambda key: donor)
+        hostile, honest = (SimTransport.start_on(network, network.add_host(), Identity.generate())
+                           for _ in range(2))
+        for transport in (hostile, honest):
+            transport.learn_addresses(serving.peer_id, serving.listen_addresses())
+        for _ in range(2):
+            with pytest.raises(StateSyncError, match="refused before allocating"):
+                await download_state(hostile, serving.peer_id, KEY, allocate=ArrayBuffer,
+                                     max_numel=1, others=3)
+            await asyncio.sleep(5.0)  # (the donor's stream fails: that request is over)
+        state = await download_state(honest, serving.peer_id, KEY, allocate=ArrayBuffer, others=3)
+        assert state.numel == 4 << 20 and sharing.shed == 0 and sharing.served == 1
+        for transport in (hostile, honest, serving):
+            await transport.close()
+
+    run_virtual(main())
+
+
+def test_a_donor_serving_two_sends_a_third_receiver_with_others_elsewhere() -> None:
+    async def main() -> None:
+        donor = Donor(size=4 << 20)  # 16 MiB: the streams take a while at 100 Mbit/s
+        network = SimNetwork()
+        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+        sharing = StateSharing(serving, lambda key: donor)
+        askers = [SimTransport.start_on(network, network.add_host(), Identity.generate())
+                  for _ in range(3)]
+        for asker in askers:
+            asker.learn_addresses(serving.peer_id, serving.listen_addresses())
+
+        async def ask(asker: SimTransport, delay: float) -> DownloadedState | Exception:
+            await asyncio.sleep(delay)
+            try:
+                return await download_state(asker, serving.peer_id, KEY, allocate=ArrayBuffer,
+                                            others=2)
+            except DonorBusy as exc:
+                return exc
+
+        results = await asyncio.gather(*(ask(a, 0.1 * i) for i, a in enumerate(askers)))
+        assert [type(r).__name__ for r in results] == ["DownloadedState", "DownloadedState",
+                                                       "DonorBusy"]
+        busy = results[2]
+        assert isinstance(busy, DonorBusy) and busy.shed
+        assert busy.retry_after == state_sync.FULL_RETRY_SECONDS and sharing.shed == 1
+        for transport in (*askers, serving):
+            await transport.close()
+
+    run_virtual(main())
