@@ -99,19 +99,22 @@ class DhtProgressBoard:
             return self.identity.sign(message).hex()
         return self._owner_signature
 
-    async def publish(self, report: PeerProgress) -> None:
+    async def publish(self, report: PeerProgress) -> bool:
         dht = self.dht
         await self.check_membership()
         try:
-            await dht.store(self.key + "/progress", report.to_bytes(), report.expiration,
-                            sub_key=self.peer_id, timeout=DHT_TIMEOUT)
+            stored = await dht.store(self.key + "/progress", report.to_bytes(),
+                                     report.expiration, sub_key=self.peer_id,
+                                     timeout=DHT_TIMEOUT) > 0
         except (TransportError, TimeoutError) as exc:
             log.debug("progress_publish_failed", run=self.name, error=str(exc))
+            stored = False
         now = timebase.monotonic()
         if self.role == "trainer" and now - self._manifest_published > REFRESH_EVERY:
             self._manifest_published = now
             await publish_manifest(dht, self.name, self.manifest, self.parameters, self.peer_id,
                                    self.owner_signature)
+        return stored
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         now, mono = timebase.now(), timebase.monotonic()
@@ -209,8 +212,8 @@ class LocalBoard:
 
     rejected_reports = 0
 
-    async def publish(self, report: PeerProgress) -> None:
-        return None
+    async def publish(self, report: PeerProgress) -> bool:
+        return True
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         return [], {}

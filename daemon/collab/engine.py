@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -59,6 +60,21 @@ log = structlog.get_logger(__name__)
 __all__ = ["IN_ROUND", "STALE_AFTER", "Phase", "PhaseCell", "RunEngine", "RunProgress"]
 
 ROSTER_POLL = 1.0  # seconds between reads of a grid round's roster while settling before it
+# A report that says what the last one said (only its time differs) is published again only
+# this long after it: a peer that waits (settling before a grid round, following the run, a
+# trainer ready and waiting for others) looked, read the board and published every second or
+# so, the same report each time, and readers extrapolate an unchanged report to the same view
+# (its `planned` caps what they count: what it has). A third of STALE_AFTER: it stays fresh.
+# (32 peers in groups of 8: 776 of 1854 publications, 42 %, were settling peers' repeats.)
+REPUBLISH_UNCHANGED = STALE_AFTER / 3
+
+
+_NEWS = tuple(f.name for f in dataclasses.fields(PeerProgress) if f.name not in ("time", "expiration"))
+
+
+def _same_news(a: PeerProgress, b: PeerProgress) -> bool:
+    """Whether two reports of this peer say the same, whatever their times."""
+    return all(getattr(a, name) == getattr(b, name) for name in _NEWS)
 
 
 class RunEngine(Looking, RoundTaking, CatchingUp):
@@ -138,6 +154,9 @@ class RunEngine(Looking, RoundTaking, CatchingUp):
         self._aux_group: tuple[Head | None, tuple[str, ...]] = (None, ())  # aux: head it made
         self._promise: tuple[Head | None, int] = (None, 0)  # Local.promised, at that head
         self._farewell_sent = False
+        # our last report on the board and when (monotonic) it went out: an unchanged one is
+        # published again only after REPUBLISH_UNCHANGED (_publish)
+        self._published: tuple[PeerProgress, float] | None = None
         # a finished trainer's report is taken over by its final state's donor (final_state.py):
         # no farewell when it leaves finished (Run._main says farewell should that fail)
         self.hands_over_when_finished = hands_over_when_finished
@@ -206,6 +225,7 @@ class RunEngine(Looking, RoundTaking, CatchingUp):
         if self._farewell_sent or not self.collaborative:
             return
         self._farewell_sent = True
+        self._published = None  # (the farewell replaces our report: the next one goes out)
         with contextlib.suppress(Exception):  # best effort on the way out; the DHT forgets it
             await self.board.leave(self.own_report())
 
@@ -234,7 +254,13 @@ class RunEngine(Looking, RoundTaking, CatchingUp):
         if self.progress.samples_per_second:
             self._promise = (self.head, max(self._promise[1], planned))
         self._farewell_sent = False
-        await self.board.publish(self.own_report(planned))
+        report = self.own_report(planned)
+        mono = timebase.monotonic()
+        if self._published is not None and mono - self._published[1] < REPUBLISH_UNCHANGED \
+                and _same_news(report, self._published[0]):
+            return  # (the readers' view of us would not change: see REPUBLISH_UNCHANGED)
+        stored = await self.board.publish(report)
+        self._published = (report, mono) if stored else None  # (not stored: again next look)
 
     def _schedule_look(self, seconds: float) -> None:
         self._next_look = timebase.monotonic() + seconds

@@ -35,8 +35,9 @@ __all__ = [
 
 
 class ProgressBoard(Protocol):
-    async def publish(self, report: PeerProgress) -> None:
-        """Publish this peer's report (best effort: a failure is logged, not raised)."""
+    async def publish(self, report: PeerProgress) -> bool:
+        """Publish this peer's report (best effort: a failure is logged, not raised); whether
+        it was stored (the engine publishes a report it could not store again at once)."""
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         """The peers' valid reports and, per peer, when (on our clock) its report was first

@@ -117,8 +117,8 @@ class _LyingBoard:
         return dataclasses.replace(report, samples_accumulated=self._target, planned=None,
                                    samples_per_second=1e6)
 
-    async def publish(self, report: PeerProgress) -> None:
-        await self._board.publish(self._falsify(report))
+    async def publish(self, report: PeerProgress) -> bool:
+        return await self._board.publish(self._falsify(report))
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         reports, received = await self._board.read()
@@ -139,8 +139,8 @@ class _TimedBoard:
         self._reads = reads
         self.key = board.key
 
-    async def publish(self, report: PeerProgress) -> None:
-        await self._board.publish(report)
+    async def publish(self, report: PeerProgress) -> bool:
+        return await self._board.publish(report)
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         started = asyncio.get_running_loop().time()

@@ -41,8 +41,8 @@ class ScriptedBoard:
     started: float = 0.0
     gone: list[str] = field(default_factory=list)  # of `honest`: no longer report from GONE_AT
 
-    async def publish(self, report: PeerProgress) -> None:
-        return None
+    async def publish(self, report: PeerProgress) -> bool:
+        return True
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         now = timebase.now()

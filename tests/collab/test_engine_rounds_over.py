@@ -43,8 +43,9 @@ class OwnBoard:
     def __init__(self) -> None:
         self.report: PeerProgress | None = None
 
-    async def publish(self, report: PeerProgress) -> None:
+    async def publish(self, report: PeerProgress) -> bool:
         self.report = report
+        return True
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         if self.report is None:

@@ -36,8 +36,8 @@ class StandingBoard:
     def __init__(self) -> None:
         self.peers = [f"peer-{i:02d}" for i in range(11)]
 
-    async def publish(self, report: PeerProgress) -> None:
-        return None
+    async def publish(self, report: PeerProgress) -> bool:
+        return True
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         now = timebase.now()

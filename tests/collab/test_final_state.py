@@ -36,8 +36,9 @@ class RecordingBoard:
         self.published: list[PeerProgress] = []
         self.left: list[PeerProgress] = []
 
-    async def publish(self, report: PeerProgress) -> None:
+    async def publish(self, report: PeerProgress) -> bool:
         self.published.append(report)
+        return True
 
     async def read(self) -> tuple[list[PeerProgress], dict[str, float]]:
         return [], {}

@@ -38,8 +38,8 @@ class HeadBoard:
     def __init__(self, peers: list[str]) -> None:
         self.peers = peers
 
-    async def publish(self, report: PeerProgress) -> None:
-        return None
+    async def publish(self, report: PeerProgress) -> bool:
+        return True
 
     async def read(self) -> tuple[list[PeerProgress], Mapping[str, float]]:
         now = timebase.now()
