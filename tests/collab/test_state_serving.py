@@ -67,6 +67,22 @@ async def _pair(donor: Any) -> tuple[SimTransport, SimTransport]:
     return serving, asking
 
 
+def _answering(header: dict[str, Any]) -> tuple[SimTransport, SimTransport]:
+    """A donor that answers every state request with one message of `header` (a liar), and a
+    peer that asks it."""
+    network = SimNetwork()
+    serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
+    asking = SimTransport.start_on(network, network.add_host(), Identity.generate())
+
+    async def liar(ctx: RequestContext, stream: Stream) -> None:
+        await stream.send(Message(header), timeout=10)
+        await stream.close()
+
+    serving.add_stream_handler(state_sync.METHOD, liar)
+    asking.learn_addresses(serving.peer_id, serving.listen_addresses())
+    return serving, asking
+
+
 def test_a_donor_mid_round_serves_the_state_it_steps_to() -> None:
     async def main() -> None:
         donor = Donor()
@@ -127,12 +143,15 @@ def test_a_round_that_never_ends_is_waited_out_only_so_long(monkeypatch: pytest.
     run_virtual(main())
 
 
-def test_a_third_asker_is_told_busy_and_the_first_two_are_served() -> None:
+@pytest.mark.parametrize("others", [0, 2])
+def test_a_third_asker_is_told_busy_and_the_first_two_are_served(others: int) -> None:
+    # (`others`: the askers say they have other donors to ask: the third is sent elsewhere, to
+    # ask this one again after FULL_RETRY_SECONDS)
     async def main() -> None:
         donor = Donor(size=4 << 20)  # 16 MiB: the streams take a while at 100 Mbit/s
         network = SimNetwork()
         serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
-        StateSharing(serving, lambda key: donor)
+        sharing = StateSharing(serving, lambda key: donor)
         askers = [SimTransport.start_on(network, network.add_host(), Identity.generate())
                   for _ in range(3)]
         for asker in askers:
@@ -141,7 +160,8 @@ def test_a_third_asker_is_told_busy_and_the_first_two_are_served() -> None:
         async def ask(asker: SimTransport, delay: float) -> DownloadedState | Exception:
             await asyncio.sleep(delay)
             try:
-                return await download_state(asker, serving.peer_id, KEY, allocate=ArrayBuffer)
+                return await download_state(asker, serving.peer_id, KEY, allocate=ArrayBuffer,
+                                            others=others)
             except DonorBusy as exc:
                 return exc
 
@@ -150,6 +170,10 @@ def test_a_third_asker_is_told_busy_and_the_first_two_are_served() -> None:
                                                        "DonorBusy"]
         for state in results[:2]:
             assert isinstance(state, DownloadedState) and state.numel == 4 << 20
+        busy = results[2]
+        assert isinstance(busy, DonorBusy) and busy.shed == (others > 0) and sharing.shed == busy.shed
+        if others:
+            assert busy.retry_after == state_sync.FULL_RETRY_SECONDS
         for transport in (*askers, serving):
             await transport.close()
 
@@ -165,16 +189,7 @@ def test_a_third_asker_is_told_busy_and_the_first_two_are_served() -> None:
 ])
 def test_a_malformed_state_header_is_refused(header: dict[str, Any]) -> None:
     async def main() -> None:
-        network = SimNetwork()
-        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
-        asking = SimTransport.start_on(network, network.add_host(), Identity.generate())
-
-        async def liar(ctx: RequestContext, stream: Stream) -> None:
-            await stream.send(Message(header), timeout=10)
-            await stream.close()
-
-        serving.add_stream_handler(state_sync.METHOD, liar)
-        asking.learn_addresses(serving.peer_id, serving.listen_addresses())
+        serving, asking = _answering(header)
         with pytest.raises(StateSyncError, match="malformed state header"):
             await download_state(asking, serving.peer_id, KEY, allocate=ArrayBuffer)
         await asking.close()
@@ -358,16 +373,7 @@ def test_a_donors_busy_answer_is_bounded(answer: dict[str, Any]) -> None:
     it is BUSY_RETRY_SECONDS; "shed" counts only as the literal true, and only where we said we
     had others to ask; its reason is cut short in our error."""
     async def main() -> None:
-        network = SimNetwork()
-        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
-        asking = SimTransport.start_on(network, network.add_host(), Identity.generate())
-
-        async def liar(ctx: RequestContext, stream: Stream) -> None:
-            await stream.send(Message(answer), timeout=10)
-            await stream.close()
-
-        serving.add_stream_handler(state_sync.METHOD, liar)
-        asking.learn_addresses(serving.peer_id, serving.listen_addresses())
+        serving, asking = _answering(answer)
         for others in (0, 3):
             with pytest.raises(DonorBusy) as busy:
                 await download_state(asking, serving.peer_id, KEY, allocate=ArrayBuffer,
@@ -407,33 +413,3 @@ def test_requests_that_end_early_do_not_make_a_donor_shed_others() -> None:
 
     run_virtual(main())
 
-
-def test_a_donor_serving_two_sends_a_third_receiver_with_others_elsewhere() -> None:
-    async def main() -> None:
-        donor = Donor(size=4 << 20)  # 16 MiB: the streams take a while at 100 Mbit/s
-        network = SimNetwork()
-        serving = SimTransport.start_on(network, network.add_host(), Identity.generate())
-        sharing = StateSharing(serving, lambda key: donor)
-        askers = [SimTransport.start_on(network, network.add_host(), Identity.generate())
-                  for _ in range(3)]
-        for asker in askers:
-            asker.learn_addresses(serving.peer_id, serving.listen_addresses())
-
-        async def ask(asker: SimTransport, delay: float) -> DownloadedState | Exception:
-            await asyncio.sleep(delay)
-            try:
-                return await download_state(asker, serving.peer_id, KEY, allocate=ArrayBuffer,
-                                            others=2)
-            except DonorBusy as exc:
-                return exc
-
-        results = await asyncio.gather(*(ask(a, 0.1 * i) for i, a in enumerate(askers)))
-        assert [type(r).__name__ for r in results] == ["DownloadedState", "DownloadedState",
-                                                       "DonorBusy"]
-        busy = results[2]
-        assert isinstance(busy, DonorBusy) and busy.shed
-        assert busy.retry_after == state_sync.FULL_RETRY_SECONDS and sharing.shed == 1
-        for transport in (*askers, serving):
-            await transport.close()
-
-    run_virtual(main())
