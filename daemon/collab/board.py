@@ -102,10 +102,13 @@ class DhtProgressBoard:
     async def publish(self, report: PeerProgress) -> bool:
         dht = self.dht
         await self.check_membership()
+        # stored where every read of READ_REPLICAS of the key's nodes finds it (a report that
+        # reached fewer goes out again at the next look: engine.py, REPUBLISH_UNCHANGED)
+        enough = max(1, dht.config.replicas - READ_REPLICAS + 1)
         try:
             stored = await dht.store(self.key + "/progress", report.to_bytes(),
                                      report.expiration, sub_key=self.peer_id,
-                                     timeout=DHT_TIMEOUT) > 0
+                                     timeout=DHT_TIMEOUT) >= enough
         except (TransportError, TimeoutError) as exc:
             log.debug("progress_publish_failed", run=self.name, error=str(exc))
             stored = False

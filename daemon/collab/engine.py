@@ -60,13 +60,17 @@ log = structlog.get_logger(__name__)
 __all__ = ["IN_ROUND", "STALE_AFTER", "Phase", "PhaseCell", "RunEngine", "RunProgress"]
 
 ROSTER_POLL = 1.0  # seconds between reads of a grid round's roster while settling before it
-# A report that says what the last one said (only its time differs) is published again only
-# this long after it: a peer that waits (settling before a grid round, following the run, a
-# trainer ready and waiting for others) looked, read the board and published every second or
-# so, the same report each time, and readers extrapolate an unchanged report to the same view
-# (its `planned` caps what they count: what it has). A third of STALE_AFTER: it stays fresh.
-# (32 peers in groups of 8: 776 of 1854 publications, 42 %, were settling peers' repeats.)
-REPUBLISH_UNCHANGED = STALE_AFTER / 3
+# While a peer waits (settling before a grid round, following the run, a trainer ready and
+# waiting for others), a report that says what its last one said (only its time differs) is
+# published again only this long after it: such a peer looked, read the board and published
+# every half second, the same report each time, and readers extrapolate an unchanged report to
+# the same view (its `planned` caps what they count: what it has). (32 peers in groups of 8:
+# 776 of 1854 publications, 42 %, were settling peers' repeats.) A sixth of STALE_AFTER: with a
+# look up to `Timing.max_look` (5 s) late, a report is at most 10 s old when the next goes out,
+# leaving 20 s of its life for clocks apart and the DHT's delays. Before anything but a wait
+# (a round, a download, training) the report goes out whatever it says: nothing is published
+# during a round or a download, which may take a minute, so the one on the board is fresh then.
+REPUBLISH_UNCHANGED = STALE_AFTER / 6
 
 
 _NEWS = tuple(f.name for f in dataclasses.fields(PeerProgress) if f.name not in ("time", "expiration"))
@@ -256,7 +260,8 @@ class RunEngine(Looking, RoundTaking, CatchingUp):
         self._farewell_sent = False
         report = self.own_report(planned)
         mono = timebase.monotonic()
-        if self._published is not None and mono - self._published[1] < REPUBLISH_UNCHANGED \
+        if isinstance(action, Wait) and self._published is not None \
+                and mono - self._published[1] < REPUBLISH_UNCHANGED \
                 and _same_news(report, self._published[0]):
             return  # (the readers' view of us would not change: see REPUBLISH_UNCHANGED)
         stored = await self.board.publish(report)

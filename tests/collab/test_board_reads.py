@@ -171,3 +171,27 @@ async def test_a_report_dated_in_the_future_is_not_held_for_ever(swarm: Swarm) -
         await asyncio.sleep(10)
         await reader.read()
     assert liar.peer_id not in reader._held and liar.peer_id not in reader._first_read
+
+
+@pytest.mark.parametrize(("took", "stored"), [(8, True), (6, True), (5, False), (1, False),
+                                              (0, False)])
+async def test_a_report_is_stored_once_every_read_of_its_nodes_holds_it(
+        swarm: Swarm, monkeypatch: pytest.MonkeyPatch, took: int, stored: bool) -> None:
+    # a read asks READ_REPLICAS of the key's 8 nodes: a report that reached fewer than 6 is not
+    # stored (the engine publishes it again at the next look, not after REPUBLISH_UNCHANGED)
+    node = swarm.nodes[0]
+    board = _board(node)
+
+    async def store(*args: Any, **kwargs: Any) -> int:  # (the others' stores timed out)
+        return took
+
+    monkeypatch.setattr(node, "store", store)
+    now = timebase.now()
+    assert 8 - READ_REPLICAS + 1 == 6
+    assert await board.publish(PeerProgress(board.peer_id, 3, 100, 50.0, now, now + 30)) is stored
+
+
+async def test_a_report_stored_in_full_is_stored(swarm: Swarm) -> None:
+    board = _board(swarm.nodes[0])
+    now = timebase.now()
+    assert await board.publish(PeerProgress(board.peer_id, 3, 100, 50.0, now, now + 30)) is True
