@@ -67,7 +67,9 @@ The rules, one each:
   the board (peers read it apart).
 
 An aux peer follows the head like a trainer and averages (weight 0: it only reduces) each head
-once, when its trainers average.
+once, when its trainers average. At a head that is ready but has nothing for it (its part there
+done, or too few trainers for a round) it looks again no sooner than a trainer's `max_chunk`
+(it looked every `min_look`, reading the board 50 times a second until the trainers stepped).
 """
 
 from __future__ import annotations
@@ -254,6 +256,10 @@ def decide(view: View) -> Action:
             if settling is not None:
                 return settling
             return Average(run.head, here + run.live_aux, run.trainers_at_epoch)
+        if run.ready:  # its part at this head done, or too few trainers for one: the next comes
+            # with the trainers' step or a trainer's arrival, no sooner than a look of theirs
+            # (at the run's ready time the look is min_look: it read the board 50 times a second)
+            look = max(look, timing.max_chunk)
         return Wait(now + look, "following the run")
     if local.head == run.head:
         if run.ready and local.accumulated < local.promised:

@@ -139,11 +139,13 @@ def test_before_a_round_the_report_goes_out_whatever_it_says() -> None:
 
 
 def test_back_from_a_short_pause_the_report_goes_out_at_once() -> None:
-    # an aux peer following the run, paused from 3 s to 6 s: its farewell is the board's last
-    # word on it, so its report, the same as before the pause, goes out as soon as it is back
+    # an aux peer following the run, paused from 1 s to 2.5 s: its farewell is the board's
+    # last word on it, so its report, the same as before the pause (out at 0 s), goes out as
+    # soon as it is back (at its next look, 3 s), not REPUBLISH_UNCHANGED after the last one
     board = WaitingBoard()
     _, started = run_waiting(board, seconds=14.0, role="aux",
-                             blocked=lambda t: "paused" if 3.0 <= t < 6.0 else None)
-    assert 3.0 <= board.left[0] - started < 4.0  # (and once more as it stops, at 14 s)
+                             blocked=lambda t: "paused" if 1.0 <= t < 2.5 else None)
+    assert 1.0 <= board.left[0] - started < 2.0  # (and once more as it stops, at 14 s)
+    assert board.published[0][0] - started < 1.0
     back = [t - started for t, _ in board.published if t > board.left[0]]
-    assert back and back[0] < 6.0 + 2.0
+    assert back and back[0] < 4.0 < REPUBLISH_UNCHANGED

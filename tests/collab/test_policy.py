@@ -19,6 +19,7 @@ from dedloc.daemon.collab.policy import (
     Local,
     RoundResult,
     Schedule,
+    Timing,
     Train,
     View,
     Wait,
@@ -243,6 +244,12 @@ def test_aux_averages_each_head_once() -> None:
     assert isinstance(decide(view(aux, [peer("a", 3, L1, samples=10)])), Wait)
     needs_two = decide(view(aux, [peer("a", 3, L1, samples=TARGET)], schedule=Schedule(TARGET, 2)))
     assert isinstance(needs_two, Wait)
+    # the run is ready but the aux peer has nothing to do there (its part done, or too few
+    # trainers): it looks again no sooner than a trainer would (it looked every min_look, and
+    # read the board 50 times a second)
+    timing = Timing()
+    for waiting in (again, needs_two):
+        assert isinstance(waiting, Wait) and waiting.until - NOW >= timing.max_chunk
 
 
 def test_blocked_waits() -> None:
